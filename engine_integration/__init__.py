@@ -1,0 +1,1 @@
+"""Engines that lmkv plugs into (installed as ``lmkv_engines``)."""

@@ -1,0 +1,1 @@
+"""Storage tiers below the hot cache: bytes in, bytes out."""

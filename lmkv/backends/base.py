@@ -1,0 +1,42 @@
+"""The contract every storage tier below the hot cache implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class StorageBackend(ABC):
+    """A key -> bytes store below the hot cache (disk, Redis, lm://, Mooncake).
+
+    Contract:
+    - Keys are ASCII strings of at most 150 bytes (the lm:// key field's size).
+    - Values are opaque, already framed and checksummed bytes (see lmkv.codec): a backend
+      never interprets them.
+    - Calls are blocking and need not be thread-safe: one I/O worker per process drives
+      each backend. Every call that touches a network or a device is bounded by a timeout.
+    - Failures raise ``BackendError`` (or a subclass); the caller turns them into a
+      recompute, a log line and a metric. A backend never returns wrong bytes silently:
+      a corrupt value is detected by the codec frame's checksum above it.
+    - Calls take lists so that a backend can batch (pipeline, multi-get); one that cannot
+      batch loops inside.
+    """
+
+    @abstractmethod
+    def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        """Store each (key, value); an existing key is overwritten."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values for ``keys`` in order; None where absent."""
+
+    @abstractmethod
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored (no payload transfer)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and files."""
+
+
+class BackendError(RuntimeError):
+    """A storage tier failed (I/O error, timeout, refused, protocol violation)."""
