@@ -1,0 +1,1 @@
+"""The bundled minimal engine: Llama-family models over paged KV memory."""
