@@ -1,0 +1,26 @@
+"""What the attention layers need to know about one forward step's batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """A step's batch: decode sequences first (one query token each), then prefills.
+
+    Token rows [0, num_decode_tokens) belong to decode sequences [0, num_decodes);
+    rows [num_decode_tokens, T) to the prefill sequences that follow.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: where each token's new K/V goes
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    seq_lens: torch.Tensor  # [B] int64: context length including this step's tokens
+    query_start_loc: torch.Tensor  # [B + 1] int64: rows of each sequence's queries
+    num_decodes: int  # sequences [0, num_decodes) have exactly one query token
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes

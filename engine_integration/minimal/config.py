@@ -1,0 +1,38 @@
+"""EngineConfig: every knob of the bundled engine, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # Hugging Face model directory; None = the built-in demo model
+    served_model_name: str | None = None
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    block_size: int = 16
+    kv_cache_memory: int = 1 * GiB  # bytes of paged KV memory
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    max_model_len: int | None = None  # default: the model's max positions, capped by KV memory
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of 2 <= 128")
+        _check(self.kv_cache_memory > 0, "kv_cache_memory", "> 0")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "> 0")
+        _check(self.max_model_len is None or self.max_model_len > 1, "max_model_len", "> 1")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
+        _check(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1")
+        _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "float32, bfloat16 or float16")
+
+
+def _check(ok: bool, name: str, want: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid engine setting {name}: must be {want}")

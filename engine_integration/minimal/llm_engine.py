@@ -1,0 +1,203 @@
+"""LLMEngine: requests in, tokens out, one scheduled step at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .demo_model import ensure_demo_model
+from .loader import load_model
+from .metrics import EngineMetrics
+from .model_config import ModelConfig, parse_dtype
+from .model_runner import ModelRunner
+from .outputs import RequestOutput
+from .request import FinishReason, Request, RequestStatus
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model_dir = Path(config.model) if config.model else ensure_demo_model()
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model directory {model_dir} does not exist")
+        self.model_dir = model_dir
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        self.model_name = config.served_model_name or (config.model or "lmkv-demo-llama")
+        self.dtype = parse_dtype(config.dtype)
+        self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids)
+
+        block_bytes = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim
+        block_bytes *= self.dtype.itemsize
+        num_blocks = config.num_kv_blocks or config.kv_cache_memory // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory {config.kv_cache_memory} bytes holds no block "
+                f"({block_bytes} bytes each)"
+            )
+        capacity = num_blocks * config.block_size
+        max_len = config.max_model_len or min(mc.max_position_embeddings, capacity)
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                f"{mc.max_position_embeddings}"
+            )
+        if max_len > capacity:
+            raise ValueError(
+                f"max_model_len {max_len} does not fit the KV memory ({num_blocks} blocks of "
+                f"{config.block_size} tokens = {capacity} tokens); raise kv_cache_memory"
+            )
+        self.max_model_len = max_len
+
+        self.model = load_model(model_dir, mc, self.dtype, mc.max_position_embeddings)
+        # [L, 2, num_blocks, block_size, Hkv, D]; zeros touches every page now, not mid-request
+        self.kv_cache = torch.zeros(
+            mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+            dtype=self.dtype,
+        )
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=max_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        self.metrics = metrics or EngineMetrics()
+        self.requests: dict[str, Request] = {}
+        log.info(
+            "engine ready: model %s (%d layers, %d/%d heads, head_dim %d, %s), KV memory %d "
+            "blocks x %d tokens, max_model_len %d",
+            model_dir, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+            config.dtype, num_blocks, config.block_size, max_len,
+        )
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Request:
+        """Queue a request. Raises ValueError naming what is wrong with it."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
+                "(max_model_len), including at least one generated token"
+            )
+        req = Request(request_id, ids, params, arrival=time.monotonic())
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.metrics.prompt_tokens.inc(len(ids))
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, FinishReason.ABORT)
+            self.metrics.requests_finished.labels("abort").inc()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        preemptions_before = self.scheduler.num_preemptions
+        sched = self.scheduler.schedule()
+        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
+        if not sched.scheduled:
+            return []
+        sampled = self.runner.execute(sched)
+        outputs = self._postprocess(sched, sampled)
+        self.metrics.computed_tokens.inc(sched.num_tokens)
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.waiting.set(len(self.scheduler.waiting))
+        self.metrics.kv_usage.set(self.block_manager.usage)
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        return outputs
+
+    def _postprocess(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+        outputs = []
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if req.num_computed_tokens == req.num_cached_tokens + s.num_new_tokens and (
+                req.num_preemptions == 0 and not req.output_token_ids
+            ):
+                self.metrics.prefix_cache_hit_tokens.inc(req.num_cached_tokens)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk: nothing sampled yet
+            if not req.output_token_ids:
+                self.metrics.ttft.observe(time.monotonic() - req.arrival)
+            req.output_token_ids.append(token)
+            self.metrics.generation_tokens.inc()
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                self.requests.pop(req.request_id, None)
+                self.metrics.requests_finished.labels(reason.value).inc()
+            outputs.append(self._output(req))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
+        p = req.params
+        prev_len = len(req.output_text)
+        req.output_text = self.tokenizer.decode(req.output_token_ids)
+        if p.stop:
+            # search only where a new match can start
+            horizon = max(0, prev_len - max(len(s) for s in p.stop) + 1)
+            hits = [i for s in p.stop if (i := req.output_text.find(s, horizon)) >= 0]
+            if hits:
+                req.output_text = req.output_text[: min(hits)]
+                return FinishReason.STOP
+        if token in p.stop_token_ids:
+            return FinishReason.STOP
+        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = req.output_text
+        if not req.is_finished and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for the rest
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(req.output_token_ids),
+            text=text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def is_running(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and req.status is RequestStatus.RUNNING

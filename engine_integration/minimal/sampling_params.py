@@ -1,0 +1,38 @@
+"""How to pick the next tokens of one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 or -1 = all tokens
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1")
+        _check(self.temperature >= 0, "temperature", ">= 0")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k", "-1, 0 or a positive integer")
+        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", "an integer")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check(ok: bool, name: str, want: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid sampling parameter {name}: must be {want}")
