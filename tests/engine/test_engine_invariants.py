@@ -1,0 +1,135 @@
+"""Chunked prefill, prefix caching, preemption and batching leave the tokens unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmkv_engines.minimal.llm import LLM
+from lmkv_engines.minimal.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 4096, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """Each prompt alone: no chunking, no prefix cache, ample memory."""
+    prompts = _prompts([3, 40, 97, 150, 260, 33])
+    llm = LLM(str(tiny_model_dir), enable_prefix_caching=False, enable_chunked_prefill=False,
+              kv_cache_memory=32 << 20)
+    tokens = [llm.generate([p], GREEDY)[0].output_token_ids for p in prompts]
+    return prompts, tokens
+
+
+def _check(llm, reference, **kw):
+    prompts, want = reference
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.output_token_ids for o in outs] == want
+    llm.engine.block_manager.check_integrity()
+    return outs
+
+
+def test_batching_keeps_tokens(tiny_model_dir, reference):
+    llm = LLM(str(tiny_model_dir), enable_prefix_caching=False, kv_cache_memory=32 << 20)
+    _check(llm, reference)
+
+
+def test_chunked_prefill_keeps_tokens(tiny_model_dir, reference):
+    llm = LLM(str(tiny_model_dir), max_num_batched_tokens=37, kv_cache_memory=32 << 20)
+    _check(llm, reference)
+    assert llm.engine.runner.num_forward_tokens > 0
+
+
+def test_preemption_keeps_tokens(tiny_model_dir, reference):
+    # 40 blocks of 16 tokens: the six requests (~780 prompt tokens + decodes) cannot all fit
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=40, max_model_len=600)
+    _check(llm, reference)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_hit_computes_only_new_tokens(tiny_model_dir, reference):
+    prompts, want = reference
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=32 << 20)
+    runner = llm.engine.runner
+    first = llm.generate([prompts[4]], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    before = runner.num_forward_tokens
+    again = llm.generate([prompts[4]], GREEDY)[0]
+    assert again.output_token_ids == want[4]
+    # 260 tokens: 16 full blocks cached; the last 4 prompt tokens + 23 decodes computed
+    assert again.num_cached_tokens == 256
+    assert runner.num_forward_tokens - before == (260 - 256) + (GREEDY.max_tokens - 1)
+
+    # a longer prompt sharing the first 150 tokens: only the divergent tail is computed
+    extended = prompts[3] + prompts[1]
+    llm.generate([prompts[3]], GREEDY)
+    before = runner.num_forward_tokens
+    out = llm.generate([extended], GREEDY)[0]
+    assert out.num_cached_tokens == 144
+    assert runner.num_forward_tokens - before == len(extended) - 144 + GREEDY.max_tokens - 1
+    fresh = LLM(str(tiny_model_dir), enable_prefix_caching=False, kv_cache_memory=32 << 20)
+    assert out.output_token_ids == fresh.generate([extended], GREEDY)[0].output_token_ids
+    llm.engine.block_manager.check_integrity()
+
+
+def test_seeded_sampling_is_reproducible_across_batching(tiny_model_dir):
+    prompts = _prompts([10, 50, 80], seed=3)
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=s)
+              for s in (1, 2, 3)]
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=32 << 20)
+    together = [o.output_token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], [sp])[0].output_token_ids for p, sp in zip(prompts, params, strict=True)]
+    assert together == alone
+    greedy = llm.generate(prompts[:1], GREEDY)[0].output_token_ids[:16]
+    assert together[0] != greedy  # sampling actually sampled
+
+
+def test_stop_conditions(tiny_model_dir, reference):
+    prompts, want = reference
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=32 << 20)
+    out = llm.generate([prompts[1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert out.output_token_ids == want[1][:5] and out.finish_reason == "length"
+    stop_tok = want[1][3]
+    out = llm.generate([prompts[1]], SamplingParams(max_tokens=20, temperature=0,
+                                                    stop_token_ids=(stop_tok,)))[0]
+    first = want[1].index(stop_tok)
+    assert out.output_token_ids == want[1][: first + 1] and out.finish_reason == "stop"
+    full_text = llm.tokenizer.decode(want[1])
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
+    out = llm.generate([prompts[1]], SamplingParams(max_tokens=24, temperature=0, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == full_text[: full_text.find(stop)]
+
+
+def test_context_limit_finishes_with_length(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=32 << 20, max_model_len=64)
+    out = llm.generate(_prompts([60]), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0]
+    assert len(out.output_token_ids) == 4 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"), (dict(top_k=-2), "top_k"), (dict(stop=[""]), "stop"),
+])
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_are_clear_errors(tiny_model_dir, tmp_path):
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=32 << 20, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([list(range(5, 100))])
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[5, 10**9]])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(str(tmp_path))
