@@ -1,0 +1,60 @@
+"""Shared pieces of the benchmarks: a realistic-shape random Llama and timing helpers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# ~75M parameters: 8 layers, hidden 768, GQA 12:4, head_dim 64, vocab 32000 (tied)
+REALISTIC = dict(
+    vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+    num_attention_heads=12, num_key_value_heads=4, head_dim=64, max_position_embeddings=8192,
+    tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
+)
+
+
+def realistic_model_dir(root: Path | None = None, **overrides) -> Path:
+    """A random-weight Llama of realistic shape saved by transformers (cached on disk)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lmkv_engines.minimal.demo_model import default_cache_dir, ensure_demo_model
+
+    cfg = {**REALISTIC, **overrides}
+    root = root or default_cache_dir()
+    tag = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:10]
+    path = root / f"bench-llama-{tag}"
+    if (path / "config.json").is_file():
+        return path
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(initializer_range=0.05, **cfg))
+    tmp = root / f".{path.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    demo = ensure_demo_model()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, tmp / name)
+    tmp.rename(path)
+    return path
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, vocab, (n,), generator=g).tolist()

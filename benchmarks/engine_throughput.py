@@ -1,0 +1,79 @@
+"""Bundled engine vs Hugging Face transformers on the same weights, side by side.
+
+Prints prefill tokens/s (ratio target >= 0.8x) and decode throughput of 16 concurrent
+sequences vs transformers generating them one after another (target >= 3x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import random_prompt, realistic_model_dir, timed  # noqa: E402
+
+from lmkv_engines.minimal.llm import LLM  # noqa: E402
+from lmkv_engines.minimal.sampling_params import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--num-seqs", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    model_dir = realistic_model_dir()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = LLM(str(model_dir), kv_cache_memory=2 << 30, enable_prefix_caching=False)
+    vocab = hf.config.vocab_size
+    n_params = sum(p.numel() for p in hf.parameters())
+    print(f"model: {n_params / 1e6:.0f}M params, {hf.config.num_hidden_layers} layers, "
+          f"hidden {hf.config.hidden_size}, GQA {hf.config.num_attention_heads}:"
+          f"{hf.config.num_key_value_heads}; torch threads {torch.get_num_threads()}")
+
+    # prefill: one prompt, first token only
+    prompt = random_prompt(args.prompt_len, vocab, seed=0)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    ids = torch.tensor([prompt])
+
+    def hf_prefill():
+        with torch.inference_mode():
+            hf(ids, use_cache=True)
+
+    t_engine = timed(lambda: llm.generate([prompt], one), args.repeats)
+    t_hf = timed(hf_prefill, args.repeats)
+    n = args.prompt_len
+    print(f"prefill {n} tokens: engine {n / t_engine:.0f} tok/s, transformers "
+          f"{n / t_hf:.0f} tok/s, engine/transformers = {t_hf / t_engine:.2f}x")
+
+    # decode: 16 sequences concurrently vs transformers one after another
+    prompts = [random_prompt(32, vocab, seed=1 + i) for i in range(args.num_seqs)]
+    gen = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
+
+    def hf_sequential():
+        with torch.inference_mode():
+            for p in prompts:
+                hf.generate(torch.tensor([p]), max_new_tokens=args.decode_tokens,
+                            min_new_tokens=args.decode_tokens, do_sample=False,
+                            pad_token_id=0)
+
+    t_engine = timed(lambda: llm.generate(prompts, gen), 1)
+    start = time.perf_counter()
+    hf_sequential()
+    t_hf = time.perf_counter() - start
+    total = args.num_seqs * args.decode_tokens
+    print(f"decode {args.num_seqs} seqs x {args.decode_tokens} tokens: engine concurrent "
+          f"{total / t_engine:.0f} tok/s, transformers sequential {total / t_hf:.0f} tok/s, "
+          f"engine/transformers = {t_hf / t_engine:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sets up everything lmkv needs on a fresh Debian machine: system packages (when root),
+# a virtual environment in .venv with lmkv installed (editable) and its test extras.
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras="${LMKV_EXTRAS:-test}"
+apt_pkgs=(redis-server)
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    missing=()
+    for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+    if [ ${#missing[@]} -gt 0 ]; then
+        echo "setup: installing system packages: ${missing[*]}"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    fi
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv"
+    python3 -m venv .venv
+fi
+stamp=.venv/.lmkv-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$extras" ]; then
+    echo "setup: installing lmkv[$extras] into .venv (torch==2.13.0 CPU)"
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e ".[$extras]"
+    echo "$extras" > "$stamp"
+fi
