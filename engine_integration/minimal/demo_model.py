@@ -130,6 +130,7 @@ def random_weights(g: DemoGeometry) -> dict[str, torch.Tensor]:
 def train_tokenizer(vocab_size: int):
     """Byte-level BPE trained on the documentation topics shipped with Python."""
     import pydoc_data.topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

@@ -5,21 +5,26 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import fields
+from typing import TYPE_CHECKING
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from lmkv.config import LMKVConfig
+
 _CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, lmkv_config: LMKVConfig | None = None,
+                 **engine_args):
         unknown = set(engine_args) - _CONFIG_FIELDS
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), lmkv_config=lmkv_config)
         self._ids = itertools.count()
 
     @property
@@ -49,3 +54,12 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[r] for r in order]
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

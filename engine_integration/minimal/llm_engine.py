@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,11 +22,15 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from lmkv.config import LMKVConfig
+
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None):
+    def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None,
+                 lmkv_config: LMKVConfig | None = None):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -67,6 +72,15 @@ class LLMEngine:
             dtype=self.dtype,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.metrics = metrics or EngineMetrics()
+        self.kv_connector = None
+        if lmkv_config is not None:
+            from .kv_connector import KVConnector
+
+            self.kv_connector = KVConnector(
+                lmkv_config, self.model_config, self.dtype, config.block_size, model_dir,
+                self.kv_cache, self.metrics.registry,
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -75,9 +89,9 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
             ),
             self.block_manager,
+            self.kv_connector.scheduler if self.kv_connector else None,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
-        self.metrics = metrics or EngineMetrics()
         self.requests: dict[str, Request] = {}
         log.info(
             "engine ready: model %s (%d layers, %d/%d heads, head_dim %d, %s), KV memory %d "
@@ -128,7 +142,10 @@ class LLMEngine:
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
         if not sched.scheduled:
             return []
-        sampled = self.runner.execute(sched)
+        if self.kv_connector is None:
+            sampled = self.runner.execute(sched)
+        else:
+            sampled = self.kv_connector.execute(self.runner, sched)
         outputs = self._postprocess(sched, sampled)
         self.metrics.computed_tokens.inc(sched.num_tokens)
         self.metrics.running.set(len(self.scheduler.running))
@@ -192,7 +209,14 @@ class LLMEngine:
             finished=req.is_finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             num_cached_tokens=req.num_cached_tokens,
+            num_external_tokens=req.num_external_tokens,
         )
+
+    def close(self) -> None:
+        """Finish lmkv's background writes and release its resources."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
 
     @property
     def num_waiting(self) -> int:

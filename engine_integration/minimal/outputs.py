@@ -14,3 +14,4 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     num_cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
+    num_external_tokens: int = 0  # prompt tokens after those, loaded from lmkv

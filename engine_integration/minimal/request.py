@@ -34,6 +34,8 @@ class Request:
     num_computed_tokens: int = 0
     # tokens of the prompt whose KV came from the engine's prefix cache at admission
     num_cached_tokens: int = 0
+    # tokens after those that lmkv loaded at admission
+    num_external_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks so far
     finish_reason: FinishReason | None = None

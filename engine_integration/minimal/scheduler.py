@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager
 from .request import FinishReason, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from lmkv.connector import SchedulerConnector
 
 
 @dataclass(slots=True)
@@ -41,15 +45,19 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager,
+                 connector: SchedulerConnector | None = None):
         self.config = config
         self.blocks = blocks
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        if self.connector is not None:
+            self.connector.on_new_request(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,17 +89,24 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             computed = self.blocks.get_computed_blocks(req)
-            num_new = req.num_tokens - computed.num_tokens
+            external = 0  # tokens after the local hit that lmkv loads
+            if self.connector is not None:
+                external, _ = self.connector.get_num_new_matched_tokens(req, computed.num_tokens)
+            num_new = req.num_tokens - computed.num_tokens - external
             if num_new > budget and not chunked:
                 break
             num_new = min(num_new, budget)
-            if not self.blocks.allocate_slots(req, num_new, computed):
+            if not self.blocks.allocate_slots(req, external + num_new, computed):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = computed.num_tokens
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, req.block_ids, external)
+            req.num_computed_tokens += external
             if req.num_preemptions == 0:
                 req.num_cached_tokens = computed.num_tokens
+                req.num_external_tokens = external
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
@@ -105,6 +120,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.blocks.free(request)
+        if self.connector is not None:
+            self.connector.request_finished(request)
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request)

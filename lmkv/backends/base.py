@@ -34,6 +34,15 @@ class StorageBackend(ABC):
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored (no payload transfer)."""
 
+    def get_into(self, key: str, out: memoryview) -> int | None:
+        """Read ``key``'s value into ``out``; returns its length, or None if absent or larger
+        than ``out``. Backends that can read in place (files, RDMA) override this."""
+        value = self.get([key])[0]
+        if value is None or len(value) > len(out):
+            return None
+        out[: len(value)] = value
+        return len(value)
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and files."""
 

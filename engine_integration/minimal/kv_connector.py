@@ -1,0 +1,72 @@
+"""lmkv plugged into the bundled engine: both connector roles, and the step around them."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from lmkv.config import LMKVConfig
+from lmkv.connector import SchedulerConnector, WorkerConnector
+from lmkv.engine import LMKVEngine
+from lmkv.layout import KVLayout
+from lmkv.metrics import LMKVMetrics
+
+from .model_config import ModelConfig
+from .model_runner import ModelRunner
+from .scheduler import SchedulerOutput
+
+
+class KVConnector:
+    def __init__(self, config: LMKVConfig, mc: ModelConfig, dtype: torch.dtype, block_size: int,
+                 model_dir: Path, kv_cache: torch.Tensor, registry: CollectorRegistry):
+        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, config.chunk_size)
+        self.engine = LMKVEngine(config, layout, model_fingerprint(model_dir), LMKVMetrics(registry))
+        self.scheduler = SchedulerConnector(self.engine, block_size)
+        self.worker = WorkerConnector(self.engine)
+        self.worker.register_kv_caches(kv_cache)
+
+    def execute(self, runner: ModelRunner, sched: SchedulerOutput) -> dict[str, int]:
+        """One step with lmkv: load what was matched, run the model, save new chunks."""
+        meta = self.scheduler.build_connector_meta(
+            (s.request, s.num_new_tokens) for s in sched.scheduled
+        )
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv()
+        hooks = _LayerHooks(self.worker) if self.worker.layerwise else None
+        try:
+            return runner.execute(sched, hooks)
+        finally:
+            self.worker.wait_for_save()
+
+    def close(self) -> None:
+        self.worker.close()
+        self.engine.close()
+
+
+class _LayerHooks:
+    def __init__(self, worker: WorkerConnector):
+        self.worker = worker
+
+    def before_attention(self, layer: int) -> None:
+        self.worker.wait_for_layer_load(layer)
+
+    def after_attention(self, layer: int) -> None:
+        self.worker.save_kv_layer(layer)
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Identity of a checkpoint's weights, the same wherever it is copied: its config and
+    samples of every weight file (two fine-tunes of one architecture differ in the samples)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            for i in range(8):
+                f.seek(size * i // 8)
+                h.update(f.read(1 << 16))
+    return h.hexdigest()

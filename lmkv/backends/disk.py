@@ -1,0 +1,131 @@
+"""The local disk tier: one file per chunk, written atomically, capped in size.
+
+Files are named by a hash of the key. A write goes to a temporary file that is renamed
+into place, so a crash mid-write leaves either the old entry or none, never a torn one
+(and the frame checksum catches anything else). The index is rebuilt from the directory
+at start, so the cache survives restarts; least recently used files are evicted to stay
+under the cap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from .base import BackendError, StorageBackend
+
+log = logging.getLogger(__name__)
+SUFFIX = ".kv"
+
+
+class DiskBackend(StorageBackend):
+    def __init__(self, root: str | Path, capacity_bytes: int):
+        self.root = Path(root)
+        self.capacity = capacity_bytes
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BackendError(f"cannot create the disk tier directory {self.root}: {e}") from e
+        self.index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, LRU first
+        self.used = 0
+        self.num_evictions = 0
+        self._rebuild_index()
+
+    def _rebuild_index(self) -> None:
+        entries = []
+        for entry in os.scandir(self.root):
+            if entry.name.endswith(".tmp"):  # a write interrupted by a crash
+                os.unlink(entry.path)
+            elif entry.name.endswith(SUFFIX) and entry.is_file():
+                st = entry.stat()
+                entries.append((st.st_mtime, entry.name, st.st_size))
+        for _, name, size in sorted(entries):
+            self.index[name] = size
+            self.used += size
+        self._evict_to(self.capacity)
+        if entries:
+            log.info("disk tier %s: %d entries, %.1f MB", self.root, len(self.index), self.used / 1e6)
+
+    @staticmethod
+    def _name(key: str) -> str:
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest() + SUFFIX
+
+    def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        for key, value in items:
+            size = len(value)
+            if size > self.capacity:
+                raise BackendError(f"a {size}-byte entry exceeds the disk tier cap ({self.capacity})")
+            name = self._name(key)
+            self._forget(name)
+            self._evict_to(self.capacity - size)
+            tmp = self.root / f".{name}.{os.getpid()}.tmp"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(value)
+                os.replace(tmp, self.root / name)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise BackendError(f"disk tier write failed: {e}") from e
+            self.index[name] = size
+            self.used += size
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for key in keys:
+            name = self._name(key)
+            if name not in self.index:
+                out.append(None)
+                continue
+            try:
+                out.append((self.root / name).read_bytes())
+                self.index.move_to_end(name)
+            except FileNotFoundError:
+                self._forget(name)
+                out.append(None)
+            except OSError as e:
+                raise BackendError(f"disk tier read failed: {e}") from e
+        return out
+
+    def get_into(self, key: str, out: memoryview) -> int | None:
+        name = self._name(key)
+        if name not in self.index:
+            return None
+        size = self.index[name]
+        if size > len(out):
+            return None  # not a frame this reader can hold; treated as a miss
+        try:
+            with open(self.root / name, "rb", buffering=0) as f:
+                n = f.readinto(out[:size])
+        except FileNotFoundError:
+            self._forget(name)
+            return None
+        except OSError as e:
+            raise BackendError(f"disk tier read failed: {e}") from e
+        self.index.move_to_end(name)
+        return n
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        return [self._name(k) in self.index for k in keys]
+
+    def remove(self, key: str) -> None:
+        name = self._name(key)
+        if self._forget(name):
+            (self.root / name).unlink(missing_ok=True)
+
+    def _forget(self, name: str) -> bool:
+        size = self.index.pop(name, None)
+        if size is None:
+            return False
+        self.used -= size
+        return True
+
+    def _evict_to(self, limit: int) -> None:
+        while self.used > limit and self.index:
+            name, size = self.index.popitem(last=False)
+            self.used -= size
+            self.num_evictions += 1
+            (self.root / name).unlink(missing_ok=True)

@@ -1,0 +1,170 @@
+"""LMKVConfig: lmkv's settings, loaded in one place.
+
+Precedence: defaults < YAML file named by LMKV_CONFIG_FILE < LMKV_* environment variables
+< explicit overrides. Key names follow LMCache's where the meaning is the same, so an
+LMCache user's YAML works. Unknown keys and bad values fail at load, naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE_ENV = "LMKV_CONFIG_FILE"
+ENV_PREFIX = "LMKV_"
+_NOT_KEYS = {"CONFIG_FILE", "CACHE_DIR", "TEST_CACHE_DIR"}  # LMKV_* variables that are not keys
+
+
+class ConfigError(ValueError):
+    """A bad lmkv configuration; the message names the key."""
+
+
+@dataclass(frozen=True)
+class LMKVConfig:
+    chunk_size: int = 256  # tokens per stored chunk
+    local_cpu: bool = True  # the hot CPU cache
+    max_local_cpu_size: float = 5.0  # GB of the hot CPU cache
+    local_disk: str | None = None  # directory (or file:// URL) of the disk tier; None = off
+    max_local_disk_size: float = 0.0  # GB cap of the disk tier (required when local_disk is set)
+    remote_url: str | None = None  # lm://, redis://, ... (issue: cross-instance sharing)
+    remote_serde: str = "naive"
+    save_decode_cache: bool = False  # also store chunks completed by generated tokens
+    use_layerwise: bool = False  # load/save layer by layer, overlapping the forward pass
+    save_unfull_chunk: bool = False  # accepted for LMCache compatibility; must stay False
+    enable_prefetch: bool = True  # pull lower-tier chunks of queued requests up early
+    cache_salt: str = ""  # namespace: entries of different salts never meet
+    io_queue_size: int = 256  # pending background writes/prefetches before dropping
+    enable_blending: bool = False
+    blend_recompute_ratio: float = 0.15
+    blend_special_str: str = " # # "
+
+    def __post_init__(self) -> None:
+        _require(self.chunk_size >= 1, "chunk_size", "must be >= 1")
+        _require(self.max_local_cpu_size > 0, "max_local_cpu_size", "must be > 0 (GB)")
+        _require(self.max_local_disk_size >= 0, "max_local_disk_size", "must be >= 0 (GB)")
+        _require(self.io_queue_size >= 1, "io_queue_size", "must be >= 1")
+        _require(0 <= self.blend_recompute_ratio <= 1, "blend_recompute_ratio", "must be in [0, 1]")
+        _require(self.remote_serde in ("naive", "zstd", "cachegen"), "remote_serde",
+                 "must be one of naive, zstd, cachegen")
+        _require(not self.save_unfull_chunk, "save_unfull_chunk",
+                 "is not supported: lmkv stores full chunks only")
+        _require(self.local_cpu, "local_cpu", "must be true: the hot CPU cache is always on")
+        if self.local_disk is not None:
+            path = self.local_disk.removeprefix("file://")
+            _require(bool(path), "local_disk", "must be a directory path")
+            _require(self.max_local_disk_size > 0, "max_local_disk_size",
+                     "must be > 0 (GB) when local_disk is set")
+            object.__setattr__(self, "local_disk", path)
+        if self.remote_url is not None:
+            _require(False, "remote_url", "is not supported by this build yet (remote backends)")
+        _require(not self.enable_blending, "enable_blending", "is not supported by this build yet")
+
+    @property
+    def hot_cache_bytes(self) -> int:
+        return int(self.max_local_cpu_size * 1e9)
+
+    @property
+    def disk_bytes(self) -> int:
+        return int(self.max_local_disk_size * 1e9)
+
+
+def load_config(
+    path: str | Path | None = None, env: dict[str, str] | None = None, **overrides: Any
+) -> LMKVConfig:
+    """Build the config: defaults < YAML ``path`` (default: $LMKV_CONFIG_FILE) < LMKV_* env
+    < overrides."""
+    env = dict(os.environ) if env is None else env
+    values: dict[str, Any] = {}
+    path = path or env.get(CONFIG_FILE_ENV)
+    if path:
+        values.update(read_yaml(Path(path)))
+    for name, raw in env.items():
+        if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] not in _NOT_KEYS:
+            key = name[len(ENV_PREFIX):].lower()
+            values[key] = _parse_env(key, raw)
+    values.update(overrides)
+    return from_dict(values)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read lmkv config file {path}: {e.strerror or e}") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"lmkv config file {path} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"lmkv config file {path} must be a mapping of keys to values")
+    return data
+
+
+_FIELDS = {f.name: f for f in fields(LMKVConfig)}
+_HINTS = typing.get_type_hints(LMKVConfig)
+
+
+def from_dict(values: dict[str, Any]) -> LMKVConfig:
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"unknown lmkv config key(s): {', '.join(map(str, unknown))} "
+            f"(known: {', '.join(sorted(_FIELDS))})"
+        )
+    return LMKVConfig(**{k: _coerce(k, v) for k, v in values.items()})
+
+
+def _coerce(key: str, value: Any) -> Any:
+    hint = _HINTS[key]
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in allowed:
+        return None
+    for t in allowed:
+        if t is bool and isinstance(value, bool):
+            return value
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if t is str and isinstance(value, str):
+            return value
+    want = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    raise ConfigError(f"lmkv config key {key}: expected {want}, got {value!r}")
+
+
+def _parse_env(key: str, raw: str) -> Any:
+    if key not in _FIELDS:
+        raise ConfigError(f"unknown lmkv config key {key} (from environment {ENV_PREFIX}{key.upper()})")
+    hint = _HINTS[key]
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if raw.lower() in ("", "none", "null") and type(None) in allowed:
+        return None
+    if bool in allowed:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+    if int in allowed and re.fullmatch(r"-?\d+", raw):
+        return int(raw)
+    if float in allowed:
+        try:
+            return float(raw)
+        except ValueError:
+            pass
+    if str in allowed:
+        return raw
+    raise ConfigError(f"lmkv config key {key}: cannot parse {ENV_PREFIX}{key.upper()}={raw!r}")
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"lmkv config key {key} {message}")

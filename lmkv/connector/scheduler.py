@@ -1,0 +1,139 @@
+"""The scheduler role: how many tokens lmkv can supply, and what to load and save each step.
+
+Requests are duck-typed: ``request_id``, ``prompt_token_ids``, ``all_token_ids``,
+``block_ids`` and ``num_computed_tokens``, as the bundled engine's and vLLM's have them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..engine import LMKVEngine
+from ..memory import ChunkBuffer
+from .metadata import ConnectorMetadata, LoadSpec, SaveSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    keys: list[str]  # keys of the request's full chunks known so far
+    pinned: list[ChunkBuffer] = field(default_factory=list)  # fetched, waiting to be loaded
+    pinned_from: int = 0  # chunk index of pinned[0]
+    load_from: int = 0  # tokens [load_from, load_to) come from lmkv this step
+    load_to: int = 0
+    saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being stored
+
+
+class SchedulerConnector:
+    def __init__(self, engine: LMKVEngine, block_size: int):
+        if engine.chunk_size % block_size:
+            raise ValueError(
+                f"lmkv chunk_size {engine.chunk_size} must be a multiple of the engine's "
+                f"block size {block_size}"
+            )
+        self.engine = engine
+        self.block_size = block_size
+        self.save_decode_cache = engine.config.save_decode_cache
+        self.states: dict[str, _RequestState] = {}
+
+    def on_new_request(self, request: Any) -> None:
+        """A request entered the engine's queue: start pulling its chunks up to the hot cache."""
+        st = self._state(request)
+        self.engine.prefetch(st.keys[: self._usable_chunks(request)])
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` (the engine's own prefix cache hit) that lmkv
+        will load. The chunks are fetched into the hot cache and pinned now, so the load
+        itself cannot fail. Never covers the last prompt token. Loads are synchronous."""
+        st = self._state(request)
+        self._unpin(st)
+        usable = self._usable_chunks(request)
+        chunks = self.engine.fetch(st.keys[:usable]) if usable else []
+        hit = len(chunks) * self.engine.chunk_size
+        self.engine.metrics.record_lookup(len(request.prompt_token_ids), hit)
+        st.saved_chunks = max(st.saved_chunks, len(chunks))
+        first = num_computed_tokens // self.engine.chunk_size  # chunks below are all local
+        for buf in chunks[:first]:
+            buf.release()
+        st.pinned, st.pinned_from = chunks[first:], first
+        if hit <= num_computed_tokens:
+            self._unpin(st)
+            return 0, False
+        return hit - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        st = self._state(request)
+        if num_external_tokens == 0:
+            self._unpin(st)
+            return
+        st.load_to = request.num_computed_tokens + num_external_tokens
+        st.load_from = st.load_to - num_external_tokens
+
+    def build_connector_meta(self, scheduled: Iterable[tuple[Any, int]]) -> ConnectorMetadata:
+        """``scheduled``: (request, num_new_tokens) for this step, with each request's
+        ``num_computed_tokens`` as it stands before the step (loaded tokens included)."""
+        meta = ConnectorMetadata()
+        c = self.engine.chunk_size
+        for request, num_new in scheduled:
+            st = self._state(request)
+            if st.pinned:
+                slots, skips = [], []
+                for i in range(len(st.pinned)):
+                    start = (st.pinned_from + i) * c
+                    slots.append(self._slots(request.block_ids, start, start + c))
+                    skips.append(max(0, st.load_from - start))
+                meta.loads.append(LoadSpec(request.request_id, st.pinned, slots, skips))
+                st.pinned = []
+            done = request.num_computed_tokens + num_new
+            if not self.save_decode_cache:
+                done = min(done, len(request.prompt_token_ids))
+            full = done // c
+            if full > st.saved_chunks:
+                if full > len(st.keys):
+                    st.keys = self.engine.keys(request.all_token_ids[: full * c])
+                idx = range(st.saved_chunks, full)
+                meta.saves.append(SaveSpec(
+                    request.request_id,
+                    [st.keys[i] for i in idx],
+                    [self._slots(request.block_ids, i * c, (i + 1) * c) for i in idx],
+                ))
+                st.saved_chunks = full
+        return meta
+
+    def request_finished(self, request: Any) -> tuple[bool, dict | None]:
+        """The request left the engine: drop its state. Its blocks may be freed at once."""
+        st = self.states.pop(request.request_id, None)
+        if st is not None:
+            self._unpin(st)
+        return False, None
+
+    def _state(self, request: Any) -> _RequestState:
+        st = self.states.get(request.request_id)
+        if st is None:
+            st = _RequestState(self.engine.keys(request.prompt_token_ids))
+            self.states[request.request_id] = st
+        return st
+
+    def _usable_chunks(self, request: Any) -> int:
+        # the last prompt token is always computed: it yields the first logits
+        return (len(request.prompt_token_ids) - 1) // self.engine.chunk_size
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """[end - start] int64 paged-memory slots of tokens [start, end)."""
+        bs = self.block_size
+        blocks = torch.tensor(block_ids[start // bs : -(-end // bs)], dtype=torch.int64)
+        offsets = torch.arange(bs, dtype=torch.int64)
+        return (blocks[:, None] * bs + offsets[None, :]).flatten()[: end - start]
+
+    @staticmethod
+    def _unpin(st: _RequestState) -> None:
+        for buf in st.pinned:
+            buf.release()
+        st.pinned = []

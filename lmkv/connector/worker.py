@@ -1,0 +1,134 @@
+"""The worker role: moves chunks between lmkv's buffers and the engine's paged KV memory.
+
+Whole-request mode loads everything before the forward pass and saves after it.
+Layer-wise mode (use_layerwise) hands each layer to a helper thread: layer i+1 is loaded
+while layer i computes, and layer i is gathered for saving while layer i+1 computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .. import ops
+from ..engine import LMKVEngine
+from ..memory import ChunkBuffer
+from .metadata import ConnectorMetadata
+
+log = logging.getLogger(__name__)
+
+
+class WorkerConnector:
+    def __init__(self, engine: LMKVEngine):
+        self.engine = engine
+        self.layerwise = engine.config.use_layerwise
+        self.kv_cache: torch.Tensor | None = None
+        self.meta = ConnectorMetadata()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer") if self.layerwise else None
+        self._layer_loaded: list[threading.Event] = []
+        self._save_bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
+        self._save_jobs: list[Future] = []
+
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        """kv_cache: [L, 2, num_blocks, block_size, Hkv, D], the engine's paged memory."""
+        lay = self.engine.layout
+        want = (lay.num_layers, 2, lay.num_kv_heads, lay.head_dim)
+        got = (kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[4], kv_cache.shape[5])
+        if got != want or kv_cache.dtype != lay.dtype:
+            raise ValueError(f"KV memory {tuple(kv_cache.shape)} {kv_cache.dtype} does not match "
+                             f"the lmkv layout {lay}")
+        self.kv_cache = kv_cache
+
+    def bind_connector_metadata(self, meta: ConnectorMetadata) -> None:
+        self.meta = meta
+
+    # ---- loading --------------------------------------------------------------------
+    def start_load_kv(self) -> None:
+        loads = self.meta.loads
+        if not loads:
+            self._layer_loaded = []
+            return
+        n = sum(len(s.chunks) * self.engine.chunk_size - sum(s.skips) for s in loads)
+        self.engine.metrics.loaded_tokens.inc(n)
+        if not self.layerwise:
+            for spec in loads:
+                for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips, strict=True):
+                    ops.chunk_to_paged(buf.kv, self.kv_cache, slots, skip)
+                    buf.release()
+            return
+        self._layer_loaded = [threading.Event() for _ in range(self.engine.layout.num_layers)]
+        self._executor.submit(self._load_layers, loads, self._layer_loaded)
+
+    def _load_layers(self, loads, events: list[threading.Event]) -> None:
+        try:
+            for layer, event in enumerate(events):
+                paged = self.kv_cache[layer : layer + 1]
+                for spec in loads:
+                    for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips,
+                                                strict=True):
+                        ops.chunk_to_paged(buf.kv[:, layer : layer + 1], paged, slots, skip)
+                event.set()
+        finally:
+            for event in events:
+                event.set()
+            for spec in loads:
+                for buf in spec.chunks:
+                    buf.release()
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        if self._layer_loaded:
+            self._layer_loaded[layer].wait()
+
+    # ---- saving ---------------------------------------------------------------------
+    def save_kv_layer(self, layer: int) -> None:
+        if not self.layerwise or not self.meta.saves:
+            return
+        if layer == 0:
+            self._save_bufs = self._allocate_saves()
+            self._save_jobs = []
+        if self._save_bufs:
+            self._save_jobs.append(self._executor.submit(self._gather_layer, layer, self._save_bufs))
+
+    def _gather_layer(self, layer: int, bufs) -> None:
+        paged = self.kv_cache[layer : layer + 1]
+        for _, buf, slots in bufs:
+            ops.paged_to_chunk(paged, slots, buf.kv[:, layer : layer + 1])
+
+    def wait_for_save(self) -> None:
+        """End of the step: new chunks go to the hot cache; lower tiers are written in the
+        background and never waited for here."""
+        if not self.meta.saves:
+            return
+        if self.layerwise:
+            for job in self._save_jobs:
+                job.result()
+            bufs, self._save_bufs, self._save_jobs = self._save_bufs, [], []
+        else:
+            bufs = self._allocate_saves()
+            for _, buf, slots in bufs:
+                ops.paged_to_chunk(self.kv_cache, slots, buf.kv)
+        for key, buf, _ in bufs:
+            self.engine.store(key, buf)
+            buf.release()
+        self.meta = ConnectorMetadata()
+
+    def _allocate_saves(self) -> list[tuple[str, ChunkBuffer, torch.Tensor]]:
+        out = []
+        for spec in self.meta.saves:
+            for key, slots in zip(spec.keys, spec.slot_mappings, strict=True):
+                buf = self.engine.allocate()
+                if buf is None:  # the hot cache is full of pinned chunks: skip this save
+                    log.debug("lmkv: no free chunk slot; not saving %s", key)
+                    return out
+                out.append((key, buf, slots))
+        return out
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # loads and saves complete within the step
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)

@@ -1,0 +1,77 @@
+"""LMKVEngine: lmkv for one model on one rank. Keys, the memory pool and the tier stack."""
+
+from __future__ import annotations
+
+import logging
+
+from .backends.base import BackendError
+from .config import LMKVConfig
+from .keys import KeyScope, prefix_hashes
+from .layout import KVLayout
+from .memory import ChunkBuffer, MemoryPool
+from .metrics import LMKVMetrics
+from .storage.manager import StorageManager, Tier
+
+log = logging.getLogger(__name__)
+
+
+class LMKVEngine:
+    def __init__(self, config: LMKVConfig, layout: KVLayout, model: str,
+                 metrics: LMKVMetrics | None = None):
+        if layout.chunk_size != config.chunk_size:
+            raise ValueError(f"layout chunk size {layout.chunk_size} != config {config.chunk_size}")
+        self.config = config
+        self.layout = layout
+        self.scope = KeyScope(model, layout, config.cache_salt)
+        self.metrics = metrics or LMKVMetrics()
+        self.pool = MemoryPool(layout, config.hot_cache_bytes)
+        self.storage = StorageManager(self.pool, self._build_tiers(), self.metrics,
+                                      config.io_queue_size)
+        log.info(
+            "lmkv ready: chunk %d tokens (%.1f MB), hot cache %d chunks, tiers: %s",
+            layout.chunk_size, layout.chunk_bytes / 1e6, self.pool.num_slots,
+            ", ".join(["hot"] + [t.name for t in self.storage.tiers]),
+        )
+
+    def _build_tiers(self) -> list[Tier]:
+        tiers = []
+        if self.config.local_disk:
+            from .backends.disk import DiskBackend
+
+            try:
+                tiers.append(Tier("disk", DiskBackend(self.config.local_disk, self.config.disk_bytes)))
+            except BackendError as e:
+                raise ValueError(f"lmkv config key local_disk: {e}") from e
+        return tiers
+
+    @property
+    def chunk_size(self) -> int:
+        return self.layout.chunk_size
+
+    def keys(self, tokens: list[int], max_chunks: int | None = None) -> list[str]:
+        """Keys of the full chunks of ``tokens`` (chained: each names its whole prefix)."""
+        hashes = prefix_hashes(tokens, self.chunk_size)
+        if max_chunks is not None:
+            hashes = hashes[:max_chunks]
+        return [self.scope.key(h) for h in hashes]
+
+    def lookup(self, keys: list[str]) -> int:
+        """Number of leading chunks stored in some tier."""
+        return self.storage.lookup(keys)
+
+    def fetch(self, keys: list[str]) -> list[ChunkBuffer]:
+        """The longest loadable prefix of chunks, each retained for the caller."""
+        return self.storage.fetch(keys)
+
+    def prefetch(self, keys: list[str]) -> None:
+        if self.config.enable_prefetch:
+            self.storage.prefetch(keys)
+
+    def allocate(self) -> ChunkBuffer | None:
+        return self.storage.allocate()
+
+    def store(self, key: str, buf: ChunkBuffer) -> None:
+        self.storage.put(key, buf)
+
+    def close(self) -> None:
+        self.storage.close()

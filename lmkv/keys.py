@@ -1,0 +1,53 @@
+"""Chunk keys: which model, layout, rank and namespace a chunk belongs to, and its hash.
+
+Prefix chunks are chained: hash_i = H(hash_{i-1} || tokens of chunk i), so a key names the
+whole prefix up to its chunk. RAG chunks (CacheBlend) are keyed by content alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layout import KVLayout
+
+ROOT = b"\x00" * 16
+
+
+def chunk_hash(parent: bytes, tokens: list[int] | np.ndarray) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def prefix_hashes(tokens: list[int], chunk_size: int, start: int = 0) -> list[bytes]:
+    """Chained hashes of the full chunks of ``tokens``: one per chunk, [0, len // chunk_size)."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    out: list[bytes] = []
+    parent = ROOT
+    for i in range(len(arr) // chunk_size):
+        parent = chunk_hash(parent, arr[i * chunk_size : (i + 1) * chunk_size])
+        out.append(parent)
+    return out[start:]
+
+
+@dataclass(frozen=True)
+class KeyScope:
+    """Everything but the hash: entries of different scopes never meet."""
+
+    model: str
+    layout: KVLayout
+    namespace: str = ""
+
+    @property
+    def prefix(self) -> str:
+        model_id = hashlib.blake2b(self.model.encode(), digest_size=6).hexdigest()
+        ns = hashlib.blake2b(self.namespace.encode(), digest_size=4).hexdigest() if self.namespace else "-"
+        lay = self.layout
+        return f"lmkv1@{model_id}@{lay.fingerprint}@{lay.rank}@{ns}"
+
+    def key(self, h: bytes) -> str:
+        """The backend key string (ASCII, < 150 bytes)."""
+        return f"{self.prefix}@{h.hex()}"

@@ -1,0 +1,99 @@
+"""A bounded pool of fixed-size CPU slots for chunks, allocated and pre-faulted once.
+
+Each slot holds one chunk and a small header area in front, so that a stored frame
+(header + raw KV) can be read from disk or the network straight into the slot.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .layout import KVLayout
+
+HEADER_BYTES = 64  # room for the codec frame header in front of each chunk
+
+
+@dataclass(eq=False)
+class ChunkBuffer:
+    """One slot. Shared by the hot cache and in-flight I/O through reference counts."""
+
+    pool: MemoryPool
+    index: int
+
+    @property
+    def ref_count(self) -> int:
+        return self.pool._refs[self.index]
+
+    @property
+    def frame(self) -> torch.Tensor:
+        """The whole slot as bytes: [HEADER_BYTES + chunk_bytes] uint8."""
+        return self.pool.storage[self.index]
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The chunk: [2, layers, chunk_size, kv heads, head_dim] in the layout's dtype."""
+        lay = self.pool.layout
+        return self.frame[HEADER_BYTES:].view(lay.dtype).view(lay.chunk_shape)
+
+    def retain(self) -> ChunkBuffer:
+        self.pool._retain(self)
+        return self
+
+    def release(self) -> None:
+        self.pool._release(self)
+
+
+class MemoryPool:
+    def __init__(self, layout: KVLayout, capacity_bytes: int, pin: bool | None = None):
+        self.layout = layout
+        self.slot_bytes = HEADER_BYTES + layout.chunk_bytes
+        self.num_slots = capacity_bytes // self.slot_bytes
+        if self.num_slots < 1:
+            raise ValueError(
+                f"the CPU cache ({capacity_bytes} bytes) cannot hold one chunk "
+                f"({self.slot_bytes} bytes); raise max_local_cpu_size or lower chunk_size"
+            )
+        pin = torch.cuda.is_available() if pin is None else pin
+        # torch.zeros writes every page now: fresh pages copy ~20x slower than touched ones
+        self.storage = torch.zeros(self.num_slots, self.slot_bytes, dtype=torch.uint8,
+                                   pin_memory=pin)
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._refs = [0] * self.num_slots
+        self._lock = threading.Lock()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> ChunkBuffer | None:
+        """A slot with one reference, or None if the pool is exhausted."""
+        with self._lock:
+            if not self._free:
+                return None
+            index = self._free.pop()
+            self._refs[index] = 1
+        return ChunkBuffer(self, index)
+
+    def _retain(self, buf: ChunkBuffer) -> None:
+        with self._lock:
+            assert self._refs[buf.index] > 0, f"slot {buf.index} retained after free"
+            self._refs[buf.index] += 1
+
+    def _release(self, buf: ChunkBuffer) -> None:
+        with self._lock:
+            assert self._refs[buf.index] > 0, f"slot {buf.index} released twice"
+            self._refs[buf.index] -= 1
+            if self._refs[buf.index] == 0:
+                self._free.append(buf.index)
+
+    def check_integrity(self) -> None:
+        """Each slot is free exactly when it has no references."""
+        with self._lock:
+            free = set(self._free)
+            assert len(free) == len(self._free), "a slot is on the free list twice"
+            for i, refs in enumerate(self._refs):
+                assert refs >= 0, f"slot {i} has {refs} references"
+                assert (refs == 0) == (i in free), f"slot {i}: {refs} refs, free={i in free}"

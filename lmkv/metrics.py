@@ -1,0 +1,45 @@
+"""lmkv's Prometheus metrics, on a registry the caller owns (the engine's, usually)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class LMKVMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.lookups = Counter("lmkv_lookups", "Prefix lookups (one per request admission)",
+                               registry=r)
+        self.lookup_tokens = Counter("lmkv_lookup_tokens", "Prompt tokens looked up", registry=r)
+        self.hit_tokens = Counter("lmkv_hit_tokens", "Prompt tokens found in lmkv", registry=r)
+        self.loaded_tokens = Counter("lmkv_loaded_tokens",
+                                     "Tokens whose KV lmkv wrote into the engine", registry=r)
+        self.stored_chunks = Counter("lmkv_stored_chunks", "Chunks stored in the hot cache",
+                                     registry=r)
+        self.hit_rate = Gauge("lmkv_hit_rate", "hit_tokens / lookup_tokens since start",
+                              registry=r)
+        self.tier_bytes = Counter("lmkv_tier_bytes", "Bytes moved per tier and direction",
+                                  ["tier", "op"], registry=r)
+        self.tier_seconds = Histogram("lmkv_tier_seconds", "Latency of one tier call",
+                                      ["tier", "op"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tier_hits = Counter("lmkv_tier_hits", "Chunks served per tier", ["tier"], registry=r)
+        self.evictions = Counter("lmkv_evictions", "Chunks evicted per tier", ["tier"],
+                                 registry=r)
+        self.errors = Counter("lmkv_errors", "Failures, each costing a recompute or a lost save",
+                              ["tier", "kind"], registry=r)
+        self.dropped = Counter("lmkv_dropped", "Background work dropped (queue full, no memory)",
+                               ["what"], registry=r)
+        self.prefetched_chunks = Counter("lmkv_prefetched_chunks",
+                                         "Chunks pulled up to the hot cache ahead of scheduling",
+                                         registry=r)
+        self.hot_chunks = Gauge("lmkv_hot_cache_chunks", "Chunks in the hot cache", registry=r)
+
+    def record_lookup(self, tokens: int, hits: int) -> None:
+        self.lookups.inc()
+        self.lookup_tokens.inc(tokens)
+        self.hit_tokens.inc(hits)
+        total = self.lookup_tokens._value.get()
+        self.hit_rate.set(self.hit_tokens._value.get() / total if total else 0.0)

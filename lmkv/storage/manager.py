@@ -1,0 +1,202 @@
+"""StorageManager: the hot cache over an ordered stack of lower tiers.
+
+- put: into the hot cache now; lower tiers are written in the background.
+- lookup: how many leading chunks some tier holds (indexes only, no payload moved).
+- fetch: the leading chunks, each from the first tier that has it, promoted to the hot
+  cache. A lower-tier failure (I/O error, corrupt frame) ends the prefix there: the rest
+  is recomputed, and the failure is logged and counted.
+- prefetch: the same in the background, for requests still waiting in the engine's queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from ..backends.base import BackendError, StorageBackend
+from ..codec import FrameError, decode_into, encode
+from ..memory import ChunkBuffer, MemoryPool
+from ..metrics import LMKVMetrics
+from .hot_cache import HotCache
+from .io import IOWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    backend: StorageBackend
+    codec: str = "raw"
+
+
+class StorageManager:
+    def __init__(self, pool: MemoryPool, tiers: list[Tier], metrics: LMKVMetrics,
+                 io_queue_size: int = 256):
+        self.hot = HotCache(pool)
+        self.tiers = tiers
+        self.metrics = metrics
+        self.io = IOWorker(io_queue_size)
+        self._inflight: dict[str, Future] = {}  # key -> running fetch of that key
+        self._lock = threading.Lock()
+
+    # ---- writes -------------------------------------------------------------------
+    def allocate(self) -> ChunkBuffer | None:
+        buf = self.hot.allocate()
+        if buf is None:
+            self.metrics.dropped.labels("no_memory").inc()
+        return buf
+
+    def put(self, key: str, buf: ChunkBuffer) -> None:
+        """Store ``buf`` under ``key``: hot now, lower tiers in the background. The caller
+        keeps its own reference and releases it as usual."""
+        self.hot.put(key, buf)
+        self.metrics.stored_chunks.inc()
+        self.metrics.hot_chunks.set(len(self.hot))
+        for tier in self.tiers:
+            buf.retain()
+            fut = self.io.submit(lambda t=tier, b=buf: self._write(t, key, b))
+            if fut is None:
+                buf.release()
+                self.metrics.dropped.labels(f"save_{tier.name}").inc()
+
+    def _write(self, tier: Tier, key: str, buf: ChunkBuffer) -> None:
+        try:
+            frame = encode(buf, key, tier.codec)
+            start = time.perf_counter()
+            before = getattr(tier.backend, "num_evictions", 0)
+            tier.backend.put([(key, frame)])
+            self.metrics.tier_seconds.labels(tier.name, "put").observe(time.perf_counter() - start)
+            self.metrics.tier_bytes.labels(tier.name, "put").inc(len(frame))
+            self.metrics.evictions.labels(tier.name).inc(
+                getattr(tier.backend, "num_evictions", 0) - before)
+        except BackendError as e:
+            log.warning("lmkv: saving a chunk to %s failed: %s", tier.name, e)
+            self.metrics.errors.labels(tier.name, "put").inc()
+        finally:
+            buf.release()
+
+    # ---- reads --------------------------------------------------------------------
+    def lookup(self, keys: list[str]) -> int:
+        """Number of leading ``keys`` stored in some tier."""
+        n = 0
+        remaining = list(keys)
+        while n < len(remaining) and self.hot.contains(remaining[n]):
+            n += 1
+        rest = remaining[n:]
+        if not rest:
+            return n
+        found = [False] * len(rest)
+        for tier in self.tiers:
+            try:
+                here = tier.backend.contains(rest)
+            except BackendError as e:
+                log.warning("lmkv: lookup in %s failed: %s", tier.name, e)
+                self.metrics.errors.labels(tier.name, "contains").inc()
+                continue
+            found = [a or b for a, b in zip(found, here, strict=True)]
+        for f in found:
+            if not f:
+                break
+            n += 1
+        return n
+
+    def fetch(self, keys: list[str]) -> list[ChunkBuffer]:
+        """The longest prefix of ``keys`` that can be had, as chunks in the hot cache with a
+        reference for the caller each."""
+        out: list[ChunkBuffer] = []
+        for key in keys:
+            buf = self.hot.get(key)
+            if buf is None:
+                buf = self._fetch_lower(key, urgent=True)
+            else:
+                self.metrics.tier_hits.labels("hot").inc()
+            if buf is None:
+                break
+            out.append(buf)
+        return out
+
+    def prefetch(self, keys: list[str]) -> None:
+        """Pull the leading stored chunks of ``keys`` into the hot cache in the background."""
+        for key in keys:
+            if self.hot.contains(key):
+                continue
+            with self._lock:
+                if key in self._inflight:
+                    continue
+                fut = self.io.submit(lambda k=key: self._load(k, prefetch=True))
+                if fut is None:
+                    self.metrics.dropped.labels("prefetch").inc()
+                    return
+                self._inflight[key] = fut
+                fut.add_done_callback(lambda _f, k=key: self._done(k))
+
+    def _fetch_lower(self, key: str, urgent: bool) -> ChunkBuffer | None:
+        if not self.tiers:
+            return None
+        with self._lock:
+            fut = self._inflight.get(key)
+            if fut is None or not (fut.running() or fut.done()):
+                # none yet, or a prefetch still queued behind background work: jump the queue
+                fut = self.io.submit(lambda: self._load(key, prefetch=False), urgent=urgent)
+                self._inflight[key] = fut
+                fut.add_done_callback(lambda _f: self._done(key))
+        fut.result()
+        return self.hot.get(key)
+
+    def _done(self, key: str) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+
+    def _load(self, key: str, prefetch: bool) -> bool:
+        """On the I/O thread: read ``key`` from the first tier that has it into the hot cache."""
+        if self.hot.contains(key):
+            return True
+        for tier in self.tiers:
+            buf = self.hot.allocate()
+            if buf is None:
+                self.metrics.dropped.labels("no_memory").inc()
+                return False
+            try:
+                start = time.perf_counter()
+                if tier.codec == "raw":
+                    frame = memoryview(buf.frame.numpy())
+                    n = tier.backend.get_into(key, frame)
+                    data = None if n is None else frame[:n]
+                else:
+                    data = tier.backend.get([key])[0]
+                if data is None:
+                    buf.release()
+                    continue
+                decode_into(data, buf, key)
+                self.metrics.tier_seconds.labels(tier.name, "get").observe(time.perf_counter() - start)
+                self.metrics.tier_bytes.labels(tier.name, "get").inc(len(data))
+            except (BackendError, FrameError) as e:
+                buf.release()
+                kind = "corrupt" if isinstance(e, FrameError) else "get"
+                log.warning("lmkv: reading a chunk from %s failed (%s): %s; it will be recomputed",
+                            tier.name, kind, e)
+                self.metrics.errors.labels(tier.name, kind).inc()
+                if isinstance(e, FrameError) and hasattr(tier.backend, "remove"):
+                    tier.backend.remove(key)
+                continue
+            self.hot.put(key, buf)
+            buf.release()
+            self.metrics.tier_hits.labels(tier.name).inc()
+            if prefetch:
+                self.metrics.prefetched_chunks.inc()
+            self.metrics.hot_chunks.set(len(self.hot))
+            return True
+        return False
+
+    def close(self) -> None:
+        """Finish background writes, then stop the I/O worker and drop the hot cache."""
+        self.io.drain()
+        self.io.close()
+        self.hot.clear()
+        for tier in self.tiers:
+            tier.backend.close()
+
