@@ -1,0 +1,193 @@
+"""With lmkv, the engine returns the same tokens as without it: from the hot cache, from
+disk in a new process, under memory pressure, layer-wise, and when the disk misbehaves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lmkv_engines.minimal.llm import LLM
+
+from .lmkv_workload import CHUNK, GREEDY, lmkv_llm, metric, prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """Tokens of each prompt set without lmkv, one prompt at a time."""
+    llm = LLM(str(tiny_model_dir), enable_prefix_caching=False, kv_cache_memory=64 << 20)
+    cache: dict[int, list[list[int]]] = {}
+
+    def tokens(seed: int = 0) -> list[list[int]]:
+        if seed not in cache:
+            cache[seed] = [llm.generate([p], GREEDY)[0].output_token_ids for p in prompts(seed=seed)]
+        return cache[seed]
+
+    return tokens
+
+
+def _fill_disk(model_dir, disk, rounds=1) -> list:
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.engine.lmkv_workload", str(model_dir), str(disk), str(rounds)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
+    )
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def _full_chunks(p: list[int]) -> int:
+    return (len(p) - 1) // CHUNK * CHUNK
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_hot_cache_hit_gives_same_tokens(tiny_model_dir, reference, layerwise):
+    with lmkv_llm(tiny_model_dir, use_layerwise=layerwise) as llm:
+        first = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in first] == reference()
+        assert all(o.num_external_tokens == 0 for o in first)
+        again = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in again] == reference()
+        assert [o.num_external_tokens for o in again] == [_full_chunks(p) for p in prompts()]
+        assert metric(llm, "lmkv_hit_tokens_total") == sum(_full_chunks(p) for p in prompts())
+        assert metric(llm, "lmkv_tier_hits_total", tier="hot") > 0
+        llm.engine.kv_connector.engine.pool.check_integrity()
+
+
+def test_disk_hit_in_a_new_process(tiny_model_dir, reference, tmp_path):
+    written = _fill_disk(tiny_model_dir, tmp_path / "disk")
+    assert written[0] == reference()
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", enable_prefetch=False) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        assert [o.num_external_tokens for o in outs] == [_full_chunks(p) for p in prompts()]
+        assert metric(llm, "lmkv_tier_hits_total", tier="disk") == sum(
+            _full_chunks(p) // CHUNK for p in prompts())
+
+
+def test_prefetch_pulls_queued_requests_from_disk(tiny_model_dir, reference, tmp_path):
+    _fill_disk(tiny_model_dir, tmp_path / "disk")
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk") as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        assert metric(llm, "lmkv_prefetched_chunks_total") > 0
+        assert all(o.num_external_tokens == _full_chunks(p) for o, p in zip(outs, prompts(), strict=True))
+
+
+def test_partial_prefix_hits_and_engine_prefix_cache_together(tiny_model_dir, tmp_path):
+    base = prompts(n=1, length=200, seed=5)[0]
+    other = prompts(n=1, length=100, seed=6)[0]
+    diverged = base[:100] + other  # shares chunks [0, 96) with base
+    plain = LLM(str(tiny_model_dir), enable_prefix_caching=False, kv_cache_memory=64 << 20)
+    want = {name: plain.generate([p], GREEDY)[0].output_token_ids
+            for name, p in [("base", base), ("diverged", diverged), ("short", base[:50])]}
+    _fill_disk_with = lmkv_llm(tiny_model_dir, tmp_path / "disk")
+    _fill_disk_with.generate([base], GREEDY)
+    _fill_disk_with.close()
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", prefix_caching=True) as llm:
+        out = llm.generate([diverged], GREEDY)[0]
+        assert out.output_token_ids == want["diverged"] and out.num_external_tokens == 96
+        # the engine's prefix cache now holds blocks [0, 48) of a 50-token prompt; lmkv then
+        # loads the rest of base's chunks, skipping the 16 tokens of chunk 1 the engine has
+        short = llm.generate([base[:50]], GREEDY)[0]
+        assert short.output_token_ids == want["short"]
+        llm.engine.block_manager.reset_prefix_cache()
+        llm.generate([base[:50]], GREEDY)
+        out = llm.generate([base], GREEDY)[0]
+        assert out.output_token_ids == want["base"]
+        assert out.num_cached_tokens == 48 and out.num_external_tokens == 192 - 48
+
+
+def test_many_concurrent_requests_under_memory_pressure(tiny_model_dir, reference):
+    # 4 chunks of hot cache for 6 prompts of 6-7 chunks: constant eviction
+    chunk_bytes = 2 * 2 * CHUNK * 1 * 64 * 4
+    with lmkv_llm(tiny_model_dir, cpu_gb=4.5 * (chunk_bytes + 64) / 1e9) as llm:
+        for _ in range(2):
+            outs = llm.generate(prompts(), GREEDY)
+            assert [o.output_token_ids for o in outs] == reference()
+        assert metric(llm, "lmkv_dropped_total", what="no_memory") >= 0
+        llm.engine.kv_connector.engine.pool.check_integrity()
+    with lmkv_llm(tiny_model_dir) as llm:  # ample memory, 12 requests in one batch
+        many = prompts() + prompts(seed=1)
+        outs = llm.generate(many, GREEDY)
+        again = llm.generate(many, GREEDY)
+        assert [o.output_token_ids for o in again] == [o.output_token_ids for o in outs]
+        assert [o.output_token_ids for o in outs[:6]] == reference()
+        assert all(o.num_external_tokens > 0 for o in again)
+
+
+def test_save_decode_cache_stores_generated_chunks(tiny_model_dir):
+    p = prompts(n=1, length=60, seed=9)[0]
+    plain = LLM(str(tiny_model_dir), enable_prefix_caching=False, kv_cache_memory=64 << 20)
+    first = plain.generate([p], GREEDY)[0].output_token_ids
+    cont = p + first  # 72 tokens: chunk [32, 64) was completed by generated tokens
+    want = plain.generate([cont], GREEDY)[0].output_token_ids
+    for decode, expect in [(False, 32), (True, 64)]:
+        with lmkv_llm(tiny_model_dir, save_decode_cache=decode) as llm:
+            llm.generate([p], GREEDY)
+            out = llm.generate([cont], GREEDY)[0]
+            assert out.output_token_ids == want and out.num_external_tokens == expect
+
+
+def _corrupt(disk: Path, how: str) -> int:
+    files = sorted(disk.glob("*.kv"))
+    for f in files:
+        data = bytearray(f.read_bytes())
+        if how == "flip":
+            data[len(data) // 2] ^= 0xFF
+            data[100] ^= 0x01
+        elif how == "truncate":
+            data = data[: len(data) - 1000]
+        f.write_bytes(bytes(data))
+    return len(files)
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_corrupt_files_cost_a_recompute(tiny_model_dir, reference, tmp_path, how):
+    _fill_disk(tiny_model_dir, tmp_path / "disk")
+    assert _corrupt(tmp_path / "disk", how) > 0
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", enable_prefetch=False) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        assert all(o.num_external_tokens == 0 for o in outs)
+        assert metric(llm, "lmkv_errors_total", tier="disk", kind="corrupt") > 0
+
+
+def test_disk_cap_of_a_few_chunks(tiny_model_dir, reference, tmp_path):
+    frame = 64 + 2 * 2 * CHUNK * 64 * 4
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", disk_gb=3.5 * frame / 1e9) as llm:
+        llm.generate(prompts(), GREEDY)
+        llm.engine.kv_connector.engine.storage.io.drain()
+        assert len(list((tmp_path / "disk").glob("*.kv"))) == 3
+        assert metric(llm, "lmkv_evictions_total", tier="disk") > 0
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", disk_gb=3.5 * frame / 1e9) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+
+
+def test_sigkill_while_writing_leaves_only_intact_entries(tiny_model_dir, reference, tmp_path):
+    disk = tmp_path / "disk"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.engine.lmkv_workload", str(tiny_model_dir), str(disk), "50"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(disk.glob("*.kv"))) < 40 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert len(list(disk.glob("*.kv"))) >= 40
+    with lmkv_llm(tiny_model_dir, disk) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        assert sum(o.num_external_tokens for o in outs) > 0
+        assert metric(llm, "lmkv_errors_total", tier="disk", kind="corrupt") == 0
+    assert not list(disk.glob("*.tmp"))

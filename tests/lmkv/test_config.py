@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import pytest
+
+from lmkv.config import ConfigError, LMKVConfig, load_config
+
+
+def test_precedence_defaults_yaml_env_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_size: 128\nmax_local_cpu_size: 2\nsave_decode_cache: true\n")
+    cfg = load_config(path, env={"LMKV_MAX_LOCAL_CPU_SIZE": "3.5", "LMKV_USE_LAYERWISE": "true"},
+                      save_decode_cache=False)
+    assert cfg.chunk_size == 128  # yaml over default
+    assert cfg.max_local_cpu_size == 3.5  # env over yaml
+    assert cfg.use_layerwise is True
+    assert cfg.save_decode_cache is False  # override over yaml
+    assert cfg.enable_prefetch is True  # default
+
+
+def test_config_file_from_environment(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_size: 64\n")
+    assert load_config(env={"LMKV_CONFIG_FILE": str(path)}).chunk_size == 64
+
+
+def test_lmcache_yaml_is_accepted(tmp_path):
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(
+        "chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 5\n"
+        f"local_disk: file://{tmp_path}/disk/\nmax_local_disk_size: 10\n"
+        "save_decode_cache: false\nuse_layerwise: false\nremote_serde: naive\n"
+    )
+    cfg = load_config(path, env={})
+    assert cfg.local_disk == f"{tmp_path}/disk/" and cfg.disk_bytes == 10 * 10**9
+
+
+@pytest.mark.parametrize("yaml_text,key", [
+    ("chunk_sise: 256\n", "chunk_sise"),
+    ("chunk_size: 0\n", "chunk_size"),
+    ("chunk_size: big\n", "chunk_size"),
+    ("chunk_size: true\n", "chunk_size"),
+    ("max_local_cpu_size: -1\n", "max_local_cpu_size"),
+    ("local_disk: /tmp/x\n", "max_local_disk_size"),
+    ("remote_serde: pickle\n", "remote_serde"),
+    ("use_layerwise: maybe\n", "use_layerwise"),
+    ("save_unfull_chunk: true\n", "save_unfull_chunk"),
+    ("blend_recompute_ratio: 2\n", "blend_recompute_ratio"),
+])
+def test_bad_keys_and_values_name_the_key(tmp_path, yaml_text, key):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=key):
+        load_config(path, env={})
+
+
+def test_bad_env_and_files_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="chunk_size"):
+        load_config(env={"LMKV_CHUNK_SIZE": "lots"})
+    with pytest.raises(ConfigError, match="no_such_key"):
+        load_config(env={"LMKV_NO_SUCH_KEY": "1"})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml", env={})
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml", env={})
+    (tmp_path / "bad.yaml").write_text("a: [1,\n")
+    with pytest.raises(ConfigError, match="YAML"):
+        load_config(tmp_path / "bad.yaml", env={})
+
+
+def test_config_is_frozen():
+    cfg = LMKVConfig()
+    with pytest.raises(AttributeError):
+        cfg.chunk_size = 1  # type: ignore[misc]

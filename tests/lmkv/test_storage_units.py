@@ -1,0 +1,111 @@
+"""Keys, the memory pool, the hot cache, the codec frame and the disk tier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmkv.backends.base import BackendError
+from lmkv.backends.disk import DiskBackend
+from lmkv.codec import FrameError, decode_into, encode
+from lmkv.keys import KeyScope, prefix_hashes
+from lmkv.layout import KVLayout
+from lmkv.memory import MemoryPool
+from lmkv.storage.hot_cache import HotCache
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, chunk_size=4)
+
+
+def test_chained_hashes_name_whole_prefixes():
+    a = prefix_hashes(list(range(12)), 4)
+    b = prefix_hashes(list(range(8)) + [99, 9, 10, 11], 4)
+    c = prefix_hashes([0, 1, 2, 99] + list(range(4, 12)), 4)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert a[0] != c[0] and a[1] != c[1]  # a change in chunk 0 changes every later key
+    assert len(prefix_hashes(list(range(7)), 4)) == 1  # only full chunks
+
+
+def test_scopes_never_share_keys():
+    h = prefix_hashes(list(range(4)), 4)[0]
+    base = KeyScope("model-a", LAYOUT)
+    others = [
+        KeyScope("model-b", LAYOUT),
+        KeyScope("model-a", KVLayout(2, 2, 8, torch.bfloat16, 4)),
+        KeyScope("model-a", KVLayout(2, 2, 8, torch.float32, 4, rank=1, world_size=2)),
+        KeyScope("model-a", LAYOUT, namespace="tenant-1"),
+    ]
+    keys = {base.key(h)} | {s.key(h) for s in others}
+    assert len(keys) == 5 and all(len(k) <= 150 and k.isascii() for k in keys)
+
+
+def test_pool_refcounts_and_integrity():
+    pool = MemoryPool(LAYOUT, 3 * (64 + LAYOUT.chunk_bytes))
+    bufs = [pool.allocate() for _ in range(3)]
+    assert pool.allocate() is None
+    bufs[0].retain()
+    bufs[0].release()
+    assert pool.num_free == 0
+    for b in bufs:
+        b.release()
+    pool.check_integrity()
+    assert pool.num_free == 3
+    with pytest.raises(AssertionError):
+        bufs[0].release()
+
+
+def test_hot_cache_evicts_lru_but_never_a_referenced_chunk():
+    pool = MemoryPool(LAYOUT, 2 * (64 + LAYOUT.chunk_bytes))
+    hot = HotCache(pool)
+    a, b = hot.allocate(), hot.allocate()
+    hot.put("a", a)
+    hot.put("b", b)
+    b.release()  # "b" is held by the cache only; "a" also by us
+    c = hot.allocate()  # evicts b, the only unreferenced entry, though a is older
+    assert c is not None and hot.contains("a") and not hot.contains("b")
+    assert hot.allocate() is None  # a (ours) and c (ours) are both referenced
+    for x in (a, c):
+        x.release()
+    hot.clear()
+    pool.check_integrity()
+    assert pool.num_free == 2
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_frame_round_trip_and_rejections(codec):
+    pool = MemoryPool(LAYOUT, 2 * (64 + LAYOUT.chunk_bytes))
+    src, dst = pool.allocate(), pool.allocate()
+    src.kv.copy_(torch.randn(LAYOUT.chunk_shape))
+    frame = bytes(encode(src, "k1", codec))
+    decode_into(frame, dst, "k1")
+    assert torch.equal(src.kv, dst.kv)
+    flipped = bytearray(frame)
+    flipped[len(frame) // 2] ^= 0x40
+    for bad, why in [(bytes(flipped), "checksum|decode"), (frame[:-7], "truncated"),
+                     (frame[:20], "truncated"), (b"\0" * len(frame), "not an lmkv frame")]:
+        with pytest.raises(FrameError, match=why):
+            decode_into(bad, dst, "k1")
+    with pytest.raises(FrameError, match="another key"):
+        decode_into(frame, dst, "k2")
+    other = MemoryPool(KVLayout(2, 2, 8, torch.float16, 4), 64 + LAYOUT.chunk_bytes).allocate()
+    with pytest.raises(FrameError, match="expected"):
+        decode_into(frame, other, "k1")
+
+
+def test_disk_tier_survives_restart_and_respects_its_cap(tmp_path):
+    disk = DiskBackend(tmp_path, capacity_bytes=300)
+    disk.put([("a", b"x" * 100), ("b", b"y" * 100)])
+    assert disk.get(["a", "b", "c"]) == [b"x" * 100, b"y" * 100, None]
+    disk.get(["a"])  # a is now most recently used
+    disk.put([("c", b"z" * 150)])  # must evict b (LRU) to fit
+    assert disk.contains(["a", "b", "c"]) == [True, False, True]
+    assert disk.used <= 300
+    (tmp_path / ".junk.123.tmp").write_bytes(b"partial")  # a crashed write
+    again = DiskBackend(tmp_path, capacity_bytes=300)
+    assert again.get(["a", "c"]) == [b"x" * 100, b"z" * 150]
+    assert not list(tmp_path.glob("*.tmp"))
+    out = bytearray(200)
+    assert again.get_into("c", memoryview(out)) == 150 and out[:150] == b"z" * 150
+    with pytest.raises(BackendError, match="exceeds"):
+        again.put([("big", b"0" * 400)])
+    smaller = DiskBackend(tmp_path, capacity_bytes=160)  # restart with a lower cap evicts
+    assert smaller.used <= 160
