@@ -1,0 +1,217 @@
+"""lmkv TTFT and retrieve bandwidth on a realistic-shape model, side by side in one run.
+
+Prints, for a long prompt (default 4096 tokens):
+- TTFT cold (no lmkv) vs warm from the hot cache (target >= 20x) and from disk in a fresh
+  process (target >= 5x); the floor (KV bytes / measured bandwidth + computing the
+  uncached tail) and warm / floor (target <= 2x).
+- hot-tier retrieve GB/s / memcpy GB/s (target >= 0.5); disk-tier retrieve GB/s / raw
+  sequential read of the same bytes (target >= 0.7).
+- zero-hit overhead: TTFT with lmkv on prompts that never hit / without lmkv (<= 1.05x).
+Disk numbers are taken with the files dropped from the page cache (posix_fadvise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import random_prompt, realistic_model_dir  # noqa: E402
+
+from lmkv import ops  # noqa: E402
+from lmkv.config import load_config  # noqa: E402
+from lmkv_engines.minimal.llm import LLM  # noqa: E402
+from lmkv_engines.minimal.sampling_params import SamplingParams  # noqa: E402
+
+FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+
+def ttft(llm: LLM, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    llm.generate([prompt], FIRST_TOKEN)
+    return time.perf_counter() - start
+
+
+def lmkv_llm(model_dir: Path, disk: Path, chunk: int) -> LLM:
+    cfg = load_config(env={}, chunk_size=chunk, max_local_cpu_size=2.0, local_disk=str(disk),
+                      max_local_disk_size=4.0)
+    return LLM(str(model_dir), lmkv_config=cfg, kv_cache_memory=1 << 30, enable_prefix_caching=False)
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read_seconds(paths: list[Path]) -> tuple[float, int]:
+    sizes = [p.stat().st_size for p in paths]
+    buf = memoryview(bytearray(max(sizes)))
+    buf[:] = bytes(len(buf))  # pre-fault
+    drop_page_cache(paths)
+    start = time.perf_counter()
+    for p, n in zip(paths, sizes, strict=True):
+        with open(p, "rb", buffering=0) as f:
+            f.readinto(buf[:n])
+    return time.perf_counter() - start, sum(sizes)
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    src = torch.ones(nbytes // 4)
+    dst = torch.zeros(nbytes // 4)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return nbytes / min(times) / 1e9
+
+
+def child(args) -> None:
+    """A fresh process: TTFT of the prompt with only the disk tier holding its chunks."""
+    llm = lmkv_llm(args.model_dir, args.disk, args.chunk)
+    prompt = random_prompt(args.prompt_len, 32000, seed=0)
+    drop_page_cache(sorted(args.disk.glob("*.kv")))
+    t = ttft(llm, prompt)
+    out = llm.generate([prompt], FIRST_TOKEN)[0]
+    print(json.dumps({"ttft": t, "external": out.num_external_tokens}))
+    llm.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--disk", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+
+    model_dir = realistic_model_dir()
+    n, reps = args.prompt_len, args.repeats
+    prompt = random_prompt(n, 32000, seed=0)
+    fresh = [random_prompt(n, 32000, seed=1000 + i) for i in range(2 * reps + 1)]
+    tmp = Path(tempfile.mkdtemp(prefix="lmkv-bench-"))
+    disk = tmp / "disk"
+
+    plain = LLM(str(model_dir), kv_cache_memory=1 << 30, enable_prefix_caching=False)
+    llm = lmkv_llm(model_dir, disk, args.chunk)
+    lay = llm.engine.kv_connector.engine.layout
+    print(f"prompt {n} tokens, chunk {args.chunk}, KV {lay.bytes_per_token * n / 1e6:.1f} MB "
+          f"({lay.num_layers} layers, {lay.num_kv_heads} KV heads, {lay.dtype}); "
+          f"torch threads {torch.get_num_threads()}")
+
+    # zero-hit overhead: alternate plain and lmkv on prompts never seen before
+    ttft(plain, fresh[-1])
+    ttft(llm, fresh[-1])
+    cold, zero_hit = [], []
+    for i in range(reps):
+        cold.append(ttft(plain, fresh[2 * i]))
+        zero_hit.append(ttft(llm, fresh[2 * i + 1]))
+    t_cold, t_zero = statistics.median(cold), statistics.median(zero_hit)
+
+    # warm from the hot cache
+    first = llm.generate([prompt], FIRST_TOKEN)[0]
+    warm = [ttft(llm, prompt) for _ in range(reps)]
+    out = llm.generate([prompt], FIRST_TOKEN)[0]
+    hit = out.num_external_tokens
+    assert out.output_token_ids == plain.generate([prompt], FIRST_TOKEN)[0].output_token_ids
+    assert first.num_external_tokens == 0 and hit > 0
+    t_hot = statistics.median(warm)
+
+    # the floor's compute part: the uncached tail over a cached prefix (engine prefix cache)
+    tail_engine = LLM(str(model_dir), kv_cache_memory=1 << 30)
+    tail_engine.generate([prompt[: hit + 1]], FIRST_TOKEN)
+    t_tail = statistics.median(
+        [ttft(tail_engine, prompt) for _ in range(reps)])  # local hit = the same `hit` tokens
+    del tail_engine
+    kv_bytes = hit * lay.bytes_per_token
+    bw_mem = memcpy_gbps(kv_bytes)
+    floor_hot = kv_bytes / (bw_mem * 1e9) + t_tail
+
+    # retrieve bandwidth, hot: fetch + scatter into paged memory vs memcpy
+    lm = llm.engine.kv_connector.engine
+    keys = lm.keys(prompt)[: hit // args.chunk]
+    block_ids = list(range(n // 16 + 1))
+    slots = [torch.arange(i * args.chunk, (i + 1) * args.chunk) for i in range(len(keys))]
+    kv_cache = llm.engine.kv_cache
+
+    def retrieve() -> float:
+        start = time.perf_counter()
+        bufs = lm.fetch(keys)
+        for buf, s in zip(bufs, slots, strict=True):
+            ops.chunk_to_paged(buf.kv, kv_cache, s)
+            buf.release()
+        assert len(bufs) == len(keys)
+        return time.perf_counter() - start
+
+    del block_ids
+    t_ret_hot = min(retrieve() for _ in range(5))
+    gb_hot = kv_bytes / t_ret_hot / 1e9
+
+    # retrieve bandwidth, disk: fetch from disk into the hot cache vs raw reads of the files
+    lm.storage.io.drain()
+    files = sorted(disk.glob("*.kv"))
+    disk_times, raw_times = [], []
+    for _ in range(3):
+        lm.storage.hot.clear()
+        drop_page_cache(files)
+        start = time.perf_counter()
+        bufs = lm.fetch(keys)
+        disk_times.append(time.perf_counter() - start)
+        assert len(bufs) == len(keys)
+        for b in bufs:
+            b.release()
+        t_raw, raw_bytes = raw_read_seconds([lm.storage.tiers[0].backend.root /
+                                             lm.storage.tiers[0].backend._name(k) for k in keys])
+        raw_times.append(t_raw)
+    t_ret_disk, t_raw = min(disk_times), min(raw_times)
+    bw_disk = raw_bytes / t_raw / 1e9
+    gb_disk = raw_bytes / t_ret_disk / 1e9
+    llm.close()
+    del llm
+
+    # warm from disk in a fresh process
+    res = subprocess.run(
+        [sys.executable, __file__, "--child", "--disk", str(disk), "--model-dir", str(model_dir),
+         "--prompt-len", str(n), "--chunk", str(args.chunk)],
+        capture_output=True, text=True, check=True,
+    )
+    child_out = json.loads(res.stdout.strip().splitlines()[-1])
+    t_disk = child_out["ttft"]
+    floor_disk = kv_bytes / (bw_disk * 1e9) + t_tail
+
+    print(f"TTFT cold {t_cold * 1e3:.0f} ms vs warm hot cache {t_hot * 1e3:.0f} ms "
+          f"({hit} of {n} tokens loaded): cold/warm_hot = {t_cold / t_hot:.1f}x")
+    print(f"TTFT cold {t_cold * 1e3:.0f} ms vs warm from disk in a fresh process {t_disk * 1e3:.0f} ms "
+          f"({child_out['external']} tokens loaded): cold/warm_disk = {t_cold / t_disk:.1f}x")
+    print(f"floor hot: {kv_bytes / 1e6:.0f} MB / {bw_mem:.1f} GB/s memcpy + tail {t_tail * 1e3:.0f} ms = "
+          f"{floor_hot * 1e3:.0f} ms; warm_hot/floor = {t_hot / floor_hot:.2f}x")
+    print(f"floor disk: {kv_bytes / 1e6:.0f} MB / {bw_disk:.2f} GB/s read + tail {t_tail * 1e3:.0f} ms = "
+          f"{floor_disk * 1e3:.0f} ms; warm_disk/floor = {t_disk / floor_disk:.2f}x")
+    print(f"hot retrieve {gb_hot:.1f} GB/s vs memcpy {bw_mem:.1f} GB/s: retrieve/memcpy = "
+          f"{gb_hot / bw_mem:.2f}")
+    print(f"disk retrieve {gb_disk:.2f} GB/s vs raw sequential read {bw_disk:.2f} GB/s: "
+          f"retrieve/raw = {gb_disk / bw_disk:.2f}")
+    print(f"zero-hit TTFT with lmkv {t_zero * 1e3:.0f} ms vs without {t_cold * 1e3:.0f} ms: "
+          f"overhead = {t_zero / t_cold:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
