@@ -15,21 +15,47 @@ def paged_to_chunk(
     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int = 0
 ) -> None:
     """Gather tokens [skip, T) of a chunk from paged memory into ``chunk``."""
-    num_layers = kv_cache.shape[0]
-    flat = kv_cache.flatten(2, 3)  # [L, 2, slots, Hkv, D]
-    slots = slot_mapping[skip:]
-    for layer in range(num_layers):
-        for kv in range(2):
-            torch.index_select(flat[layer, kv], 0, slots, out=chunk[kv, layer, skip:])
+    for rows, pages, lo in _spans(kv_cache, slot_mapping, skip):
+        for layer in range(kv_cache.shape[0]):
+            for kv in range(2):
+                out = chunk[kv, layer, lo : lo + rows.shape[0] * _per_row(pages)]
+                torch.index_select(pages[layer, kv], 0, rows, out=out.view(-1, *pages.shape[3:]))
 
 
 def chunk_to_paged(
     chunk: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, skip: int = 0
 ) -> None:
     """Scatter tokens [skip, T) of ``chunk`` into paged memory."""
-    num_layers = kv_cache.shape[0]
-    flat = kv_cache.flatten(2, 3)
-    slots = slot_mapping[skip:]
-    for layer in range(num_layers):
-        for kv in range(2):
-            flat[layer, kv].index_copy_(0, slots, chunk[kv, layer, skip:])
+    for rows, pages, lo in _spans(kv_cache, slot_mapping, skip):
+        for layer in range(kv_cache.shape[0]):
+            for kv in range(2):
+                src = chunk[kv, layer, lo : lo + rows.shape[0] * _per_row(pages)]
+                pages[layer, kv].index_copy_(0, rows, src.view(-1, *pages.shape[3:]))
+
+
+def _spans(kv_cache: torch.Tensor, slots: torch.Tensor, skip: int):
+    """Split tokens [skip, T) into copies of whole blocks where the slots allow (one row per
+    block: far fewer, larger copies) and single tokens elsewhere. Yields (row indices,
+    paged memory viewed as rows [L, 2, rows, ...], first chunk token)."""
+    bs = kv_cache.shape[3]
+    per_block = kv_cache  # rows = blocks: [L, 2, num_blocks, bs, Hkv, D]
+    per_token = kv_cache.flatten(2, 3)  # rows = slots: [L, 2, num_blocks * bs, Hkv, D]
+    t = slots.shape[0]
+    head = min(t, -(-skip // bs) * bs)  # [skip, head): up to the first block boundary
+    if head > skip:
+        yield slots[skip:head], per_token, skip
+    body = slots[head:]
+    if body.numel() == 0:
+        return
+    if body.numel() % bs == 0:
+        grid = body.view(-1, bs)
+        first = grid[:, 0]
+        if not bool((first % bs).any()) and torch.equal(grid, first[:, None] + torch.arange(bs)):
+            yield first // bs, per_block, head
+            return
+    yield body, per_token, head
+
+
+def _per_row(pages: torch.Tensor) -> int:
+    """Tokens per row of ``pages``: block_size for the block view, 1 for the slot view."""
+    return pages.shape[3] if pages.dim() == 6 else 1
