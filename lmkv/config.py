@@ -32,7 +32,8 @@ class LMKVConfig:
     local_disk: str | None = None  # directory (or file:// URL) of the disk tier; None = off
     max_local_disk_size: float = 0.0  # GB cap of the disk tier (required when local_disk is set)
     remote_url: str | None = None  # lm://, redis://, ... (issue: cross-instance sharing)
-    remote_serde: str = "naive"
+    remote_serde: str = "naive"  # naive (raw frames) | zstd
+    remote_timeout: float = 2.0  # seconds for any one remote call
     save_decode_cache: bool = False  # also store chunks completed by generated tokens
     use_layerwise: bool = False  # load/save layer by layer, overlapping the forward pass
     save_unfull_chunk: bool = False  # accepted for LMCache compatibility; must stay False
@@ -61,7 +62,15 @@ class LMKVConfig:
                      "must be > 0 (GB) when local_disk is set")
             object.__setattr__(self, "local_disk", path)
         if self.remote_url is not None:
-            _require(False, "remote_url", "is not supported by this build yet (remote backends)")
+            from .backends.registry import check_url
+
+            try:
+                check_url(self.remote_url)
+            except ValueError as e:
+                raise ConfigError(f"lmkv config key remote_url: {e}") from None
+        _require(self.remote_serde != "cachegen", "remote_serde",
+                 "cachegen is not supported by this build yet (use naive or zstd)")
+        _require(self.remote_timeout > 0, "remote_timeout", "must be > 0 (seconds)")
         _require(not self.enable_blending, "enable_blending", "is not supported by this build yet")
 
     @property

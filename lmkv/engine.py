@@ -42,6 +42,12 @@ class LMKVEngine:
                 tiers.append(Tier("disk", DiskBackend(self.config.local_disk, self.config.disk_bytes)))
             except BackendError as e:
                 raise ValueError(f"lmkv config key local_disk: {e}") from e
+        if self.config.remote_url:
+            from .backends.registry import create_backend
+
+            codec = "raw" if self.config.remote_serde == "naive" else self.config.remote_serde
+            backend = create_backend(self.config.remote_url, self.config.remote_timeout)
+            tiers.append(Tier("remote", backend, codec))
         return tiers
 
     @property

@@ -14,23 +14,25 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..backends.base import BackendError, StorageBackend
 from ..codec import FrameError, decode_into, encode
 from ..memory import ChunkBuffer, MemoryPool
 from ..metrics import LMKVMetrics
+from .breaker import CircuitBreaker
 from .hot_cache import HotCache
 from .io import IOWorker
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Tier:
     name: str
     backend: StorageBackend
     codec: str = "raw"
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
 
 class StorageManager:
@@ -64,6 +66,10 @@ class StorageManager:
                 self.metrics.dropped.labels(f"save_{tier.name}").inc()
 
     def _write(self, tier: Tier, key: str, buf: ChunkBuffer) -> None:
+        if not tier.breaker.closed:
+            buf.release()
+            self.metrics.dropped.labels(f"save_{tier.name}").inc()
+            return
         try:
             frame = encode(buf, key, tier.codec)
             start = time.perf_counter()
@@ -73,9 +79,9 @@ class StorageManager:
             self.metrics.tier_bytes.labels(tier.name, "put").inc(len(frame))
             self.metrics.evictions.labels(tier.name).inc(
                 getattr(tier.backend, "num_evictions", 0) - before)
+            tier.breaker.success()
         except BackendError as e:
-            log.warning("lmkv: saving a chunk to %s failed: %s", tier.name, e)
-            self.metrics.errors.labels(tier.name, "put").inc()
+            self._failed(tier, "put", e)
         finally:
             buf.release()
 
@@ -91,11 +97,13 @@ class StorageManager:
             return n
         found = [False] * len(rest)
         for tier in self.tiers:
+            if not tier.breaker.closed:
+                continue
             try:
                 here = tier.backend.contains(rest)
+                tier.breaker.success()
             except BackendError as e:
-                log.warning("lmkv: lookup in %s failed: %s", tier.name, e)
-                self.metrics.errors.labels(tier.name, "contains").inc()
+                self._failed(tier, "contains", e)
                 continue
             found = [a or b for a, b in zip(found, here, strict=True)]
         for f in found:
@@ -156,6 +164,8 @@ class StorageManager:
         if self.hot.contains(key):
             return True
         for tier in self.tiers:
+            if not tier.breaker.closed:
+                continue
             buf = self.hot.allocate()
             if buf is None:
                 self.metrics.dropped.labels("no_memory").inc()
@@ -171,16 +181,20 @@ class StorageManager:
                 if data is None:
                     buf.release()
                     continue
+                tier.breaker.success()
                 decode_into(data, buf, key)
                 self.metrics.tier_seconds.labels(tier.name, "get").observe(time.perf_counter() - start)
                 self.metrics.tier_bytes.labels(tier.name, "get").inc(len(data))
-            except (BackendError, FrameError) as e:
+            except BackendError as e:
                 buf.release()
-                kind = "corrupt" if isinstance(e, FrameError) else "get"
-                log.warning("lmkv: reading a chunk from %s failed (%s): %s; it will be recomputed",
-                            tier.name, kind, e)
-                self.metrics.errors.labels(tier.name, kind).inc()
-                if isinstance(e, FrameError) and hasattr(tier.backend, "remove"):
+                self._failed(tier, "get", e)
+                continue
+            except FrameError as e:
+                buf.release()
+                log.warning("lmkv: a chunk from %s is corrupt (%s); it will be recomputed",
+                            tier.name, e)
+                self.metrics.errors.labels(tier.name, "corrupt").inc()
+                if hasattr(tier.backend, "remove"):
                     tier.backend.remove(key)
                 continue
             self.hot.put(key, buf)
@@ -191,6 +205,12 @@ class StorageManager:
             self.metrics.hot_chunks.set(len(self.hot))
             return True
         return False
+
+    def _failed(self, tier: Tier, op: str, error: BackendError) -> None:
+        pause = tier.breaker.failure()
+        log.warning("lmkv: %s %s failed: %s; skipping %s for %.0f s (chunks are recomputed)",
+                    tier.name, op, error, tier.name, pause)
+        self.metrics.errors.labels(tier.name, op).inc()
 
     def close(self) -> None:
         """Finish background writes, then stop the I/O worker and drop the hot cache."""

@@ -33,10 +33,12 @@ def metric(llm: LLM, name: str, **labels) -> float:
 
 
 if __name__ == "__main__":
-    # python -m tests.engine.lmkv_workload MODEL_DIR DISK_DIR [ROUNDS]: fill the disk tier
-    model_dir, disk = sys.argv[1], sys.argv[2]
+    # python -m tests.engine.lmkv_workload MODEL_DIR DISK_DIR|- [ROUNDS [REMOTE_URL]]:
+    # fill lmkv's lower tiers from a separate process, printing the tokens of each round
+    model_dir, disk = sys.argv[1], (None if sys.argv[2] == "-" else sys.argv[2])
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    with lmkv_llm(model_dir, disk) as llm:
+    remote = sys.argv[4] if len(sys.argv) > 4 else None
+    with lmkv_llm(model_dir, disk, remote_url=remote) as llm:
         for r in range(rounds):
             outs = llm.generate(prompts(seed=r), GREEDY)
             print(json.dumps([o.output_token_ids for o in outs]), flush=True)

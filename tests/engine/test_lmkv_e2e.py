@@ -34,9 +34,11 @@ def reference(tiny_model_dir):
     return tokens
 
 
-def _fill_disk(model_dir, disk, rounds=1) -> list:
+def _fill_disk(model_dir, disk, rounds=1, remote_url=None) -> list:
+    extra = [remote_url] if remote_url else []
     out = subprocess.run(
-        [sys.executable, "-m", "tests.engine.lmkv_workload", str(model_dir), str(disk), str(rounds)],
+        [sys.executable, "-m", "tests.engine.lmkv_workload", str(model_dir), str(disk), str(rounds),
+         *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
     )
     return [json.loads(line) for line in out.stdout.splitlines()]

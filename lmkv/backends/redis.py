@@ -1,0 +1,80 @@
+"""Redis tiers: redis:// and rediss:// (one server), redis-cluster:// (Redis Cluster).
+
+Values are stored under ``<key_prefix><key>``; the prefix comes from the URL's
+``key_prefix`` query parameter (default ``lmkv:``). Batches go out as one pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
+
+from .base import BackendError, StorageBackend
+
+
+def _split_prefix(url: str) -> tuple[str, str]:
+    parts = urlparse(url)
+    query = parse_qs(parts.query)
+    prefix = query.pop("key_prefix", ["lmkv:"])[0]
+    rest = urlencode({k: v[0] for k, v in query.items()})
+    return urlunparse(parts._replace(query=rest)), prefix
+
+
+class RedisBackend(StorageBackend):
+    def __init__(self, url: str, timeout: float = 2.0, max_value_size: int = 1 << 30):
+        import redis
+
+        self._errors = (redis.RedisError, OSError)
+        url, self.prefix = _split_prefix(url)
+        self.max_value_size = max_value_size
+        scheme = urlparse(url).scheme
+        try:
+            if scheme == "redis-cluster":
+                from redis.cluster import RedisCluster
+
+                self.client = RedisCluster.from_url(
+                    url.replace("redis-cluster://", "redis://", 1), socket_timeout=timeout,
+                    socket_connect_timeout=timeout,
+                )
+            else:
+                self.client = redis.Redis.from_url(
+                    url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                )
+        except self._errors as e:
+            raise BackendError(f"cannot connect to {url}: {e}") from e
+
+    def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key, value in items:
+                pipe.set(self.prefix + key, value)
+            pipe.execute()
+        except self._errors as e:
+            raise BackendError(f"redis put failed: {e}") from e
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(self.prefix + key)
+            values = pipe.execute()
+        except self._errors as e:
+            raise BackendError(f"redis get failed: {e}") from e
+        for v in values:
+            if v is not None and len(v) > self.max_value_size:
+                raise BackendError(f"redis returned a {len(v)}-byte value (limit {self.max_value_size})")
+        return values
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self.prefix + key)
+            return [bool(n) for n in pipe.execute()]
+        except self._errors as e:
+            raise BackendError(f"redis exists failed: {e}") from e
+
+    def close(self) -> None:
+        with contextlib.suppress(*self._errors):
+            self.client.close()

@@ -1,0 +1,31 @@
+"""A circuit breaker per remote tier: after a failure the tier is skipped for a while
+(doubling on each consecutive failure, up to a ceiling), so a dead store costs one
+timeout per interval instead of one per chunk."""
+
+from __future__ import annotations
+
+import time
+
+
+class CircuitBreaker:
+    def __init__(self, base_interval: float = 1.0, max_interval: float = 30.0):
+        self.base = base_interval
+        self.max = max_interval
+        self.failures = 0
+        self.open_until = 0.0
+
+    @property
+    def closed(self) -> bool:
+        """True when calls may go through (or a probe is due)."""
+        return time.monotonic() >= self.open_until
+
+    def success(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+
+    def failure(self) -> float:
+        """Record a failure; returns how long the tier is now skipped."""
+        self.failures += 1
+        interval = min(self.max, self.base * 2 ** (self.failures - 1))
+        self.open_until = time.monotonic() + interval
+        return interval

@@ -1,0 +1,85 @@
+"""Two engine processes share KV through a remote tier (a real redis-server), and a dead or
+corrupting store costs a recompute, never a wrong token or an error."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+import redis
+
+from ..redis_server import RedisServer, start_cluster
+from .lmkv_workload import GREEDY, lmkv_llm, metric, prompts
+from .test_lmkv_e2e import _fill_disk, _full_chunks, reference  # noqa: F401 - fixture
+
+
+def _fill_remote(model_dir, url):
+    return _fill_disk(model_dir, "-", 1, url)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.kill()
+
+
+def test_second_process_reuses_kv_through_redis(tiny_model_dir, reference, redis_server):  # noqa: F811
+    written = _fill_remote(tiny_model_dir, redis_server.url)
+    assert written[0] == reference()
+    with lmkv_llm(tiny_model_dir, remote_url=redis_server.url) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        assert [o.num_external_tokens for o in outs] == [_full_chunks(p) for p in prompts()]
+        assert metric(llm, "lmkv_tier_hits_total", tier="remote") > 0
+
+
+def test_second_process_reuses_kv_through_redis_cluster(tiny_model_dir, reference, tmp_path):  # noqa: F811
+    servers = start_cluster(tmp_path / "cluster")
+    try:
+        url = f"redis-cluster://127.0.0.1:{servers[0].port}"
+        _fill_remote(tiny_model_dir, url)
+        with lmkv_llm(tiny_model_dir, remote_url=url) as llm:
+            outs = llm.generate(prompts(), GREEDY)
+            assert [o.output_token_ids for o in outs] == reference()
+            assert all(o.num_external_tokens == _full_chunks(p) for o, p in zip(outs, prompts(), strict=True))
+    finally:
+        for s in servers:
+            s.kill()
+
+
+def test_killed_store_costs_recompute_and_reconnects(tiny_model_dir, reference, redis_server):  # noqa: F811
+    with lmkv_llm(tiny_model_dir, remote_url=redis_server.url, remote_timeout=0.5, cpu_gb=1e-4) as llm:
+        llm.generate(prompts(), GREEDY)
+        llm.engine.kv_connector.engine.storage.io.drain()
+        redis_server.kill()  # kill -9
+        start = time.monotonic()
+        outs = llm.generate(prompts(), GREEDY)  # the hot cache holds 3 of the 38 chunks
+        assert [o.output_token_ids for o in outs] == reference()
+        assert time.monotonic() - start < 30  # at most one timeout per breaker interval
+        assert sum(metric(llm, "lmkv_errors_total", tier="remote", kind=k)
+                   for k in ("contains", "get", "put")) > 0
+        RedisServer(redis_server.workdir, port=redis_server.port).start()
+        try:
+            time.sleep(2.5)  # past the breaker's interval
+            llm.generate(prompts(seed=3)[:2], GREEDY)
+            llm.engine.kv_connector.engine.storage.io.drain()
+            assert redis.Redis(port=redis_server.port).dbsize() > 0  # writing again
+        finally:
+            subprocess.run(["redis-cli", "-p", str(redis_server.port), "shutdown", "nosave"],
+                           capture_output=True)
+
+
+def test_flipped_bytes_in_the_store_are_detected(tiny_model_dir, reference, redis_server):  # noqa: F811
+    _fill_remote(tiny_model_dir, redis_server.url)
+    client = redis.Redis(port=redis_server.port)
+    for key in client.keys("*"):
+        value = bytearray(client.get(key))
+        value[len(value) // 3] ^= 0x10
+        client.set(key, bytes(value))
+    with lmkv_llm(tiny_model_dir, remote_url=redis_server.url) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        assert all(o.num_external_tokens == 0 for o in outs)
+        assert metric(llm, "lmkv_errors_total", tier="remote", kind="corrupt") > 0

@@ -1,0 +1,50 @@
+"""The Redis tiers against a real redis-server (and a real 3-node Redis Cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmkv.backends.base import BackendError
+from lmkv.backends.redis import RedisBackend
+
+from ..redis_server import RedisServer, start_cluster
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.kill()
+
+
+def test_put_get_contains_with_prefix(redis_server):
+    a = RedisBackend(redis_server.url + "?key_prefix=a:")
+    b = RedisBackend(redis_server.url + "?key_prefix=b:")
+    value = bytes(range(256)) * 4096
+    a.put([("k1", value), ("k2", memoryview(b"x" * 10))])
+    assert a.get(["k1", "k2", "k3"]) == [value, b"x" * 10, None]
+    assert a.contains(["k1", "k3"]) == [True, False]
+    assert b.get(["k1"]) == [None]  # prefixes are namespaces
+
+
+def test_dead_server_raises_backend_error_quickly(redis_server):
+    backend = RedisBackend(redis_server.url, timeout=0.5)
+    backend.put([("k", b"v")])
+    redis_server.kill()
+    with pytest.raises(BackendError):
+        backend.get(["k"])
+
+
+def test_redis_cluster(tmp_path):
+    servers = start_cluster(tmp_path)
+    try:
+        url = f"redis-cluster://127.0.0.1:{servers[0].port}"
+        backend = RedisBackend(url)
+        items = [(f"key-{i}", f"value-{i}".encode() * 1000) for i in range(50)]
+        backend.put(items)  # keys spread over all three nodes' slots
+        assert backend.get([k for k, _ in items]) == [v for _, v in items]
+        assert backend.contains(["key-1", "nope"]) == [True, False]
+        backend.close()
+    finally:
+        for s in servers:
+            s.kill()
