@@ -13,6 +13,7 @@ from lmkv.connector import SchedulerConnector, WorkerConnector
 from lmkv.engine import LMKVEngine
 from lmkv.layout import KVLayout
 from lmkv.metrics import LMKVMetrics
+from lmkv.paged import BlockPagedMemory
 
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
@@ -26,7 +27,7 @@ class KVConnector:
         self.engine = LMKVEngine(config, layout, model_fingerprint(model_dir), LMKVMetrics(registry))
         self.scheduler = SchedulerConnector(self.engine, block_size)
         self.worker = WorkerConnector(self.engine)
-        self.worker.register_kv_caches(kv_cache)
+        self.worker.register_kv_caches(BlockPagedMemory(kv_cache))
 
     def execute(self, runner: ModelRunner, sched: SchedulerOutput) -> dict[str, int]:
         """One step with lmkv: load what was matched, run the model, save new chunks."""

@@ -13,9 +13,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .. import ops
 from ..engine import LMKVEngine
 from ..memory import ChunkBuffer
+from ..paged import PagedMemory
 from .metadata import ConnectorMetadata
 
 log = logging.getLogger(__name__)
@@ -25,22 +25,22 @@ class WorkerConnector:
     def __init__(self, engine: LMKVEngine):
         self.engine = engine
         self.layerwise = engine.config.use_layerwise
-        self.kv_cache: torch.Tensor | None = None
+        self.paged: PagedMemory | None = None
         self.meta = ConnectorMetadata()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer") if self.layerwise else None
         self._layer_loaded: list[threading.Event] = []
         self._save_bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
         self._save_jobs: list[Future] = []
 
-    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
-        """kv_cache: [L, 2, num_blocks, block_size, Hkv, D], the engine's paged memory."""
+    def register_kv_caches(self, paged: PagedMemory) -> None:
+        """The engine's paged KV memory, in whatever layout ``paged`` implements."""
         lay = self.engine.layout
-        want = (lay.num_layers, 2, lay.num_kv_heads, lay.head_dim)
-        got = (kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[4], kv_cache.shape[5])
-        if got != want or kv_cache.dtype != lay.dtype:
-            raise ValueError(f"KV memory {tuple(kv_cache.shape)} {kv_cache.dtype} does not match "
-                             f"the lmkv layout {lay}")
-        self.kv_cache = kv_cache
+        want = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
+        got = (paged.num_layers, paged.num_kv_heads, paged.head_dim, paged.dtype)
+        if got != want:
+            raise ValueError(f"paged KV memory (layers, kv heads, head_dim, dtype) {got} does not "
+                             f"match the lmkv layout {want}")
+        self.paged = paged
 
     def bind_connector_metadata(self, meta: ConnectorMetadata) -> None:
         self.meta = meta
@@ -56,7 +56,7 @@ class WorkerConnector:
         if not self.layerwise:
             for spec in loads:
                 for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips, strict=True):
-                    ops.chunk_to_paged(buf.kv, self.kv_cache, slots, skip)
+                    self.paged.load(buf.kv, slots, skip)
                     buf.release()
             return
         self._layer_loaded = [threading.Event() for _ in range(self.engine.layout.num_layers)]
@@ -65,11 +65,10 @@ class WorkerConnector:
     def _load_layers(self, loads, events: list[threading.Event]) -> None:
         try:
             for layer, event in enumerate(events):
-                paged = self.kv_cache[layer : layer + 1]
                 for spec in loads:
                     for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips,
                                                 strict=True):
-                        ops.chunk_to_paged(buf.kv[:, layer : layer + 1], paged, slots, skip)
+                        self.paged.load(buf.kv, slots, skip, layer)
                 event.set()
         finally:
             for event in events:
@@ -93,9 +92,8 @@ class WorkerConnector:
             self._save_jobs.append(self._executor.submit(self._gather_layer, layer, self._save_bufs))
 
     def _gather_layer(self, layer: int, bufs) -> None:
-        paged = self.kv_cache[layer : layer + 1]
         for _, buf, slots in bufs:
-            ops.paged_to_chunk(paged, slots, buf.kv[:, layer : layer + 1])
+            self.paged.save(slots, buf.kv, 0, layer)
 
     def wait_for_save(self) -> None:
         """End of the step: new chunks go to the hot cache; lower tiers are written in the
@@ -109,7 +107,7 @@ class WorkerConnector:
         else:
             bufs = self._allocate_saves()
             for _, buf, slots in bufs:
-                ops.paged_to_chunk(self.kv_cache, slots, buf.kv)
+                self.paged.save(slots, buf.kv)
         for key, buf, _ in bufs:
             self.engine.store(key, buf)
             buf.release()
