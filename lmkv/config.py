@@ -43,6 +43,7 @@ class LMKVConfig:
     enable_blending: bool = False
     blend_recompute_ratio: float = 0.15
     blend_special_str: str = " # # "
+    blend_check_layer: int = 1  # layer whose KV deviation picks the tokens to recompute
 
     def __post_init__(self) -> None:
         _require(self.chunk_size >= 1, "chunk_size", "must be >= 1")
@@ -71,7 +72,8 @@ class LMKVConfig:
         _require(self.remote_serde != "cachegen", "remote_serde",
                  "cachegen is not supported by this build yet (use naive or zstd)")
         _require(self.remote_timeout > 0, "remote_timeout", "must be > 0 (seconds)")
-        _require(not self.enable_blending, "enable_blending", "is not supported by this build yet")
+        _require(self.blend_check_layer >= 0, "blend_check_layer", "must be >= 0")
+        _require(bool(self.blend_special_str), "blend_special_str", "must not be empty")
 
     @property
     def hot_cache_bytes(self) -> int:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from .backends.base import BackendError
+from .blend.plan import BlendPlan, CachedSegment
+from .blend.segments import split_segments
 from .config import LMKVConfig
-from .keys import KeyScope, prefix_hashes
+from .keys import KeyScope, content_hashes, prefix_hashes
 from .layout import KVLayout
 from .memory import ChunkBuffer, MemoryPool
 from .metrics import LMKVMetrics
@@ -78,6 +82,47 @@ class LMKVEngine:
 
     def store(self, key: str, buf: ChunkBuffer) -> None:
         self.storage.put(key, buf)
+
+    # ---- RAG chunks (CacheBlend): keyed by content, reusable anywhere in a prompt ----------
+    def content_keys(self, tokens: list[int]) -> list[str]:
+        return [self.scope.key(h) for h in content_hashes(tokens, self.chunk_size)]
+
+    def has_chunk(self, tokens: list[int]) -> bool:
+        keys = self.content_keys(tokens)
+        return self.lookup(keys) == len(keys)
+
+    def store_chunk(self, tokens: list[int], kv: torch.Tensor) -> bool:
+        """Store a RAG chunk's KV, kv: [2, L, len(tokens), Hkv, D] computed at positions
+        [0, len(tokens)). Returns False if the hot cache had no room."""
+        c = self.chunk_size
+        for i, key in enumerate(self.content_keys(tokens)):
+            buf = self.allocate()
+            if buf is None:
+                return False
+            part = kv[:, :, i * c : (i + 1) * c]
+            buf.kv[:, :, : part.shape[2]].copy_(part)
+            buf.kv[:, :, part.shape[2] :].zero_()
+            self.store(key, buf)
+            buf.release()
+        return True
+
+    def blend_plan(self, tokens: list[int], separator: list[int]) -> BlendPlan | None:
+        """Stored KV for the segments of a prompt split at ``separator``. The last segment
+        (the query) is never looked up. None if no segment is stored."""
+        plan = BlendPlan(recompute_ratio=self.config.blend_recompute_ratio,
+                         check_layer=self.config.blend_check_layer)
+        for seg in split_segments(tokens, separator)[:-1]:
+            if seg.length == 0:
+                continue
+            keys = self.content_keys(tokens[seg.start : seg.end])
+            pieces = self.fetch(keys)
+            if len(pieces) < len(keys):
+                for buf in pieces:
+                    buf.release()
+                continue
+            plan.segments.append(CachedSegment(seg.start, seg.length, pieces, self.chunk_size))
+        self.metrics.record_blend(len(tokens), plan.num_cached_tokens)
+        return plan if plan.segments else None
 
     def close(self) -> None:
         self.storage.close()

@@ -33,6 +33,19 @@ def prefix_hashes(tokens: list[int], chunk_size: int, start: int = 0) -> list[by
     return out[start:]
 
 
+BLEND_ROOT = b"\x01" * 16  # content keys never collide with prefix keys
+
+
+def content_hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
+    """Keys of a RAG chunk's pieces, by content alone: piece i holds tokens
+    [i * chunk_size, (i + 1) * chunk_size), the last one possibly partial. Every piece's hash
+    covers the whole chunk (and its length), so a piece is only ever found with its siblings."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    whole = chunk_hash(BLEND_ROOT, arr)
+    n = -(-len(arr) // chunk_size)
+    return [chunk_hash(whole, np.asarray([i, n], dtype=np.int64)) for i in range(n)]
+
+
 @dataclass(frozen=True)
 class KeyScope:
     """Everything but the hash: entries of different scopes never meet."""

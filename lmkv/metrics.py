@@ -35,7 +35,18 @@ class LMKVMetrics:
         self.prefetched_chunks = Counter("lmkv_prefetched_chunks",
                                          "Chunks pulled up to the hot cache ahead of scheduling",
                                          registry=r)
+        self.blend_requests = Counter("lmkv_blend_requests", "Prompts looked up for blending",
+                                      registry=r)
+        self.blend_hit_tokens = Counter("lmkv_blend_hit_tokens",
+                                        "Prompt tokens whose KV came from stored RAG chunks", registry=r)
+        self.blend_recomputed_tokens = Counter(
+            "lmkv_blend_recomputed_tokens", "Cached tokens recomputed by blending (selected)",
+            registry=r)
         self.hot_chunks = Gauge("lmkv_hot_cache_chunks", "Chunks in the hot cache", registry=r)
+
+    def record_blend(self, tokens: int, hits: int) -> None:
+        self.blend_requests.inc()
+        self.blend_hit_tokens.inc(hits)
 
     def record_lookup(self, tokens: int, hits: int) -> None:
         self.lookups.inc()

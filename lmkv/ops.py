@@ -59,3 +59,15 @@ def _spans(kv_cache: torch.Tensor, slots: torch.Tensor, skip: int):
 def _per_row(pages: torch.Tensor) -> int:
     """Tokens per row of ``pages``: block_size for the block view, 1 for the slot view."""
     return pages.shape[3] if pages.dim() == 6 else 1
+
+
+def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys [T, Hkv, D] computed with RoPE at position p, returned as if computed at p + delta.
+    delta: [T] int64; inv_freq: [D / 2] fp32 (HF Llama's rotate_half convention)."""
+    angles = delta.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :]  # [T, 1, D]
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :]
+    k = keys.float()
+    half = k.shape[-1] // 2
+    rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+    return (k * cos + rotated * sin).to(keys.dtype)

@@ -72,7 +72,7 @@ class BlockManager:
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """Longest run of cached full blocks at the start of the request. Never covers the
         last token, which must be computed to get logits."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not request.cacheable:
             return ComputedBlocks([], 0)
         hashes = self.compute_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -104,7 +104,7 @@ class BlockManager:
             request.block_ids.append(block.block_id)
         for _ in range(max(needed, 0)):
             request.block_ids.append(self._pop_free().block_id)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and request.cacheable:
             self._cache_full_blocks(request, total)
         return True
 

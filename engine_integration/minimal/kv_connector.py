@@ -22,10 +22,11 @@ from .scheduler import SchedulerOutput
 
 class KVConnector:
     def __init__(self, config: LMKVConfig, mc: ModelConfig, dtype: torch.dtype, block_size: int,
-                 model_dir: Path, kv_cache: torch.Tensor, registry: CollectorRegistry):
+                 model_dir: Path, kv_cache: torch.Tensor, registry: CollectorRegistry,
+                 blend_separator: list[int] | None = None):
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, config.chunk_size)
         self.engine = LMKVEngine(config, layout, model_fingerprint(model_dir), LMKVMetrics(registry))
-        self.scheduler = SchedulerConnector(self.engine, block_size)
+        self.scheduler = SchedulerConnector(self.engine, block_size, blend_separator)
         self.worker = WorkerConnector(self.engine)
         self.worker.register_kv_caches(BlockPagedMemory(kv_cache))
 
@@ -37,10 +38,13 @@ class KVConnector:
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv()
         hooks = _LayerHooks(self.worker) if self.worker.layerwise else None
+        blended = [s.request for s in sched.scheduled if s.request.blend is not None]
         try:
             return runner.execute(sched, hooks)
         finally:
             self.worker.wait_for_save()
+            for req in blended:
+                self.engine.metrics.blend_recomputed_tokens.inc(req.num_blend_recomputed)
 
     def close(self) -> None:
         self.worker.close()

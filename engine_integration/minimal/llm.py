@@ -55,6 +55,16 @@ class LLM:
                     done[out.request_id] = out
         return [done[r] for r in order]
 
+    def precompute(self, documents, batch_size: int = 8, progress: bool = True):
+        """Compute and store the KV of RAG document chunks (text or token ids) so that later
+        prompts built from them blend it in. Needs lmkv; idempotent."""
+        from lmkv.blend.precompute import precompute
+
+        if self.engine.kv_connector is None:
+            raise ValueError("precompute needs lmkv: pass lmkv_config")
+        return precompute(self.engine, self.engine.kv_connector.engine, documents, batch_size,
+                          progress)
+
     def close(self) -> None:
         self.engine.close()
 

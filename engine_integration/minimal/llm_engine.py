@@ -74,12 +74,17 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.metrics = metrics or EngineMetrics()
         self.kv_connector = None
+        self.blend_separator: list[int] = []
         if lmkv_config is not None:
             from .kv_connector import KVConnector
 
+            self.blend_separator = (
+                self.tokenizer.encode(lmkv_config.blend_special_str, add_special_tokens=False)
+                if lmkv_config.enable_blending else []
+            )
             self.kv_connector = KVConnector(
                 lmkv_config, self.model_config, self.dtype, config.block_size, model_dir,
-                self.kv_cache, self.metrics.registry,
+                self.kv_cache, self.metrics.registry, self.blend_separator,
             )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -108,7 +113,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -124,6 +129,30 @@ class LLMEngine:
         self.scheduler.add(req)
         self.metrics.prompt_tokens.inc(len(ids))
         return req
+
+    def tokenize(self, text: str) -> list[int]:
+        """With blending on, the parts between separators are tokenized separately (as they
+        were when precomputed) and joined with the separator's tokens."""
+        sep = self.kv_connector.engine.config.blend_special_str if self.blend_separator else None
+        if not sep or sep not in text:
+            return self.tokenizer.encode(text)
+        parts = text.split(sep)
+        ids = self.tokenizer.encode(parts[0])
+        for part in parts[1:]:
+            ids += self.blend_separator + self.tokenizer.encode(part, add_special_tokens=False)
+        return ids
+
+    def compute_kv(self, token_lists: list[list[int]]) -> list[torch.Tensor]:
+        """KV of each token list computed alone at positions [0, n): [2, L, n, Hkv, D] each
+        (lmkv.blend.precompute's KVComputer)."""
+        reqs = []
+        for i, ids in enumerate(token_lists):
+            req = self.add_request(f"kv-{id(token_lists)}-{i}", ids, SamplingParams(max_tokens=1))
+            req.capture_kv = True
+            reqs.append(req)
+        while any(not r.is_finished for r in reqs):
+            self.step()
+        return [r.captured_kv for r in reqs]
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -168,6 +197,10 @@ class LLMEngine:
                 continue  # a prefill chunk: nothing sampled yet
             if not req.output_token_ids:
                 self.metrics.ttft.observe(time.monotonic() - req.arrival)
+                if req.capture_kv:
+                    slots = self.runner.slots(req, 0, req.num_prompt_tokens)
+                    # [L, 2, n, Hkv, D] -> [2, L, n, Hkv, D]
+                    req.captured_kv = self.kv_cache.flatten(2, 3)[:, :, slots].transpose(0, 1).contiguous()
             req.output_token_ids.append(token)
             self.metrics.generation_tokens.inc()
             reason = self._check_stop(req, token)

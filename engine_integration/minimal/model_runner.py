@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from .attention_metadata import AttentionMetadata
+from .blend import blend_prefill
 from .model import LayerHooks, LlamaForCausalLM
+from .request import Request
 from .sampler import sample
 from .scheduler import ScheduledRequest, SchedulerOutput
 
@@ -22,17 +24,43 @@ class ModelRunner:
     ) -> dict[str, int]:
         """Compute the scheduled tokens; returns request_id -> sampled token for each
         request whose known tokens are all computed after this step."""
+        blended = [s.request for s in sched.scheduled if s.request.blend is not None]
         # decodes (one query token) first: the attention metadata expects that order
-        batch = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        batch = sorted((s for s in sched.scheduled if s.request.blend is None),
+                       key=lambda s: s.num_new_tokens != 1)
+        sampled = {req.request_id: self._blend(req) for req in blended}
+        if not batch:
+            return sampled
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, hooks)
         self.num_forward_tokens += input_ids.shape[0]
         if not sample_rows:
-            return {}
+            return sampled
         rows, reqs = zip(*sample_rows, strict=True)
         logits = self.model.compute_logits(hidden[list(rows)])
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+        sampled.update((r.request_id, t) for r, t in zip(reqs, tokens, strict=True))
+        return sampled
+
+    def _blend(self, req: Request) -> int:
+        """A blended prefill of the whole prompt (see blend.py); returns the sampled token."""
+        plan, req.blend = req.blend, None
+        cached = plan.num_cached_tokens
+        try:
+            logits, recomputed = blend_prefill(self.model, self.kv_cache, req.prompt_token_ids,
+                                               self.slots(req, 0, req.num_tokens), plan)
+        finally:
+            plan.release()
+        req.num_blend_recomputed = recomputed
+        self.num_forward_tokens += req.num_tokens - cached + recomputed
+        return sample(logits[None], [req.params], [req.generator])[0]
+
+    def slots(self, req: Request, start: int, end: int) -> torch.Tensor:
+        """[end - start] int64 paged-memory slots of the request's tokens [start, end)."""
+        bs = self.block_size
+        blocks = torch.tensor(req.block_ids, dtype=torch.int64)
+        p = torch.arange(start, end)
+        return blocks[p // bs] * bs + p % bs
 
     def _prepare(self, batch: list[ScheduledRequest]):
         bs = self.block_size

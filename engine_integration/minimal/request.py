@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,12 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     output_text: str = ""
+    # False: never register this request's blocks in the prefix cache (blended KV is approximate)
+    cacheable: bool = True
+    blend: Any = None  # lmkv.blend.plan.BlendPlan while a blended prefill is pending
+    num_blend_recomputed: int = 0  # tokens with stored KV that blending recomputed
+    capture_kv: bool = False  # keep the prompt's KV when its prefill completes (precompute)
+    captured_kv: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -51,6 +51,13 @@ class RotaryEmbedding:
         return q_out.to(q.dtype), k_out.to(k.dtype)
 
 
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D] rotated to ``positions`` [T]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

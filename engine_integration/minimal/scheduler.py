@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, ComputedBlocks
 from .request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -88,17 +88,26 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            computed = self.blocks.get_computed_blocks(req)
-            external = 0  # tokens after the local hit that lmkv loads
-            if self.connector is not None:
-                external, _ = self.connector.get_num_new_matched_tokens(req, computed.num_tokens)
-            num_new = req.num_tokens - computed.num_tokens - external
-            if num_new > budget and not chunked:
-                break
-            num_new = min(num_new, budget)
+            blend = None
+            if self.connector is not None and not req.output_token_ids:
+                blend = self.connector.get_blend_plan(req)
+            if blend is not None:
+                # a blended prefill runs the whole prompt in one step, whatever the budget
+                req.cacheable = False
+                computed, external, num_new = ComputedBlocks([], 0), 0, req.num_tokens
+            else:
+                computed = self.blocks.get_computed_blocks(req)
+                external = 0  # tokens after the local hit that lmkv loads
+                if self.connector is not None:
+                    external, _ = self.connector.get_num_new_matched_tokens(req, computed.num_tokens)
+                num_new = req.num_tokens - computed.num_tokens - external
+                if num_new > budget and not chunked:
+                    break
+                num_new = min(num_new, budget)
             if not self.blocks.allocate_slots(req, external + num_new, computed):
                 break
             self.waiting.popleft()
+            req.blend = blend
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = computed.num_tokens
             if self.connector is not None:
@@ -106,7 +115,7 @@ class Scheduler:
             req.num_computed_tokens += external
             if req.num_preemptions == 0:
                 req.num_cached_tokens = computed.num_tokens
-                req.num_external_tokens = external
+                req.num_external_tokens = blend.num_cached_tokens if blend else external
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new

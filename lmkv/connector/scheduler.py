@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..blend.plan import BlendPlan
 from ..engine import LMKVEngine
 from ..memory import ChunkBuffer
 from .metadata import ConnectorMetadata, LoadSpec, SaveSpec
@@ -28,10 +29,12 @@ class _RequestState:
     load_from: int = 0  # tokens [load_from, load_to) come from lmkv this step
     load_to: int = 0
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being stored
+    plan: BlendPlan | None = None  # found by get_blend_plan, until the engine takes it
+    blended: bool = False  # its KV is approximate: never saved as prefix chunks
 
 
 class SchedulerConnector:
-    def __init__(self, engine: LMKVEngine, block_size: int):
+    def __init__(self, engine: LMKVEngine, block_size: int, blend_separator: list[int] | None = None):
         if engine.chunk_size % block_size:
             raise ValueError(
                 f"lmkv chunk_size {engine.chunk_size} must be a multiple of the engine's "
@@ -40,6 +43,10 @@ class SchedulerConnector:
         self.engine = engine
         self.block_size = block_size
         self.save_decode_cache = engine.config.save_decode_cache
+        self.blending = engine.config.enable_blending
+        if self.blending and not blend_separator:
+            raise ValueError("enable_blending needs the token ids of blend_special_str")
+        self.blend_separator = blend_separator or []
         self.states: dict[str, _RequestState] = {}
 
     def on_new_request(self, request: Any) -> None:
@@ -67,9 +74,22 @@ class SchedulerConnector:
             return 0, False
         return hit - num_computed_tokens, False
 
+    def get_blend_plan(self, request: Any) -> BlendPlan | None:
+        """With blending on: the stored RAG chunks among the prompt's segments, fetched and
+        pinned, or None (then the request takes the prefix path). The engine owns the plan
+        once update_state_after_alloc is called; until then lmkv keeps it."""
+        if not self.blending:
+            return None
+        st = self._state(request)
+        self._drop_plan(st)
+        st.plan = self.engine.blend_plan(request.prompt_token_ids, self.blend_separator)
+        st.blended = st.plan is not None
+        return st.plan
+
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         st = self._state(request)
+        st.plan = None  # handed to the engine with the allocation
         if num_external_tokens == 0:
             self._unpin(st)
             return
@@ -91,6 +111,8 @@ class SchedulerConnector:
                     skips.append(max(0, st.load_from - start))
                 meta.loads.append(LoadSpec(request.request_id, st.pinned, slots, skips))
                 st.pinned = []
+            if st.blended:
+                continue
             done = request.num_computed_tokens + num_new
             if not self.save_decode_cache:
                 done = min(done, len(request.prompt_token_ids))
@@ -112,6 +134,7 @@ class SchedulerConnector:
         st = self.states.pop(request.request_id, None)
         if st is not None:
             self._unpin(st)
+            self._drop_plan(st)
         return False, None
 
     def _state(self, request: Any) -> _RequestState:
@@ -131,6 +154,12 @@ class SchedulerConnector:
         blocks = torch.tensor(block_ids[start // bs : -(-end // bs)], dtype=torch.int64)
         offsets = torch.arange(bs, dtype=torch.int64)
         return (blocks[:, None] * bs + offsets[None, :]).flatten()[: end - start]
+
+    @staticmethod
+    def _drop_plan(st: _RequestState) -> None:
+        if st.plan is not None:
+            st.plan.release()
+            st.plan = None
 
     @staticmethod
     def _unpin(st: _RequestState) -> None:

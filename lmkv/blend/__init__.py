@@ -1,0 +1,1 @@
+"""CacheBlend: reuse the KV of RAG chunks wherever they appear in a prompt."""

@@ -1,0 +1,97 @@
+"""CacheBlend through the bundled engine: precompute RAG chunks, then prompts that use them
+in any order. Ratio 1 reproduces a full prefill; ratio 0 is naive concatenation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmkv.blend.segments import join_segments, split_segments
+from lmkv.config import load_config
+from lmkv.ops import rerotate_keys
+from lmkv_engines.minimal.llm import LLM
+from lmkv_engines.minimal.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _docs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in (70, 40, 100)]
+    return docs, torch.randint(5, 4000, (12,), generator=g).tolist()
+
+
+def _blend_llm(model_dir, ratio, **kw):
+    cfg = load_config(env={}, chunk_size=32, max_local_cpu_size=0.05, enable_blending=True,
+                      blend_recompute_ratio=ratio, **kw)
+    return LLM(str(model_dir), lmkv_config=cfg, kv_cache_memory=64 << 20, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return LLM(str(tiny_model_dir), kv_cache_memory=64 << 20, enable_prefix_caching=False)
+
+
+def _prompt_kv(llm, prompt):
+    """Run a 1-token generation and return the prompt's KV from paged memory [2, L, n, H, D]."""
+    return llm.engine.compute_kv([prompt])[0]
+
+
+def test_ratio_one_reproduces_full_prefill(tiny_model_dir, plain):
+    docs, query = _docs()
+    with _blend_llm(tiny_model_dir, 1.0) as llm:
+        sep = llm.engine.blend_separator
+        assert llm.precompute(docs, progress=False).stored == 3
+        prompt = join_segments([docs[2], docs[0], docs[1], query], sep)
+        out = llm.generate([prompt], GREEDY)[0]
+        assert out.output_token_ids == plain.generate([prompt], GREEDY)[0].output_token_ids
+        assert out.num_external_tokens == 210
+        torch.testing.assert_close(_prompt_kv(llm, prompt), _prompt_kv(plain, prompt),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_ratio_zero_is_naive_concatenation(tiny_model_dir, plain):
+    docs, query = _docs(1)
+    with _blend_llm(tiny_model_dir, 0.0) as llm:
+        sep = llm.engine.blend_separator
+        llm.precompute(docs, progress=False)
+        stored = [plain.engine.compute_kv([d])[0] for d in docs]
+        prompt = join_segments([docs[1], docs[2], query], sep)
+        before = llm.engine.runner.num_forward_tokens
+        kv = _prompt_kv(llm, prompt)  # [2, L, n, H, D]
+        segs = split_segments(prompt, sep)
+        uncached = len(prompt) - len(docs[1]) - len(docs[2])
+        assert llm.engine.runner.num_forward_tokens - before == uncached  # nothing recomputed
+        inv_freq = llm.engine.model.model.rope.inv_freq
+        for seg, doc_kv in zip(segs[:2], [stored[1], stored[2]], strict=True):
+            delta = torch.full((seg.length,), seg.start)
+            for layer in range(kv.shape[1]):
+                torch.testing.assert_close(kv[1, layer, seg.start : seg.end], doc_kv[1, layer])
+                want_k = rerotate_keys(doc_kv[0, layer], delta, inv_freq)
+                torch.testing.assert_close(kv[0, layer, seg.start : seg.end], want_k)
+        # a chunk at offset 0 is an exact prefix: naive reuse then equals a full prefill
+        head = join_segments([docs[0], query], sep)
+        assert (llm.generate([head], GREEDY)[0].output_token_ids
+                == plain.generate([head], GREEDY)[0].output_token_ids)
+
+
+def test_partial_recompute_text_prompts_metrics_and_idempotent_precompute(tiny_model_dir):
+    with _blend_llm(tiny_model_dir, 0.15) as llm:
+        tok = llm.tokenizer
+        docs = ["def parse(config): return config.items() " * 8, "The exception is raised when " * 10]
+        report = llm.precompute(docs, progress=False)
+        assert (report.stored, report.skipped) == (2, 0)
+        again = llm.precompute(docs, progress=False)
+        assert (again.stored, again.skipped) == (0, 2)
+        text = " # # ".join(["You answer questions.", docs[1], docs[0], "What is raised?"])
+        out = llm.generate([text], GREEDY)[0]
+        assert out.num_external_tokens == len(tok.encode(docs[0], add_special_tokens=False)) + len(
+            tok.encode(docs[1], add_special_tokens=False))
+        reg = llm.engine.metrics.registry
+        assert reg.get_sample_value("lmkv_blend_hit_tokens_total") == out.num_external_tokens
+        recomputed = reg.get_sample_value("lmkv_blend_recomputed_tokens_total")
+        assert recomputed == round(0.15 * out.num_external_tokens)
+        llm.engine.kv_connector.engine.pool.check_integrity()
+        # a prompt whose chunks were never precomputed takes the normal path
+        miss = llm.generate([" # # ".join(["other text", "never stored", "q"])], GREEDY)[0]
+        assert miss.num_external_tokens == 0
