@@ -42,6 +42,9 @@ class StorageManager:
         self.tiers = tiers
         self.metrics = metrics
         self.io = IOWorker(io_queue_size)
+        region = memoryview(pool.storage.numpy()).cast("B")
+        for tier in tiers:
+            tier.backend.register_memory(region)
         self._inflight: dict[str, Future] = {}  # key -> running fetch of that key
         self._lock = threading.Lock()
 
