@@ -21,6 +21,7 @@ from .base import BackendError, StorageBackend
 
 log = logging.getLogger(__name__)
 NOT_FOUND = -704
+TOO_SMALL = -600  # get_into's buffer is smaller than the object
 
 
 def _settings(url: str) -> dict:
@@ -118,15 +119,10 @@ class MooncakeBackend(StorageBackend):
         addr = self._registered(out)
         if addr is None:
             return super().get_into(key, out)
-        size = self.store.get_size(key)
-        if size == NOT_FOUND or (size >= 0 and size > len(out)):
-            return None
-        if size < 0:
-            raise BackendError(f"Mooncake get_size failed (code {size})")
-        n = self.store.get_into(key, addr, size)
+        n = self.store.get_into(key, addr, len(out))  # one round trip: no get_size first
+        if n in (NOT_FOUND, TOO_SMALL):
+            return None  # absent, or larger than a chunk frame: not ours to read
         if n < 0:
-            if n == NOT_FOUND:
-                return None
             raise BackendError(f"Mooncake get_into failed (code {n})")
         return n
 
