@@ -244,6 +244,9 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    if "json" not in request.headers.get("content-type", ""):
+        message = "the request body must be JSON, sent with Content-Type: application/json"
+        return JSONResponse(error_body(message, 400), status_code=400)
     parts: list[str] = []
     fields: set[str] = set()
     for err in exc.errors():

@@ -243,6 +243,8 @@ def test_malformed_bodies_and_chat_errors(server):
     r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "hi",',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "hi"}')
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
     r = httpx.post(f"{server}/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     r = httpx.post(f"{server}/v1/chat/completions", json={"prompt": "hi"})

@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+
 from lmkv_engines.minimal.api_server import APIServer
 from lmkv_engines.minimal.async_engine import AsyncEngine, EngineError, QueueFullError
 from lmkv_engines.minimal.config import EngineConfig
