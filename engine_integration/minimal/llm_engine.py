@@ -159,6 +159,7 @@ class LLMEngine:
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, FinishReason.ABORT)
             self.metrics.requests_finished.labels("abort").inc()
+            self._update_gauges()  # no step may follow to do it
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -177,11 +178,14 @@ class LLMEngine:
             sampled = self.kv_connector.execute(self.runner, sched)
         outputs = self._postprocess(sched, sampled)
         self.metrics.computed_tokens.inc(sched.num_tokens)
+        self._update_gauges()
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        return outputs
+
+    def _update_gauges(self) -> None:
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.kv_usage.set(self.block_manager.usage)
-        self.metrics.step_seconds.observe(time.perf_counter() - start)
-        return outputs
 
     def _postprocess(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
         outputs = []
