@@ -1,0 +1,172 @@
+"""Kernel entry points: CUDA tensors go to the kernels in cuda/ (``lmkv_cuda``), everything
+else to the same-signature torch code (``lmkv.ops_torch``, and the engine's attention in
+``lmkv_engines.minimal.attention``).
+
+CuPy is imported only when a CUDA tensor arrives; if it (or the driver, or NVRTC) is
+unusable, one warning is printed and the torch code runs instead. Kernel-path extras, all
+keyword-only: ``check=False`` skips the index-range checks that cost a device sync (for callers
+that validated their metadata, e.g. once per step); attention takes ``out=``.
+
+Layouts: engine ``kv_cache [L, 2, num_blocks, block_size, Hkv, D]``, one layer
+``kv_layer [2, num_blocks, block_size, Hkv, D]``; vLLM per layer
+``[num_blocks, block_size, Hkv, 2 * D]``; chunk ``[2, L, T, Hkv, D]``; ``slot_mapping [T]``
+int64 (slot = block_id * block_size + offset); tokens [0, skip) of a chunk are not copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmkv import ops_torch
+
+if TYPE_CHECKING:
+    from lmkv_cuda.launcher import Launcher
+
+
+def kernel_launcher(t: torch.Tensor) -> Launcher | None:
+    """The GPU launcher for ``t``'s device, or None for CPU tensors / unusable CUDA kernels."""
+    if t.device.type != "cuda":
+        return None
+    from lmkv_cuda.launcher import gpu_launcher
+
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return gpu_launcher(index)
+
+
+# ---- KV transfer between paged memory and chunk buffers (all layers, K and V, one launch)
+
+
+def paged_to_chunk(
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int = 0,
+    *, check: bool = True,
+) -> None:  # fmt: skip
+    """chunk[:, :, t] = kv_cache[:, :, slot_mapping[t]] for t in [skip, T)."""
+    if (launcher := kernel_launcher(kv_cache)) is not None:
+        from lmkv_cuda import kv_copy
+
+        return kv_copy.paged_to_chunk(launcher, kv_cache, slot_mapping, chunk, skip, check=check)
+    ops_torch.paged_to_chunk(kv_cache, slot_mapping, chunk, skip)
+
+
+def chunk_to_paged(
+    chunk: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, skip: int = 0,
+    *, check: bool = True,
+) -> None:  # fmt: skip
+    """kv_cache[:, :, slot_mapping[t]] = chunk[:, :, t] for t in [skip, T)."""
+    if (launcher := kernel_launcher(kv_cache)) is not None:
+        from lmkv_cuda import kv_copy
+
+        return kv_copy.chunk_to_paged(launcher, chunk, kv_cache, slot_mapping, skip, check=check)
+    ops_torch.chunk_to_paged(chunk, kv_cache, slot_mapping, skip)
+
+
+def paged_to_chunk_vllm(
+    kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, chunk: torch.Tensor,
+    skip: int = 0, *, check: bool = True,
+) -> None:  # fmt: skip
+    """chunk[0 / 1, l, t] = K / V of kv_caches[l] at slot_mapping[t], t in [skip, T)."""
+    if (launcher := kernel_launcher(kv_caches[0])) is not None:
+        from lmkv_cuda import kv_copy
+
+        return kv_copy.paged_to_chunk_vllm(launcher, kv_caches, slot_mapping, chunk, skip, check=check)
+    ops_torch.paged_to_chunk_vllm(kv_caches, slot_mapping, chunk, skip)
+
+
+def chunk_to_paged_vllm(
+    chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+    skip: int = 0, *, check: bool = True,
+) -> None:  # fmt: skip
+    """K / V of kv_caches[l] at slot_mapping[t] = chunk[0 / 1, l, t], t in [skip, T)."""
+    if (launcher := kernel_launcher(kv_caches[0])) is not None:
+        from lmkv_cuda import kv_copy
+
+        return kv_copy.chunk_to_paged_vllm(launcher, chunk, kv_caches, slot_mapping, skip, check=check)
+    ops_torch.chunk_to_paged_vllm(chunk, kv_caches, slot_mapping, skip)
+
+
+# ---- RoPE
+
+
+def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """In place: keys [..., T, Hkv, D] (e.g. ``chunk[0]``, all layers at once) rotated by
+    angle delta[t] * inv_freq, moving keys cached at position p to p + delta[t] (HF Llama
+    rotate_half convention; delta [T] int64, inv_freq [D/2] fp32). Returns keys."""
+    if (launcher := kernel_launcher(keys)) is not None:
+        from lmkv_cuda import rope
+
+        if keys.is_contiguous():
+            return rope.rerotate_keys(launcher, keys, delta, inv_freq)
+    return ops_torch.rerotate_keys(keys, delta, inv_freq)
+
+
+# ---- the engine's attention and cache writes
+
+
+def _attention_kernel(query: torch.Tensor, kv_layer: torch.Tensor) -> Launcher | None:
+    launcher = kernel_launcher(query)
+    if launcher is None:
+        return None
+    from lmkv_cuda.attention import HEAD_DIMS
+
+    supported = query.shape[-1] in HEAD_DIMS and kv_layer.dtype == query.dtype
+    return launcher if supported else None
+
+
+def paged_attention_decode(
+    query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, *, check: bool = True, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """query [B, Hq, D], one token per sequence at position seq_len - 1 -> [B, Hq, D]."""
+    if (launcher := _attention_kernel(query, kv_layer)) is not None:
+        from lmkv_cuda import attention
+
+        return attention.paged_attention_decode(
+            launcher, query, kv_layer, block_tables, seq_lens, scale, check=check, out=out
+        )
+    from lmkv_engines.minimal import attention as reference
+
+    result = reference.paged_attention_decode(query, kv_layer, block_tables, seq_lens, scale)
+    return result if out is None else out.copy_(result)
+
+
+def paged_attention_prefill(
+    query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *, check: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Causal attention of query [T, Hq, D] (sequence i: rows [query_start_loc[i], [i + 1]))
+    over its paged KV -> [T, Hq, D]."""
+    if (launcher := _attention_kernel(query, kv_layer)) is not None:
+        from lmkv_cuda import attention
+
+        return attention.paged_attention_prefill(
+            launcher, query, kv_layer, block_tables, seq_lens, query_start_loc, scale,
+            check=check, out=out,
+        )  # fmt: skip
+    from lmkv_engines.minimal import attention as reference
+
+    result = reference.paged_attention_prefill(
+        query, kv_layer, block_tables, seq_lens, query_start_loc, scale
+    )
+    return result if out is None else out.copy_(result)
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+    *, check: bool = True,
+) -> None:  # fmt: skip
+    """kv_layer[0 / 1][slot_mapping[t]] = key / value[t]; slot -1 = skip the token."""
+    launcher = kernel_launcher(kv_layer)
+    if launcher is not None and key.dtype == value.dtype == kv_layer.dtype:
+        from lmkv_cuda import kv_copy
+
+        rows_ok = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+        if not rows_ok or key.stride(0) != value.stride(0):  # the kernel takes [Hkv, D] rows
+            key, value = key.contiguous(), value.contiguous()
+        return kv_copy.reshape_and_cache(launcher, key, value, kv_layer, slot_mapping, check=check)
+    from lmkv_engines.minimal import attention as reference
+
+    reference.reshape_and_cache(key, value, kv_layer, slot_mapping)
