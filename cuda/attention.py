@@ -29,27 +29,46 @@ def _common(
     check_tensor(kv_layer, "kv_layer", launcher, ndim=5, dtypes=(query.dtype,))
     two, _, _, hkv, d = kv_layer.shape
     hq = query.shape[1]
-    require(two == 2, f"kv_layer must be [2, num_blocks, block_size, Hkv, D], got {tuple(kv_layer.shape)}")
-    require(d == query.shape[2] and d in HEAD_DIMS, f"head_dim {query.shape[2]} / {d}: need equal, in {HEAD_DIMS}")
+    require(
+        two == 2,
+        f"kv_layer must be [2, num_blocks, block_size, Hkv, D], got {tuple(kv_layer.shape)}",
+    )
+    require(
+        d == query.shape[2] and d in HEAD_DIMS,
+        f"head_dim {query.shape[2]} / {d}: need equal, in {HEAD_DIMS}",
+    )
     require(hq % hkv == 0, f"{hq} query heads is not a multiple of {hkv} KV heads")
     for name, t, ndim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1)):
         check_tensor(t, name, launcher, ndim=ndim, contiguous=False)
         require(not t.is_floating_point(), f"{name} must be an integer tensor")
-    require(block_tables.shape[0] == seq_lens.shape[0], "block_tables and seq_lens disagree on batch size")
+    require(
+        block_tables.shape[0] == seq_lens.shape[0],
+        "block_tables and seq_lens disagree on batch size",
+    )
     if out is None:
         out = torch.empty_like(query)
     check_tensor(out, "out", launcher, dtypes=(query.dtype,))
-    require(out.shape == query.shape, f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
+    require(
+        out.shape == query.shape,
+        f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}",
+    )
     to_i32 = lambda t: t.to(torch.int32).contiguous()
     return out, to_i32(block_tables), to_i32(seq_lens)
 
 
-def _check_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+def _check_tables(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> torch.Tensor:
     """Device-side checks folded into one tensor of violation counts (read with one sync)."""
     capacity = block_tables.shape[1] * block_size
-    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] * block_size < seq_lens[:, None]
+    used = (
+        torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] * block_size
+        < seq_lens[:, None]
+    )
     bad_block = used & ((block_tables < 0) | (block_tables >= num_blocks))
-    return torch.stack([((seq_lens < 1) | (seq_lens > capacity)).sum(), bad_block.sum(), seq_lens.max().long()])
+    return torch.stack(
+        [((seq_lens < 1) | (seq_lens > capacity)).sum(), bad_block.sum(), seq_lens.max().long()]
+    )
 
 
 def _launch(

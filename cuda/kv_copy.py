@@ -55,7 +55,9 @@ def _launch(
         u for u in _UNITS
         if all(x % u == 0 for x in (*addresses, *strides.values(), head_bytes))
     )  # fmt: skip
-    kernel = launcher.kernel("kv_copy.cu", f"kv_copy<{_UNITS[unit]}, {'true' if to_paged else 'false'}>")
+    kernel = launcher.kernel(
+        "kv_copy.cu", f"kv_copy<{_UNITS[unit]}, {'true' if to_paged else 'false'}>"
+    )
     p = launcher.pointer
     table = slots  # a dummy pointer unless the layers are separate tensors
     if layer_ptrs is not None:
@@ -87,7 +89,10 @@ def _check_chunk(
         f"(expected [2, {num_layers}, T, {heads}, {head_dim}])",
     )
     require(chunk.dtype == dtype, f"chunk dtype {chunk.dtype} != paged memory dtype {dtype}")
-    require(slot_mapping.numel() == tokens, f"slot_mapping has {slot_mapping.numel()} entries, chunk {tokens} tokens")
+    require(
+        slot_mapping.numel() == tokens,
+        f"slot_mapping has {slot_mapping.numel()} entries, chunk {tokens} tokens",
+    )
     require(0 <= skip <= tokens, f"skip={skip} outside [0, {tokens}]")
     return tokens
 
@@ -98,8 +103,13 @@ def _engine(
 ) -> None:  # fmt: skip
     check_tensor(kv_cache, "kv_cache", launcher, ndim=6)
     num_layers, two, nb, bs, heads, head_dim = kv_cache.shape
-    require(two == 2, f"kv_cache must be [L, 2, num_blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
-    tokens = _check_chunk(launcher, chunk, slot_mapping, skip, num_layers, heads, head_dim, kv_cache.dtype)
+    require(
+        two == 2,
+        f"kv_cache must be [L, 2, num_blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}",
+    )
+    tokens = _check_chunk(
+        launcher, chunk, slot_mapping, skip, num_layers, heads, head_dim, kv_cache.dtype
+    )
     if check:
         _check_slots(slot_mapping[skip:], nb * bs, allow_negative=False)
     row = heads * head_dim * kv_cache.element_size()
@@ -145,7 +155,9 @@ def _vllm(
     nb, bs, heads, two_d = first.shape
     require(two_d % 2 == 0, f"last dim of a vLLM KV tensor is 2 * head_dim, got {two_d}")
     head_dim = two_d // 2
-    tokens = _check_chunk(launcher, chunk, slot_mapping, skip, len(kv_caches), heads, head_dim, first.dtype)
+    tokens = _check_chunk(
+        launcher, chunk, slot_mapping, skip, len(kv_caches), heads, head_dim, first.dtype
+    )
     if check:
         _check_slots(slot_mapping[skip:], nb * bs, allow_negative=False)
     e = first.element_size()
@@ -155,8 +167,9 @@ def _vllm(
     )  # fmt: skip
     _launch(
         launcher, to_paged, layer_ptrs=[t.data_ptr() for t in kv_caches], paged=first,
-        flat_k=chunk[0], flat_v=chunk[1], slots=slot_mapping, num_slots=nb * bs, strides=strides, heads=heads, head_bytes=head_dim * e,
-        num_layers=len(kv_caches), num_tokens=tokens, skip=skip,
+        flat_k=chunk[0], flat_v=chunk[1], slots=slot_mapping, num_slots=nb * bs, strides=strides,
+        heads=heads, head_bytes=head_dim * e, num_layers=len(kv_caches), num_tokens=tokens,
+        skip=skip,
     )  # fmt: skip
 
 
@@ -164,7 +177,8 @@ def paged_to_chunk_vllm(
     launcher: Launcher, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
     chunk: torch.Tensor, skip: int = 0, *, check: bool = True,
 ) -> None:  # fmt: skip
-    """chunk[0, l, t] = kv_caches[l][slot t][..., :D], chunk[1, l, t] = [..., D:], t in [skip, T)."""
+    """chunk[0, l, t] = kv_caches[l][slot t][..., :D], chunk[1, l, t] = [..., D:], for t in
+    [skip, T)."""
     _vllm(launcher, False, kv_caches, slot_mapping, chunk, skip, check)
 
 
@@ -184,16 +198,29 @@ def reshape_and_cache(
     may be strided (slices of a fused qkv tensor), kv_layer [2, num_blocks, block_size, Hkv, D]."""
     check_tensor(kv_layer, "kv_layer", launcher, ndim=5)
     two, nb, bs, heads, head_dim = kv_layer.shape
-    require(two == 2, f"kv_layer must be [2, num_blocks, block_size, Hkv, D], got {tuple(kv_layer.shape)}")
+    require(
+        two == 2,
+        f"kv_layer must be [2, num_blocks, block_size, Hkv, D], got {tuple(kv_layer.shape)}",
+    )
     for name, t in (("key", key), ("value", value)):
         check_tensor(t, name, launcher, ndim=3, contiguous=False)
-        require(t.shape[1:] == (heads, head_dim), f"{name} shape {tuple(t.shape)} != [T, {heads}, {head_dim}]")
-        require(t.stride(2) == 1 and t.stride(1) == head_dim, f"{name} rows must be contiguous [Hkv, D]")
-        require(t.dtype == kv_layer.dtype, f"{name} dtype {t.dtype} != kv_layer dtype {kv_layer.dtype}")
+        require(
+            t.shape[1:] == (heads, head_dim),
+            f"{name} shape {tuple(t.shape)} != [T, {heads}, {head_dim}]",
+        )
+        require(
+            t.stride(2) == 1 and t.stride(1) == head_dim, f"{name} rows must be contiguous [Hkv, D]"
+        )
+        require(
+            t.dtype == kv_layer.dtype, f"{name} dtype {t.dtype} != kv_layer dtype {kv_layer.dtype}"
+        )
     require(key.stride(0) == value.stride(0), "key and value must have the same row stride")
     check_tensor(slot_mapping, "slot_mapping", launcher, ndim=1, dtypes=(torch.int64,))
     tokens = key.shape[0]
-    require(value.shape[0] == tokens == slot_mapping.numel(), "key, value and slot_mapping lengths differ")
+    require(
+        value.shape[0] == tokens == slot_mapping.numel(),
+        "key, value and slot_mapping lengths differ",
+    )
     if check:
         _check_slots(slot_mapping, nb * bs, allow_negative=True)
     row = heads * head_dim * kv_layer.element_size()
@@ -203,6 +230,6 @@ def reshape_and_cache(
     )  # fmt: skip
     _launch(
         launcher, True, layer_ptrs=None, paged=kv_layer, flat_k=key, flat_v=value,
-        slots=slot_mapping, num_slots=nb * bs, strides=strides, heads=1, head_bytes=row, num_layers=1,
-        num_tokens=tokens, skip=0,
+        slots=slot_mapping, num_slots=nb * bs, strides=strides, heads=1, head_bytes=row,
+        num_layers=1, num_tokens=tokens, skip=0,
     )  # fmt: skip

@@ -58,7 +58,9 @@ class CupyLauncher:
         with cupy.cuda.Device(self.device_index):
             fn = self._modules[file].get_function(name)
 
-        def launch(grid: Sequence[int], block: Sequence[int], args: Sequence[object], shared_mem: int = 0) -> None:
+        def launch(
+            grid: Sequence[int], block: Sequence[int], args: Sequence[object], shared_mem: int = 0
+        ) -> None:
             stream = torch.cuda.current_stream(self.device_index).cuda_stream
             with cupy.cuda.Device(self.device_index), cupy.cuda.ExternalStream(stream):
                 fn(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
@@ -115,7 +117,9 @@ def check_tensor(
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name} has dtype {t.dtype}, expected one of {list(dtypes)}")
     if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
+        raise ValueError(
+            f"{name} must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})"
+        )
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -71,7 +71,9 @@ def paged_to_chunk_vllm(
     if (launcher := kernel_launcher(kv_caches[0])) is not None:
         from lmkv_cuda import kv_copy
 
-        return kv_copy.paged_to_chunk_vllm(launcher, kv_caches, slot_mapping, chunk, skip, check=check)
+        return kv_copy.paged_to_chunk_vllm(
+            launcher, kv_caches, slot_mapping, chunk, skip, check=check
+        )
     ops_torch.paged_to_chunk_vllm(kv_caches, slot_mapping, chunk, skip)
 
 
@@ -83,7 +85,9 @@ def chunk_to_paged_vllm(
     if (launcher := kernel_launcher(kv_caches[0])) is not None:
         from lmkv_cuda import kv_copy
 
-        return kv_copy.chunk_to_paged_vllm(launcher, chunk, kv_caches, slot_mapping, skip, check=check)
+        return kv_copy.chunk_to_paged_vllm(
+            launcher, chunk, kv_caches, slot_mapping, skip, check=check
+        )
     ops_torch.chunk_to_paged_vllm(chunk, kv_caches, slot_mapping, skip)
 
 

@@ -35,7 +35,10 @@ def chunk_to_paged(
 
 
 def paged_to_chunk_vllm(
-    kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int = 0
+    kv_caches: Sequence[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    chunk: torch.Tensor,
+    skip: int = 0,
 ) -> None:
     for layer, cache in enumerate(kv_caches):
         dim = cache.shape[-1] // 2
@@ -45,7 +48,10 @@ def paged_to_chunk_vllm(
 
 
 def chunk_to_paged_vllm(
-    chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, skip: int = 0
+    chunk: torch.Tensor,
+    kv_caches: Sequence[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    skip: int = 0,
 ) -> None:
     for layer, cache in enumerate(kv_caches):
         dim = cache.shape[-1] // 2

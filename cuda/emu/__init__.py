@@ -94,7 +94,9 @@ class CpuRawModule:
         if sanitize:
             flags.append(f"-fsanitize={sanitize}")
         exports = "".join(f"CUEMU_EXPORT({i}, {n})\n" for n, i in self._index.items())
-        unit = f'#include "cuemu/cuemu.h"\n#line 1 "kernel.cu"\n{code}\nCUEMU_DEFINE_LAUNCH\n{exports}'
+        unit = (
+            f'#include "cuemu/cuemu.h"\n#line 1 "kernel.cu"\n{code}\nCUEMU_DEFINE_LAUNCH\n{exports}'
+        )
         h = hashlib.sha256((unit + "\0" + " ".join(flags)).encode())
         _digest_dir(h, INCLUDE_DIR, (".h",))
         if path is not None:
@@ -115,7 +117,9 @@ class CpuRawModule:
             cpp = root / f"{key}.{os.getpid()}.cpp"
             tmp = root / f"{key}.{os.getpid()}.tmp"
             cpp.write_text(unit)
-            r = subprocess.run(["g++", *flags, str(cpp), "-o", str(tmp)], capture_output=True, text=True)
+            r = subprocess.run(
+                ["g++", *flags, str(cpp), "-o", str(tmp)], capture_output=True, text=True
+            )
             cpp.unlink()
             if r.returncode:
                 raise RuntimeError("g++ failed:\n" + r.stderr[-8000:])
@@ -153,7 +157,11 @@ class CpuRawKernel:
         self.kinds = info.kinds.decode()
 
     def __call__(
-        self, grid: tuple[int, ...], block: tuple[int, ...], args: Sequence[object], shared_mem: int = 0
+        self,
+        grid: tuple[int, ...],
+        block: tuple[int, ...],
+        args: Sequence[object],
+        shared_mem: int = 0,
     ) -> None:
         if len(args) != self.info.nargs:
             raise TypeError(f"{self.name}: expects {self.info.nargs} args, got {len(args)}")
@@ -161,7 +169,9 @@ class CpuRawKernel:
         for i, a in enumerate(args):
             obj, kind, size = _pack(a)
             want_kind, want_size = self.kinds[i], self.sizes[i]
-            if (kind, size) != (want_kind, want_size) and not (want_kind == "o" and size == want_size):
+            if (kind, size) != (want_kind, want_size) and not (
+                want_kind == "o" and size == want_size
+            ):
                 raise TypeError(
                     f"{self.name}: arg {i} is {kind}{size * 8} as CuPy would pass it, kernel "
                     f"parameter is {want_kind}{want_size * 8} (use np.int32/np.float32/...)"
@@ -189,7 +199,9 @@ class EmuLauncher:
 
         if file not in self._modules:
             self._modules[file] = CpuRawModule(
-                path=SOURCE_DIR / file, name_expressions=INSTANTIATIONS[file], sanitize=self.sanitize
+                path=SOURCE_DIR / file,
+                name_expressions=INSTANTIATIONS[file],
+                sanitize=self.sanitize,
             )
         return self._modules[file].get_function(name)
 

@@ -36,14 +36,16 @@ def copy_engine(
     launcher: Launcher, dtype: torch.dtype, layers: int, heads: int, dim: int, tokens: int,
     skip: int, *, seed: int = 0, chunk_offset: int = 0,
 ) -> bool:  # fmt: skip
-    """Both directions, engine layout; chunk_offset elements shifts the chunk off 16-byte alignment."""
+    """Both directions, engine layout; chunk_offset (elements) misaligns the chunk."""
     gen = torch.Generator().manual_seed(seed)
     nb, bs = 2 + tokens // 8, 8
     kv = torch.randn(layers, 2, nb, bs, heads, dim, generator=gen).to(dtype)
     slots = random_slots(nb * bs, tokens, gen)
     slots[:skip] = -1  # never read
     size = 2 * layers * tokens * heads * dim
-    chunk = poison(torch.empty(size + chunk_offset, dtype=dtype))[chunk_offset:].view(2, layers, tokens, heads, dim)
+    chunk = poison(torch.empty(size + chunk_offset, dtype=dtype))[chunk_offset:].view(
+        2, layers, tokens, heads, dim
+    )
     kv_copy.paged_to_chunk(launcher, kv, slots, chunk, skip)
     want = poison(torch.empty_like(chunk))
     ops_torch.paged_to_chunk(kv, slots, want, skip)
@@ -127,7 +129,11 @@ def decode(
         launcher, query, kv, tables, seq_lens, dim**-0.5, out=out, partition_size=partition_size
     )
     want = reference.paged_attention_decode(
-        query.float(), kv.float().nan_to_num(), tables.clamp(max=kv.shape[1] - 1), seq_lens, dim**-0.5
+        query.float(),
+        kv.float().nan_to_num(),
+        tables.clamp(max=kv.shape[1] - 1),
+        seq_lens,
+        dim**-0.5,
     )
     return (out.float() - want).abs().max().item()
 
@@ -142,7 +148,9 @@ def prefill(
     starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
     query = torch.randn(int(starts[-1]), hq, dim, generator=gen).to(dtype)
     out = poison(torch.empty_like(query))
-    attention.paged_attention_prefill(launcher, query, kv, tables, seq_lens, starts, dim**-0.5, out=out)
+    attention.paged_attention_prefill(
+        launcher, query, kv, tables, seq_lens, starts, dim**-0.5, out=out
+    )
     want = reference.paged_attention_prefill(
         query.float(), kv.float().nan_to_num(), tables.clamp(max=kv.shape[1] - 1), seq_lens, starts,
         dim**-0.5,
@@ -166,7 +174,9 @@ def rerotate(
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN poison included)."""
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
 
 
 def run_all(launcher: Launcher) -> list[str]:
@@ -174,10 +184,16 @@ def run_all(launcher: Launcher) -> list[str]:
     failures = []
     checks = [
         ("copy_engine", lambda: copy_engine(launcher, torch.float16, 2, 2, 64, 21, 3)),
-        ("copy_engine_odd", lambda: copy_engine(launcher, torch.float32, 2, 3, 5, 9, 0, chunk_offset=1)),
+        (
+            "copy_engine_odd",
+            lambda: copy_engine(launcher, torch.float32, 2, 3, 5, 9, 0, chunk_offset=1),
+        ),
         ("copy_vllm", lambda: copy_vllm(launcher, torch.bfloat16, 2, 2, 64, 19, 2)),
         ("reshape_and_cache", lambda: reshape_and_cache(launcher, torch.float16, 2, 64, 10)),
-        ("decode", lambda: decode(launcher, torch.float16, 64, 8, 2, [1, 37], partition_size=32) < 2e-3),
+        (
+            "decode",
+            lambda: decode(launcher, torch.float16, 64, 8, 2, [1, 37], partition_size=32) < 2e-3,
+        ),
         ("decode_mha", lambda: decode(launcher, torch.float32, 128, 2, 2, [20]) < 2e-5),
         ("prefill", lambda: prefill(launcher, torch.bfloat16, 64, 4, 2, [12, 30], [12, 5]) < 2e-2),
         ("rerotate", lambda: rerotate(launcher, torch.float16, (2, 5, 2, 64)) < 2e-3),

@@ -41,7 +41,12 @@ def test_decode_long_context_two_tiles(emu):
 @pytest.mark.parametrize(
     ("hq", "hkv", "lens", "q_lens"),
     [
-        (2, 2, [19, 40, 7], [19, 5, 1]),  # MHA: 8 query tokens per block; prefill, extend, decode-like
+        (
+            2,
+            2,
+            [19, 40, 7],
+            [19, 5, 1],
+        ),  # MHA: 8 query tokens per block; prefill, extend, decode-like
         (8, 1, [20, 33], [20, 3]),  # GQA 8:1: one token per block
         (6, 2, [17, 9], [0, 9]),  # GQA 3:1 (2 tokens x 3 heads per block), an empty sequence
     ],
@@ -51,7 +56,10 @@ def test_prefill(emu, dtype, dim, hq, hkv, lens, q_lens):
 
 
 def test_prefill_long(emu):
-    assert prefill(emu, torch.float16, 64, 4, 4, [300], [280], block_size=32) < TOLERANCE[torch.float16]
+    assert (
+        prefill(emu, torch.float16, 64, 4, 4, [300], [280], block_size=32)
+        < TOLERANCE[torch.float16]
+    )
 
 
 def test_wrapper_rejects_bad_arguments(emu):

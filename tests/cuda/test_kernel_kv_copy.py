@@ -40,7 +40,9 @@ def test_fp8_like_bytes(emu):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("layers", "heads", "dim", "tokens", "skip"), [(3, 4, 128, 35, 0), (2, 3, 64, 9, 4)])
+@pytest.mark.parametrize(
+    ("layers", "heads", "dim", "tokens", "skip"), [(3, 4, 128, 35, 0), (2, 3, 64, 9, 4)]
+)
 def test_vllm_layout(emu, dtype, layers, heads, dim, tokens, skip):
     assert copy_vllm(emu, dtype, layers, heads, dim, tokens, skip)
 

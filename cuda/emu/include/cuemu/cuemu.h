@@ -99,7 +99,6 @@ struct FiberRec {
   unsigned tid = 0, xseq = 0;
   std::atomic<int> state{0};         // 0 runnable, 1 waiting, 2 exited
   std::atomic<int> wait_group{-1}, wait_gen{0};
-  bool started = false;
   void* tsan = nullptr;
   const char* what = "";
 };
@@ -115,10 +114,10 @@ struct BlockCtx {
   void* main_tsan = nullptr;
   void (*thunk)(void**) = nullptr;
   void** args = nullptr;
-  char launch_token = 0;
 };
 
 inline thread_local BlockCtx* tl_ctx = nullptr;
+inline char launch_token = 0;  // TSan: released by the launcher before a block, acquired by its fibers
 inline FiberRec* self() {
   return *reinterpret_cast<FiberRec**>(reinterpret_cast<uintptr_t>(__builtin_frame_address(0)) & ~(uintptr_t)(kStack - 1));
 }
@@ -162,7 +161,7 @@ inline void warp_wait(const char* what) { group_wait(1 + (int)warp_id(), what); 
 inline void syncwarp() { warp_wait("__syncwarp"); }
 
 inline void fiber_entry() {
-  CUEMU_TSAN(__tsan_acquire(&tl_ctx->launch_token);)
+  CUEMU_TSAN(__tsan_acquire(&launch_token);)  // sees the launcher's set-up, not earlier fibers
   tl_ctx->thunk(tl_ctx->args);  // the kernel body
   unsigned t = cur_tid();
   tl_ctx->alive[t].store(0, RLX);
@@ -388,7 +387,6 @@ inline int launch(const KernelInfo* k, const unsigned* g, const unsigned* b, siz
           f.tid = t;
           f.tidx = uint3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
           f.xseq = 0;
-          f.started = false;
           getcontext(&f.uc);
           f.uc.uc_stack.ss_sp = f.stack + 256;  // [0,256): FiberRec* + guard
           f.uc.uc_stack.ss_size = kStack - 256;
@@ -398,7 +396,7 @@ inline int launch(const KernelInfo* k, const unsigned* g, const unsigned* b, siz
         blockIdx = uint3{bx, by, bz};  // written once per block, before the fibers start (synced)
         blockDim = block;
         gridDim = grid;
-        CUEMU_TSAN(__tsan_release(&ctx.launch_token);)
+        CUEMU_TSAN(__tsan_release(&launch_token);)
         if (seed_env) {  // random warp priorities + random lane order inside each warp
           std::vector<unsigned> wp(ctx.nwarps);
           for (unsigned w = 0; w < ctx.nwarps; ++w) wp[w] = w;
@@ -436,15 +434,13 @@ inline int launch(const KernelInfo* k, const unsigned* g, const unsigned* b, siz
             rc = 2;
             break;
           }
-          // first entry of a block syncs with the launcher; afterwards fibers only sync via barriers
-          const unsigned sw_flags = pick->started ? 1u /*no_sync*/ : 0u;
-          pick->started = true;
-          (void)sw_flags;
-          CUEMU_TSAN(__tsan_switch_to_fiber(pick->tsan, sw_flags);)  // nothing but swapcontext after this
+          // no_sync: fibers synchronise only through barriers and launch_token. (A synchronising
+          // switch would order a fiber after every fiber that exited before it started, hiding
+          // races such as a missing __syncthreads before thread 0 reads what others write.)
+          CUEMU_TSAN(__tsan_switch_to_fiber(pick->tsan, 1 /*no_sync*/);)  // then only swapcontext
           swapcontext(&ctx.main_uc, &pick->uc);
           if (pick->state.load(RLX) == 2) --left;
         }
-        CUEMU_TSAN(__tsan_acquire(&ctx.launch_token);)
       }
   CUEMU_TSAN(for (auto& f : ctx.fibers) __tsan_destroy_fiber(f.tsan);)
   for (auto& f : ctx.fibers) std::free(f.stack);
