@@ -181,6 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[r][e] *= a;
     }
+#pragma unroll 4  // several V loads in flight per lane
     for (int t = tile_lo + warp * TPW + vg; t < tile_hi; t += kWarps * TPW) {
       const i64 slot = (i64)table[t / block_size] * block_size + t % block_size;
       float vf[VEC];

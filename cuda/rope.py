@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lmkv_cuda.launcher import CTYPE, FLOAT_DTYPES, Launcher, check_tensor, num_blocks_for, require
+from lmkv_cuda.launcher import CTYPE, FLOAT_DTYPES, Launcher, check_tensor, require
 
 THREADS = 256
+ROWS_PER_THREAD = 8  # kRowsPerThread: rows sharing one sin/cos evaluation
 
 
 def rerotate_keys(
@@ -29,13 +30,15 @@ def rerotate_keys(
     vec = 16 // keys.element_size()
     if (head_dim // 2) % vec or keys.data_ptr() % 16:
         vec = 1
-    rows = keys.numel() // head_dim
+    rows_per_token = keys.numel() // (tokens * heads * head_dim) * heads  # N * Hkv
     kernel = launcher.kernel("rope.cu", f"rerotate_keys<{CTYPE[keys.dtype]}, {vec}>")
-    work = rows * (head_dim // 2 // vec)
+    per_token = head_dim // 2 // vec
+    require(rows_per_token <= 65535 * ROWS_PER_THREAD, f"too many rows per token: {rows_per_token}")
+    grid = (-(-tokens * per_token // THREADS), -(-rows_per_token // ROWS_PER_THREAD))
     p = launcher.pointer
     kernel(
-        (num_blocks_for(work, THREADS, cap=8192),), (THREADS,),
-        (p(keys), p(delta), p(inv_freq), np.int64(rows), np.int32(tokens), np.int32(heads),
-         np.int32(head_dim)),
+        grid, (THREADS,),
+        (p(keys), p(delta), p(inv_freq), np.int32(rows_per_token), np.int32(tokens),
+         np.int32(heads), np.int32(head_dim)),
     )  # fmt: skip
     return keys

@@ -16,7 +16,9 @@ from lmkv_cuda import INSTANTIATIONS, SOURCE_DIR, read_source
 
 ARCHS = ["sm_80", "sm_90"]
 STATIC_SMEM_LIMIT = 48 * 1024  # bytes of static __shared__ per block
-THREADS = {"kv_copy": 256, "rerotate_keys": 256, "paged_attention": 128, "paged_attention_merge": 128}
+THREADS = {  # block size of each kernel (the merge kernel: head_dim threads, at most 128)
+    "kv_copy": 256, "rerotate_keys": 256, "paged_attention": 128, "paged_attention_merge": 128,
+}  # fmt: skip
 
 
 def _nvrtc_include() -> Path | None:

@@ -13,7 +13,9 @@ from lmkv_cuda import rope
 @pytest.mark.parametrize(
     ("dtype", "tol"), [(torch.float32, 2e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)]
 )
-@pytest.mark.parametrize("shape", [(7, 8, 128), (3, 5, 2, 64), (2, 1, 1, 6)])  # last: scalar path
+@pytest.mark.parametrize(  # [N, T, Hkv, D]; N * Hkv = 20 rows: three row groups, the last partial
+    "shape", [(7, 8, 128), (3, 5, 2, 64), (5, 3, 4, 64), (2, 1, 1, 6)]  # last: scalar path
+)
 def test_matches_torch(emu, dtype, tol, shape):
     assert rerotate(emu, dtype, shape) < tol
 

@@ -21,7 +21,9 @@ CASES = Path(__file__).with_name("emu_cases.py")
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is needed")
 
 
-def _python(args: list[str], env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
+def _python(
+    args: list[str], env: dict[str, str], timeout: int = 300
+) -> subprocess.CompletedProcess:
     # sys.executable itself: a shell wrapper (pyenv shim) would crash under a preloaded TSan
     return subprocess.run(
         [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout
