@@ -50,7 +50,7 @@ def test_chunk_round_trip(skip):
 
 def test_vllm_layout_matches_engine_layout():
     kv = _engine_cache()  # [L, 2, NB, BS, H, D]
-    vllm = [torch.cat([kv[layer, 0], kv[layer, 1]], dim=-1) for layer in range(3)]  # [NB, BS, H, 2D]
+    vllm = [torch.cat([kv[layer, 0], kv[layer, 1]], dim=-1) for layer in range(3)]  # [.., H, 2D]
     slots = torch.randperm(24, generator=gen)[:9]
     a, b = torch.zeros(2, 3, 9, 2, 8), torch.zeros(2, 3, 9, 2, 8)
     ops.paged_to_chunk(kv, slots, a, 1)
@@ -104,6 +104,9 @@ def test_reshape_and_cache_and_attention_dispatch_to_engine():
 
 
 def test_import_stays_light():
-    code = "import sys, lmkv, lmkv.ops; print('cupy' in sys.modules, 'lmkv_cuda.launcher' in sys.modules)"
+    code = (
+        "import sys, lmkv, lmkv.ops;"
+        "print('cupy' in sys.modules, 'lmkv_cuda.launcher' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.split() == ["False", "False"]
