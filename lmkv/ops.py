@@ -128,8 +128,9 @@ def paged_attention_decode(
         from lmkv_cuda import attention
 
         return attention.paged_attention_decode(
-            launcher, query, kv_layer, block_tables, seq_lens, scale, check=check, out=out
-        )
+            launcher, query.contiguous(), kv_layer, block_tables, seq_lens, scale, check=check,
+            out=out,
+        )  # fmt: skip
     from lmkv_engines.minimal import attention as reference
 
     result = reference.paged_attention_decode(query, kv_layer, block_tables, seq_lens, scale)
@@ -147,7 +148,7 @@ def paged_attention_prefill(
         from lmkv_cuda import attention
 
         return attention.paged_attention_prefill(
-            launcher, query, kv_layer, block_tables, seq_lens, query_start_loc, scale,
+            launcher, query.contiguous(), kv_layer, block_tables, seq_lens, query_start_loc, scale,
             check=check, out=out,
         )  # fmt: skip
     from lmkv_engines.minimal import attention as reference

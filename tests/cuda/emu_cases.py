@@ -195,6 +195,7 @@ def run_all(launcher: Launcher) -> list[str]:
             lambda: decode(launcher, torch.float16, 64, 8, 2, [1, 37], partition_size=32) < 2e-3,
         ),
         ("decode_mha", lambda: decode(launcher, torch.float32, 128, 2, 2, [20]) < 2e-5),
+        ("decode_two_tiles", lambda: decode(launcher, torch.float32, 64, 2, 1, [300]) < 2e-5),
         ("prefill", lambda: prefill(launcher, torch.bfloat16, 64, 4, 2, [12, 30], [12, 5]) < 2e-2),
         ("rerotate", lambda: rerotate(launcher, torch.float16, (2, 5, 2, 64)) < 2e-3),
     ]

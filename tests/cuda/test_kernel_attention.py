@@ -19,6 +19,7 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
         (4, 4, [1, 16, 17, 45]),  # MHA (R = 1); lengths 1 and block boundaries
         (8, 1, [33, 2]),  # GQA 8:1
         (4, 2, [31]),  # GQA 2:1, rows unused in a block of 8
+        (16, 1, [9, 70]),  # GQA 16:1: two blocks of 8 heads per KV head
     ],
 )
 def test_decode(emu, dtype, dim, hq, hkv, lens):
@@ -49,6 +50,7 @@ def test_decode_long_context_two_tiles(emu):
         ),  # MHA: 8 query tokens per block; prefill, extend, decode-like
         (8, 1, [20, 33], [20, 3]),  # GQA 8:1: one token per block
         (6, 2, [17, 9], [0, 9]),  # GQA 3:1 (2 tokens x 3 heads per block), an empty sequence
+        (16, 1, [12], [4]),  # GQA 16:1: two blocks of 8 heads per token
     ],
 )
 def test_prefill(emu, dtype, dim, hq, hkv, lens, q_lens):
