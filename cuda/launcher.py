@@ -3,7 +3,7 @@
 A ``Launcher`` turns (source file, name expression) into a callable with CuPy's call shape,
 ``kernel(grid, block, args, shared_mem=0)``, and turns tensors into pointer arguments. Two
 implementations exist: ``CupyLauncher`` (GPU: NVRTC via CuPy ``RawModule``, launched on
-torch's current stream, tensors passed by address without copies) and
+torch's current stream, tensors passed by address without copies, any dtype) and
 ``lmkv_cuda.emu.EmuLauncher`` (CPU tests: the same sources under the emulator). The kernel
 wrappers (``lmkv_cuda.kv_copy`` etc.) take the launcher as their first argument.
 """
@@ -53,6 +53,7 @@ class CupyLauncher:
             for file, names in INSTANTIATIONS.items():  # compile now: failures surface here
                 self._modules[file].get_function(names[0])
 
+    @functools.cache  # noqa: B019 - one launcher per device, alive for the process
     def kernel(self, file: str, name: str) -> Kernel:
         cupy = self._cupy
         with cupy.cuda.Device(self.device_index):
@@ -67,12 +68,11 @@ class CupyLauncher:
 
         return launch
 
-    def pointer(self, t: torch.Tensor) -> object:
-        """A zero-copy CuPy view of ``t``'s bytes (works for bfloat16, which CuPy lacks)."""
-        cupy = self._cupy
-        nbytes = max(1, t.untyped_storage().nbytes() - t.storage_offset() * t.element_size())
-        mem = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, owner=t, device_id=self.device_index)
-        return cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    def pointer(self, t: torch.Tensor) -> int:
+        """The device address as a Python int: CuPy passes it as 8 bytes, exactly what a pointer
+        parameter holds (the emulator, which checks parameter types, passes the tensor itself).
+        No CuPy array is built: that would cost microseconds per argument on every launch."""
+        return t.data_ptr()
 
 
 @functools.cache

@@ -23,12 +23,12 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
 INCLUDE_DIR = Path(__file__).parent / "include"
 _EXPORTED = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)')
@@ -133,11 +133,14 @@ class CpuRawModule:
 
 
 def _pack(a: object) -> tuple[ctypes._SimpleCData | ctypes.Array, str, int]:
-    """(storage, kind, size) of an argument as CuPy would pass it."""
-    if isinstance(a, torch.Tensor):
+    """(storage, kind, size) of an argument as CuPy would pass it (arrays: their address)."""
+    torch = sys.modules.get("torch")  # not imported here: sanitizer runs start faster without it
+    if torch is not None and isinstance(a, torch.Tensor):
         if a.device.type != "cpu":
             raise TypeError("the CPU emulator needs CPU tensors")
         return ctypes.c_void_p(a.data_ptr()), "p", 8
+    if isinstance(a, np.ndarray):
+        return ctypes.c_void_p(a.ctypes.data), "p", 8
     if isinstance(a, np.generic):
         kind = a.dtype.kind if a.dtype.kind in "iufb" else "o"
         return ctypes.create_string_buffer(a.tobytes(), a.nbytes), kind, a.nbytes
@@ -186,24 +189,32 @@ class CpuRawKernel:
 
 
 class EmuLauncher:
-    """The ``lmkv_cuda.launcher.Launcher`` of the emulator: kernels run on CPU tensors."""
+    """The ``lmkv_cuda.launcher.Launcher`` of the emulator: kernels run on CPU tensors.
+
+    ``instantiations`` ({file: [name expression]}) narrows what each build compiles, e.g. for
+    the slower sanitizer builds; default: all of ``lmkv_cuda.INSTANTIATIONS``."""
 
     device_type = "cpu"
 
-    def __init__(self, sanitize: str | None = None) -> None:
+    def __init__(
+        self, sanitize: str | None = None, instantiations: Mapping[str, Sequence[str]] | None = None
+    ) -> None:
+        from lmkv_cuda import INSTANTIATIONS
+
         self.sanitize = sanitize
+        self.instantiations = INSTANTIATIONS if instantiations is None else instantiations
         self._modules: dict[str, CpuRawModule] = {}
 
     def kernel(self, file: str, name: str) -> CpuRawKernel:
-        from lmkv_cuda import INSTANTIATIONS, SOURCE_DIR
+        from lmkv_cuda import SOURCE_DIR
 
         if file not in self._modules:
             self._modules[file] = CpuRawModule(
                 path=SOURCE_DIR / file,
-                name_expressions=INSTANTIATIONS[file],
+                name_expressions=self.instantiations[file],
                 sanitize=self.sanitize,
             )
         return self._modules[file].get_function(name)
 
-    def pointer(self, t: torch.Tensor) -> torch.Tensor:
+    def pointer(self, t: object) -> object:
         return t
