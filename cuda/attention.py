@@ -124,13 +124,13 @@ def paged_attention_decode(
     batch, hq, _ = query.shape
     require(batch == seq_lens.shape[0], f"query batch {batch} != {seq_lens.shape[0]} sequences")
     require(partition_size > 0, "partition_size must be positive")
+    if batch == 0:
+        return out
     max_len = block_tables.shape[1] * bs  # bound without a sync
     if check:
         bad_len, bad_block, max_len = _check_tables(block_tables, seq_lens, nb, bs).tolist()
         require(bad_len == 0, f"{bad_len} seq_lens outside [1, {block_tables.shape[1] * bs}]")
         require(bad_block == 0, f"{bad_block} block_tables entries in use are outside [0, {nb})")
-    if batch == 0:
-        return out
     group = hq // hkv
     rows = 1 if group == 1 else ROWS
     num_partitions = -(-max_len // partition_size)
@@ -157,11 +157,13 @@ def paged_attention_prefill(
     require(query_start_loc.shape[0] == batch + 1, "query_start_loc must have num_seqs + 1 entries")
     qsl = query_start_loc.to(torch.int32).contiguous()
     q_lens = qsl[1:] - qsl[:-1]
+    if batch == 0:
+        require(tokens == 0, f"{tokens} query tokens but no sequences")
+        return out
     if check:
-        bad_len, bad_block, _ = _check_tables(block_tables, seq_lens, nb, bs).tolist()
-        first, last, bad_q = torch.stack(
-            [qsl[0], qsl[-1], ((q_lens < 0) | (q_lens > seq_lens)).sum()]
-        ).tolist()  # fmt: skip
+        bad_q = ((q_lens < 0) | (q_lens > seq_lens)).sum()
+        flags = [_check_tables(block_tables, seq_lens, nb, bs), qsl[[0, -1]].long(), bad_q[None]]
+        bad_len, bad_block, _, first, last, bad_q = torch.cat(flags).tolist()  # one sync
         require(bad_len == 0, f"{bad_len} seq_lens outside [1, {block_tables.shape[1] * bs}]")
         require(bad_block == 0, f"{bad_block} block_tables entries in use are outside [0, {nb})")
         require(first == 0 and last == tokens, f"query_start_loc must run from 0 to {tokens}")
