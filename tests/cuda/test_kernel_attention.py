@@ -89,9 +89,9 @@ def test_wrapper_rejects_bad_arguments(emu):
     no_lens = torch.zeros(0, dtype=torch.int32)
     empty = attention.paged_attention_decode(emu, q[:0], kv, tables[:0], no_lens, 0.125)
     assert empty.shape == (0, 4, 64)
+    lens, bad_starts, q3 = torch.tensor([4, 4]), torch.tensor([0, 2, 2]), torch.zeros(3, 4, 64)
     with pytest.raises(ValueError, match="query_start_loc must run"):
-        lens, bad_starts = torch.tensor([4, 4]), torch.tensor([0, 2, 2])
-        attention.paged_attention_prefill(emu, torch.zeros(3, 4, 64), kv, tables, lens, bad_starts, 0.1)
+        attention.paged_attention_prefill(emu, q3, kv, tables, lens, bad_starts, 0.1)
     starts = torch.tensor([0, 2, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match="q_len"):
         attention.paged_attention_prefill(
