@@ -6,7 +6,7 @@ Layouts (see kv_copy.cu): engine ``kv_cache [L, 2, num_blocks, block_size, Hkv, 
 vLLM per layer ``[num_blocks, block_size, Hkv, 2 * D]``; chunk ``[2, L, T, Hkv, D]``;
 ``slot_mapping [T]`` int64 holds the slots of the chunk's tokens. Tokens [0, skip) are not
 copied and their slots are not read; the others must be in [0, num_blocks * block_size).
-The torch twins with the same signatures are in ``lmkv.ops``.
+The torch twins (same signatures, no launcher) are in ``lmkv.ops_torch``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _launch(
     p = launcher.pointer
     table = slots  # a dummy pointer unless the layers are separate tensors
     if layer_ptrs is not None:
-        table = torch.tensor(layer_ptrs, dtype=torch.int64).to(slots.device, non_blocking=True)
+        table = torch.tensor(layer_ptrs, dtype=torch.int64, device=slots.device)
     rows = 2 * num_layers * (num_tokens - skip)
     args = (
         p(table), np.int32(layer_ptrs is not None),
