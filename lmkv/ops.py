@@ -26,14 +26,15 @@ if TYPE_CHECKING:
     from lmkv_cuda.launcher import Launcher
 
 
-def kernel_launcher(t: torch.Tensor) -> Launcher | None:
-    """The GPU launcher for ``t``'s device, or None for CPU tensors / unusable CUDA kernels."""
-    if t.device.type != "cuda":
+def kernel_launcher(*tensors: torch.Tensor) -> Launcher | None:
+    """The GPU launcher when all ``tensors`` are on one CUDA device, else None (CPU tensors,
+    mixed devices such as a pinned host chunk, or unusable CUDA kernels: the torch path)."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or (device := devices.pop()).type != "cuda":
         return None
     from lmkv_cuda.launcher import gpu_launcher
 
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return gpu_launcher(index)
+    return gpu_launcher(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # ---- KV transfer between paged memory and chunk buffers (all layers, K and V, one launch)
@@ -44,7 +45,7 @@ def paged_to_chunk(
     *, check: bool = True,
 ) -> None:  # fmt: skip
     """chunk[:, :, t] = kv_cache[:, :, slot_mapping[t]] for t in [skip, T)."""
-    if (launcher := kernel_launcher(kv_cache)) is not None:
+    if (launcher := kernel_launcher(kv_cache, chunk, slot_mapping)) is not None:
         from lmkv_cuda import kv_copy
 
         return kv_copy.paged_to_chunk(launcher, kv_cache, slot_mapping, chunk, skip, check=check)
@@ -56,7 +57,7 @@ def chunk_to_paged(
     *, check: bool = True,
 ) -> None:  # fmt: skip
     """kv_cache[:, :, slot_mapping[t]] = chunk[:, :, t] for t in [skip, T)."""
-    if (launcher := kernel_launcher(kv_cache)) is not None:
+    if (launcher := kernel_launcher(kv_cache, chunk, slot_mapping)) is not None:
         from lmkv_cuda import kv_copy
 
         return kv_copy.chunk_to_paged(launcher, chunk, kv_cache, slot_mapping, skip, check=check)
@@ -68,7 +69,7 @@ def paged_to_chunk_vllm(
     skip: int = 0, *, check: bool = True,
 ) -> None:  # fmt: skip
     """chunk[0 / 1, l, t] = K / V of kv_caches[l] at slot_mapping[t], t in [skip, T)."""
-    if (launcher := kernel_launcher(kv_caches[0])) is not None:
+    if (launcher := kernel_launcher(*kv_caches, chunk, slot_mapping)) is not None:
         from lmkv_cuda import kv_copy
 
         return kv_copy.paged_to_chunk_vllm(
@@ -82,7 +83,7 @@ def chunk_to_paged_vllm(
     skip: int = 0, *, check: bool = True,
 ) -> None:  # fmt: skip
     """K / V of kv_caches[l] at slot_mapping[t] = chunk[0 / 1, l, t], t in [skip, T)."""
-    if (launcher := kernel_launcher(kv_caches[0])) is not None:
+    if (launcher := kernel_launcher(*kv_caches, chunk, slot_mapping)) is not None:
         from lmkv_cuda import kv_copy
 
         return kv_copy.chunk_to_paged_vllm(
@@ -98,7 +99,7 @@ def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tenso
     """In place: keys [..., T, Hkv, D] (e.g. ``chunk[0]``, all layers at once) rotated by
     angle delta[t] * inv_freq, moving keys cached at position p to p + delta[t] (HF Llama
     rotate_half convention; delta [T] int64, inv_freq [D/2] fp32). Returns keys."""
-    if (launcher := kernel_launcher(keys)) is not None:
+    if (launcher := kernel_launcher(keys, delta, inv_freq)) is not None:
         from lmkv_cuda import rope
 
         if keys.is_contiguous():
@@ -110,7 +111,7 @@ def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tenso
 
 
 def _attention_kernel(query: torch.Tensor, kv_layer: torch.Tensor) -> Launcher | None:
-    launcher = kernel_launcher(query)
+    launcher = kernel_launcher(query, kv_layer)
     if launcher is None:
         return None
     from lmkv_cuda.attention import HEAD_DIMS
@@ -127,9 +128,10 @@ def paged_attention_decode(
     if (launcher := _attention_kernel(query, kv_layer)) is not None:
         from lmkv_cuda import attention
 
+        dev = query.device  # metadata may come from the host: a no-op when already there
         return attention.paged_attention_decode(
-            launcher, query.contiguous(), kv_layer, block_tables, seq_lens, scale, check=check,
-            out=out,
+            launcher, query.contiguous(), kv_layer, block_tables.to(dev), seq_lens.to(dev), scale,
+            check=check, out=out,
         )  # fmt: skip
     from lmkv_engines.minimal import attention as reference
 
@@ -147,9 +149,10 @@ def paged_attention_prefill(
     if (launcher := _attention_kernel(query, kv_layer)) is not None:
         from lmkv_cuda import attention
 
+        dev = query.device
         return attention.paged_attention_prefill(
-            launcher, query.contiguous(), kv_layer, block_tables, seq_lens, query_start_loc, scale,
-            check=check, out=out,
+            launcher, query.contiguous(), kv_layer, block_tables.to(dev), seq_lens.to(dev),
+            query_start_loc.to(dev), scale, check=check, out=out,
         )  # fmt: skip
     from lmkv_engines.minimal import attention as reference
 
@@ -164,7 +167,7 @@ def reshape_and_cache(
     *, check: bool = True,
 ) -> None:  # fmt: skip
     """kv_layer[0 / 1][slot_mapping[t]] = key / value[t]; slot -1 = skip the token."""
-    launcher = kernel_launcher(kv_layer)
+    launcher = kernel_launcher(key, value, kv_layer, slot_mapping)
     if launcher is not None and key.dtype == value.dtype == kv_layer.dtype:
         from lmkv_cuda import kv_copy
 
