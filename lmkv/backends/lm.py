@@ -16,6 +16,9 @@ from lmkv.backends import lm_wire as wire
 from lmkv.backends.base import BackendError, StorageBackend
 
 DEFAULT_MAX_VALUE_SIZE = 1 << 30
+# lmcache_server parses the key of every frame, HEALTH included, and drops the connection
+# if it is not model@world_size@worker_id@chunk_hash_hex@dtype
+_HEALTH_KEY = b"lmkv-health@1@0@0@uint8"
 
 
 class LMAddress(NamedTuple):
@@ -49,6 +52,11 @@ class LMBackend(StorageBackend):
 
     PUT has no acknowledgement in this protocol: ``put`` returning means the bytes were
     handed to the kernel, not that the server stored them (it may also evict them later).
+
+    Against LMCache's lmcache_server, keys must have LMCache's form
+    (``model@world_size@worker_id@chunk_hash_hex@dtype[...]``): that server parses them
+    and drops the connection on anything else (a BackendError here). lmkv_server only
+    requires printable ASCII without spaces.
     """
 
     def __init__(
@@ -132,7 +140,7 @@ class LMBackend(StorageBackend):
         """True if the server answers HEALTH (lmcache_server 0.5.6 does too)."""
         sock = self._connection()
         try:
-            sock.sendall(wire.pack_request(wire.Command.HEALTH, b"health"))
+            sock.sendall(wire.pack_request(wire.Command.HEALTH, _HEALTH_KEY))
             return self._read_response(sock).code == wire.Code.SUCCESS
         except OSError as exc:
             self._fail(f"health of {self._where()} failed: {exc}", exc)
