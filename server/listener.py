@@ -52,6 +52,8 @@ class Listener:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop accepting, close every connection, wait for their threads."""
         self._stopping.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes accept() at once on Linux
         self._thread.join()
         self.sock.close()
         with self._lock:
@@ -70,6 +72,8 @@ class Listener:
             except TimeoutError:
                 continue
             except OSError as exc:  # e.g. EMFILE: back off instead of spinning
+                if self._stopping.is_set():
+                    break
                 log.error("accept failed: %s", exc)
                 self._stopping.wait(_ACCEPT_POLL_S)
                 continue
