@@ -8,8 +8,9 @@ symlink ``lmkv_server -> server`` too; child processes get the same through PYTH
 
 from __future__ import annotations
 
+import atexit
 import importlib
-import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +32,7 @@ def _import_paths() -> list[str]:
     except ImportError:
         pass
     shim = Path(tempfile.mkdtemp(prefix="lmkv-shim-"))
+    atexit.register(shutil.rmtree, shim, ignore_errors=True)
     (shim / "lmkv_server").symlink_to(REPO / "server")
     sys.path.insert(0, str(shim))
     return [str(shim), *paths]
@@ -62,4 +64,4 @@ def spawn_server(server_env, tmp_path):
 
     yield spawn
     for server in started:
-        server.kill() if os.environ.get("LMKV_TEST_FAST_TEARDOWN") else server.stop()
+        server.stop()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import select
 import socket
+import struct
+import time
 from collections.abc import Sequence
 from typing import NamedTuple, NoReturn
 from urllib.parse import urlsplit
@@ -45,10 +47,10 @@ def parse_lm_url(url: str) -> LMAddress:
 class LMBackend(StorageBackend):
     """One persistent TCP connection to an lm:// server, used serially.
 
-    Every call is bounded: ``connect_timeout`` for connecting, ``timeout`` for each socket
-    operation. Any failure closes the connection and raises BackendError; the next call
-    reconnects. A connection found closed by the server before a call (restart, idle
-    close) is replaced silently before anything is sent.
+    Every call is bounded: ``connect_timeout`` for connecting, ``timeout`` for each reply
+    to arrive in full and for each send to make progress. Any failure closes the
+    connection and raises BackendError; the next call reconnects. A connection that the
+    server closed between calls (restart, idle close) is replaced before anything is sent.
 
     PUT has no acknowledgement in this protocol: ``put`` returning means the bytes were
     handed to the kernel, not that the server stored them (it may also evict them later).
@@ -98,31 +100,48 @@ class LMBackend(StorageBackend):
         sock = self._connection()
         try:
             for header, payload in frames:
-                sock.sendall(header)
-                sock.sendall(payload)
+                self._send(sock, [header, payload])
         except OSError as exc:
-            self._fail(f"put to {self._where()} failed: {exc}", exc)
+            self._fail("put to", exc)
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Values in order, None for misses. Hits are returned as bytearrays."""
+        """Values in order, None for misses. Hits are returned as bytearrays (no copy)."""
         requests = [wire.pack_request(wire.Command.GET, self._key(k)) for k in keys]
         sock = self._connection()
         values: list[bytes | None] = []
         try:
             for request in requests:
-                sock.sendall(request)
-                reply = self._read_response(sock)
-                if reply.code != wire.Code.SUCCESS:
+                deadline = self._send(sock, [request])
+                length = self._read_value_header(sock, deadline)
+                if length is None:
                     values.append(None)
                     continue
-                if not 0 <= reply.length <= self.max_value_size:
-                    self._fail(f"{self._where()} announced a {reply.length}-byte value")
-                value = bytearray(reply.length)
-                self._recv_exactly(sock, memoryview(value))
-                values.append(value)  # type: ignore[arg-type]  # bytearray: no copy
+                value = bytearray(length)
+                self._recv_exactly(sock, memoryview(value), deadline)
+                values.append(value)  # type: ignore[arg-type]
         except OSError as exc:
-            self._fail(f"get from {self._where()} failed: {exc}", exc)
+            self._fail("get from", exc)
         return values
+
+    def get_into(self, key: str, buffer: memoryview | bytearray) -> int | None:
+        """Receive ``key``'s value straight into ``buffer`` (e.g. a pre-faulted pool slot,
+        which avoids the page faults of a fresh allocation); its length, or None on a miss.
+        A value larger than ``buffer`` raises BackendError."""
+        request = wire.pack_request(wire.Command.GET, self._key(key))
+        view = memoryview(buffer).cast("B")
+        sock = self._connection()
+        try:
+            deadline = self._send(sock, [request])
+            length = self._read_value_header(sock, deadline)
+            if length is None:
+                return None
+            if length > view.nbytes:
+                # the reply cannot be skipped cheaply: drop the connection instead
+                self._fail_with(f"value of {key!r} is {length} bytes, buffer {view.nbytes}")
+            self._recv_exactly(sock, view[:length], deadline)
+            return length
+        except OSError as exc:
+            self._fail("get from", exc)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         requests = [wire.pack_request(wire.Command.EXIST, self._key(k)) for k in keys]
@@ -130,20 +149,20 @@ class LMBackend(StorageBackend):
         found = []
         try:
             for request in requests:
-                sock.sendall(request)
-                found.append(self._read_response(sock).code == wire.Code.SUCCESS)
+                deadline = self._send(sock, [request])
+                found.append(self._read_response(sock, deadline).code == wire.Code.SUCCESS)
         except OSError as exc:
-            self._fail(f"exist on {self._where()} failed: {exc}", exc)
+            self._fail("exist on", exc)
         return found
 
     def health(self) -> bool:
         """True if the server answers HEALTH (lmcache_server 0.5.6 does too)."""
         sock = self._connection()
         try:
-            sock.sendall(wire.pack_request(wire.Command.HEALTH, _HEALTH_KEY))
-            return self._read_response(sock).code == wire.Code.SUCCESS
+            deadline = self._send(sock, [wire.pack_request(wire.Command.HEALTH, _HEALTH_KEY)])
+            return self._read_response(sock, deadline).code == wire.Code.SUCCESS
         except OSError as exc:
-            self._fail(f"health of {self._where()} failed: {exc}", exc)
+            self._fail("health of", exc)
 
     def close(self) -> None:
         if self._sock is not None:
@@ -158,7 +177,12 @@ class LMBackend(StorageBackend):
                 sock = socket.create_connection(self.address, timeout=self.connect_timeout)
             except OSError as exc:
                 raise BackendError(f"cannot connect to {self._where()}: {exc}") from exc
-            sock.settimeout(self.timeout)
+            # Blocking socket with kernel timeouts: a reply is received with one
+            # recv(MSG_WAITALL) and the kernel does the waiting, not Python's poll loop.
+            sock.settimeout(None)
+            timeval = _timeval(self.timeout)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
         return self._sock
@@ -171,16 +195,36 @@ class LMBackend(StorageBackend):
         poller.register(sock, select.POLLIN)
         return bool(poller.poll(0))
 
-    def _read_response(self, sock: socket.socket) -> wire.ResponseHeader:
-        self._recv_exactly(sock, memoryview(self._header))
+    def _send(self, sock: socket.socket, buffers: list[bytes | memoryview]) -> float:
+        """Send ``buffers``; returns the deadline for the reply."""
+        for buf in buffers:
+            sock.sendall(buf)  # each partial send must progress within SO_SNDTIMEO
+        return time.monotonic() + self.timeout
+
+    def _read_response(self, sock: socket.socket, deadline: float) -> wire.ResponseHeader:
+        self._recv_exactly(sock, memoryview(self._header), deadline)
         return wire.unpack_response(self._header)
 
-    def _recv_exactly(self, sock: socket.socket, view: memoryview) -> None:
+    def _read_value_header(self, sock: socket.socket, deadline: float) -> int | None:
+        reply = self._read_response(sock, deadline)
+        if reply.code != wire.Code.SUCCESS:
+            return None
+        if not 0 <= reply.length <= self.max_value_size:
+            self._fail_with(f"{self._where()} announced a {reply.length}-byte value")
+        return reply.length
+
+    def _recv_exactly(self, sock: socket.socket, view: memoryview, deadline: float) -> None:
         while view.nbytes:
-            n = sock.recv_into(view)
+            try:
+                n = sock.recv_into(view, view.nbytes, socket.MSG_WAITALL)
+            except BlockingIOError:  # SO_RCVTIMEO expired with nothing received
+                n = -1
             if n == 0:
-                self._fail(f"{self._where()} closed the connection mid-reply")
-            view = view[n:]
+                self._fail_with(f"{self._where()} closed the connection mid-reply")
+            if n > 0:
+                view = view[n:]
+            if view.nbytes and time.monotonic() >= deadline:
+                raise TimeoutError("timed out waiting for the reply")
 
     def _key(self, key: str) -> bytes:
         try:
@@ -188,9 +232,19 @@ class LMBackend(StorageBackend):
         except wire.WireError as exc:
             raise BackendError(f"invalid lm:// key: {exc}") from exc
 
-    def _fail(self, message: str, cause: BaseException | None = None) -> NoReturn:
+    def _fail(self, what: str, exc: OSError) -> NoReturn:
+        if isinstance(exc, BlockingIOError):  # SO_SNDTIMEO expired
+            exc = TimeoutError("timed out sending")
+        self._fail_with(f"{what} {self._where()} failed: {exc}", exc)
+
+    def _fail_with(self, message: str, cause: BaseException | None = None) -> NoReturn:
         self.close()
         raise BackendError(message) from cause
 
     def _where(self) -> str:
         return f"lm://{self.address.host}:{self.address.port}"
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))

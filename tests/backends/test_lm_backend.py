@@ -131,3 +131,17 @@ def test_connect_refused():
     backend = LMBackend(f"lm://127.0.0.1:{port}", connect_timeout=1)
     with pytest.raises(BackendError, match="cannot connect"):
         backend.contains(["k@1"])
+
+
+def test_get_into_caller_buffer(spawn_server):
+    server = spawn_server("--max-memory", "8MiB")
+    backend = LMBackend(server.url)
+    value = os.urandom(100_000)
+    backend.put([("into@1", value)])
+    slot = bytearray(200_000)
+    assert backend.get_into("into@1", slot) == len(value)
+    assert slot[: len(value)] == value
+    assert backend.get_into("missing@1", slot) is None
+    with pytest.raises(BackendError, match="buffer 10"):
+        backend.get_into("into@1", bytearray(10))
+    assert backend.get(["into@1"]) == [value]  # reconnected after the refused reply
