@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -145,3 +146,25 @@ def test_get_into_caller_buffer(spawn_server):
     with pytest.raises(BackendError, match="buffer 10"):
         backend.get_into("into@1", bytearray(10))
     assert backend.get(["into@1"]) == [value]  # reconnected after the refused reply
+
+
+def test_frozen_server_times_out_then_recovers(spawn_server):
+    server = spawn_server("--max-memory", "8MiB")
+    backend = LMBackend(server.url, timeout=1)
+    backend.put([("f@1", b"v")])
+    server.proc.send_signal(signal.SIGSTOP)  # alive but not answering
+    while _state(server.proc.pid) != "T":
+        time.sleep(0.01)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BackendError, match="timed out"):
+            backend.get(["f@1"])
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    assert backend.get(["f@1"]) == [b"v"]  # new connection; the stale one was dropped
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
