@@ -14,7 +14,7 @@ CLIENTS = 32
 
 def test_32_clients_mixed_put_get(spawn_server):
     server = spawn_server("--max-memory", "256MiB")
-    stop = time.monotonic() + 4
+    stop = time.monotonic() + 3
     errors: list[BaseException] = []
     rounds: list[int] = []
 

@@ -43,11 +43,14 @@ def test_lru_eviction_keeps_memory_under_cap(spawn_server):
     assert stats["entries"] == CAP // VALUE  # full, to the page
     assert stats["evictions"] == 3 * CAP // VALUE - stats["entries"]
     assert stats["traffic"]["bytes_in"] == 3 * CAP
-    # the most recent writes survived, the oldest were evicted
+    # LRU order: after CAP more bytes from one client, exactly its keys remain
     backend = LMBackend(server.url)
-    last = 3 * CAP // VALUE // 4 - 1
-    assert backend.contains([f"ev@{w}@{last}" for w in range(4)]) == [True] * 4
-    assert backend.contains([f"ev@{w}@0" for w in range(4)]) == [False] * 4
+    fresh = [f"fresh@{i}" for i in range(CAP // VALUE)]
+    backend.put([(key, bytes([i]) * VALUE) for i, key in enumerate(fresh)])
+    assert backend.contains(fresh) == [True] * len(fresh)
+    assert backend.contains([f"ev@{w}@{i}" for w in range(4) for i in range(24)]) == [False] * 96
+    assert backend.get(fresh[-1:]) == [bytes([len(fresh) - 1]) * VALUE]
+    assert server.stats()["used_bytes"] == CAP
 
 
 def test_value_above_cap_is_refused_without_crash(spawn_server):
