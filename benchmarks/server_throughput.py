@@ -6,7 +6,10 @@ Each client is its own process with one connection (so the clients are not limit
 one GIL) and reuses one payload buffer and one receive buffer, which is the cheapest
 correct client possible: what remains is the server's cost. Every configuration moves
 ``--total`` bytes; the servers run side by side and are measured one after the other
-for each configuration, ``--repeat`` times, best run kept.
+for each configuration, ``--repeat`` times, best run kept. Clients and servers share the
+machine's CPUs, so each line also gives the CPU time each server spent per GB moved (all
+its threads, lowest run): a measure of its efficiency that noise from other processes
+affects much less than throughput.
 
 The sink accepts the same frames, stores nothing (reads PUT payloads into one reused
 buffer) and answers every GET from one preallocated buffer: the ceiling for a server
@@ -17,6 +20,7 @@ that has to keep the bytes. lmcache_server is started from .venv-lmcache if pres
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import os
 import queue
@@ -43,19 +47,22 @@ GET_KEYS = 64  # GET reads the last 64 keys written
 class Result(NamedTuple):
     op: str
     clients: int
-    gbps: dict[str, float]
+    gbps: dict[str, float]  # best run per server
+    cpu_per_gb: dict[str, float]  # server CPU seconds (all threads) per GB, lowest run
 
 
 # ---------------------------------------------------------------- sink server
 
 
-def run_sink(port: int) -> None:
-    """Thread per connection, blocking sockets, no storage at all."""
+def run_sink(port: int, buffers: int) -> None:
+    """Thread per connection, blocking sockets, no storage at all. GETs are answered from
+    ``buffers`` preallocated values in turn (1: one buffer that stays in the CPU cache)."""
     listener = socket.create_server(("127.0.0.1", port), backlog=256)
     reply = wire.pack_response(
         wire.Code.SUCCESS, VALUE, wire.Fmt.BINARY, wire.DType.UINT8, wire.binary_shape(VALUE)
     )
-    payload = bytes(VALUE)
+    payloads = [os.urandom(VALUE) for _ in range(buffers)]
+    turn = itertools.count()
 
     def serve(conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -67,7 +74,7 @@ def run_sink(port: int) -> None:
                 if request.command == wire.Command.PUT:
                     _recv_exactly(conn, scratch[: request.length])
                 elif request.command == wire.Command.GET:
-                    conn.sendmsg([reply, payload])
+                    conn.sendmsg([reply, payloads[next(turn) % buffers]])
                 elif request.command in (wire.Command.EXIST, wire.Command.HEALTH):
                     conn.sendall(wire.SUCCESS_EMPTY)
 
@@ -212,14 +219,21 @@ def lmkv_env(tmp: Path) -> dict[str, str]:
 
 
 def start_servers(
-    env: dict[str, str], max_memory: str
+    env: dict[str, str], max_memory: str, sink_buffers: int
 ) -> tuple[dict[str, int], list[subprocess.Popen]]:
     ports: dict[str, int] = {"lmkv": free_port(), "sink": free_port()}
     procs = []
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     procs.append(
         subprocess.Popen(
-            [sys.executable, __file__, "--serve-sink", str(ports["sink"])],
+            [
+                sys.executable,
+                __file__,
+                "--serve-sink",
+                str(ports["sink"]),
+                "--sink-buffers",
+                str(sink_buffers),
+            ],
             env=env,
             **quiet,
         )
@@ -253,9 +267,19 @@ def start_servers(
     return ports, procs
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def format_line(r: Result) -> str:
     parts = [f"{r.op} clients={r.clients}"]
     parts += [f"{name} {gbps:.2f} GB/s" for name, gbps in r.gbps.items()]
+    parts.append(" [server cpu-s/GB")
+    parts += [f"{name} {cpu:.3f}" for name, cpu in r.cpu_per_gb.items()]
+    parts[-1] += "]"
     ratios = []
     if "lmcache" in r.gbps:
         ratios.append(f"lmkv/lmcache={r.gbps['lmkv'] / r.gbps['lmcache']:.2f}x")
@@ -269,21 +293,29 @@ def main() -> None:
     p.add_argument("--total", default="1GiB", help="bytes moved per measurement")
     p.add_argument("--repeat", type=int, default=3, help="runs per measurement; best kept")
     p.add_argument("--max-memory", default="512MiB", help="lmkv_server's bound (evicts)")
+    p.add_argument(
+        "--sink-buffers",
+        type=int,
+        default=1,
+        help="values the sink answers GETs from (1, the default, stays in cache; "
+        f"{GET_KEYS} gives it the same working set as the servers)",
+    )
     p.add_argument("--serve-sink", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_sink:
-        run_sink(args.serve_sink)
+        run_sink(args.serve_sink, args.sink_buffers)
         return
     with tempfile.TemporaryDirectory() as tmp:
         env = lmkv_env(Path(tmp))
         from lmkv_server.config import parse_size
 
         total = parse_size(args.total)
-        ports, procs = start_servers(env, args.max_memory)
+        ports, procs = start_servers(env, args.max_memory, args.sink_buffers)
         try:
             print(
                 f"# {VALUE // MiB} MiB values, {total / 2**30:.2f} GiB per measurement, "
                 f"best of {args.repeat}, lmkv --max-memory {args.max_memory}, "
+                f"sink GETs from {args.sink_buffers} buffer(s), "
                 f"{os.cpu_count()} CPUs shared by clients and server"
             )
             for op in ("put", "get"):
@@ -293,10 +325,15 @@ def main() -> None:
                             fill(port)
                 for clients in args.clients:
                     best = {name: 0.0 for name in ports}
+                    cpu = {name: float("inf") for name in ports}
                     for _ in range(args.repeat):
-                        for name, port in ports.items():
-                            best[name] = max(best[name], measure(port, op, clients, total))
-                    print(format_line(Result(op, clients, best)), flush=True)
+                        for (name, port), proc in zip(ports.items(), procs, strict=True):
+                            cpu0 = cpu_seconds(proc.pid)
+                            gbps = measure(port, op, clients, total)
+                            moved = total // VALUE // clients * clients * VALUE / 1e9
+                            cpu[name] = min(cpu[name], (cpu_seconds(proc.pid) - cpu0) / moved)
+                            best[name] = max(best[name], gbps)
+                    print(format_line(Result(op, clients, best, cpu)), flush=True)
         finally:
             for proc in procs:
                 proc.terminate()

@@ -24,6 +24,7 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
+from enum import Enum
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,6 +39,12 @@ HEADER = struct.Struct("<8sHii4iQ")
 CRC = struct.Struct("<I")
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
+
+
+class _Outcome(Enum):
+    LOADED = "loaded"
+    CORRUPT = "corrupt"
+    NO_ROOM = "no_room"
 
 
 class LoadResult(NamedTuple):
@@ -73,19 +80,15 @@ class Persister:
             elif item.name.endswith(SUFFIX) and item.is_file():
                 files.append((item.stat().st_mtime_ns, item.path))
         files.sort(reverse=True)  # newest first: they win the space if it runs out
-        loaded = corrupt = no_room = 0
+        counts = dict.fromkeys(_Outcome, 0)
         for _, path in files:
             try:
                 outcome = self._load_file(Path(path))
             except OSError as exc:
                 log.warning("skipping unreadable persisted file %s: %s", path, exc)
-                outcome = "corrupt"
-            if outcome == "loaded":
-                loaded += 1
-            elif outcome == "no_room":
-                no_room += 1
-            else:
-                corrupt += 1
+                outcome = _Outcome.CORRUPT
+            counts[outcome] += 1
+        loaded, corrupt, no_room = counts.values()
         if no_room:
             log.warning("%d persisted values did not fit in max_memory; left on disk", no_room)
         return LoadResult(loaded, corrupt, no_room)
@@ -166,7 +169,7 @@ class Persister:
         finally:
             self.store.release(entry)
 
-    def _load_file(self, path: Path) -> str:
+    def _load_file(self, path: Path) -> _Outcome:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(HEADER.size + CRC.size)
@@ -186,10 +189,10 @@ class Persister:
             if self.path_for(key) != path:
                 return self._corrupt(path, "file name does not match its key")
             if not self.store.fits(length):
-                return "no_room"
+                return _Outcome.NO_ROOM
             pages = self.store.reserve(length, evict=False)
             if pages is None:
-                return "no_room"
+                return _Outcome.NO_ROOM
             crc = zlib.crc32(key, zlib.crc32(head[: HEADER.size]))
             for segment in self.store.arena.segments(pages, length):
                 if not _read_exactly(f, segment):
@@ -202,12 +205,12 @@ class Persister:
         self.store.commit(
             key, length, fmt, dtype, (s0, s1, s2, s3), pages, oldest=True, notify=False
         )
-        return "loaded"
+        return _Outcome.LOADED
 
     @staticmethod
-    def _corrupt(path: Path, why: str) -> str:
+    def _corrupt(path: Path, why: str) -> _Outcome:
         log.warning("skipping corrupt persisted file %s: %s", path, why)
-        return "corrupt"
+        return _Outcome.CORRUPT
 
 
 def _read_exactly(f, view: memoryview) -> bool:
