@@ -21,8 +21,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m lmkv_server 127.0.0.1 PORT ARGS...`` with an admin port, started and
-    waited for; ``restart`` reuses both ports (and so any persist dir in ``args``)."""
+    """``python -m lmkv_server HOST PORT ARGS...`` with an admin port, started and waited
+    for; ``restart`` reuses both ports (and so any persist dir in ``args``). Clients
+    connect through 127.0.0.1, so HOST must be loopback or a wildcard address."""
 
     def __init__(
         self,
@@ -30,8 +31,10 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
         port: int | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.args = list(args)
+        self.host = host
         self.env = env
         self.log_path = log_path
         self.port = port or free_port()
@@ -47,7 +50,7 @@ class ServerProcess:
             sys.executable,
             "-m",
             "lmkv_server",
-            "127.0.0.1",
+            self.host,
             str(self.port),
             "--admin-port",
             str(self.admin_port),

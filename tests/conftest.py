@@ -56,9 +56,9 @@ def spawn_server(server_env, tmp_path):
 
     started: list[ServerProcess] = []
 
-    def spawn(*args: str, port: int | None = None) -> ServerProcess:
+    def spawn(*args: str, port: int | None = None, host: str = "127.0.0.1") -> ServerProcess:
         log = tmp_path / f"server-{len(started)}.log"
-        server = ServerProcess(*args, env=server_env, log_path=log, port=port)
+        server = ServerProcess(*args, env=server_env, log_path=log, port=port, host=host)
         started.append(server)
         return server.start()
 

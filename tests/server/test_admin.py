@@ -36,3 +36,10 @@ def test_health_metrics_stats(spawn_server):
     assert samples["lmkv_server_open_connections"] == 1
     assert not any(name.startswith("python_gc") for name in samples)  # private registry
     backend.close()
+
+
+def test_non_loopback_bind_warns_about_missing_auth(spawn_server):
+    server = spawn_server("--max-memory", "1MiB", host="0.0.0.0")
+    assert "no authentication" in server.log()
+    loopback = spawn_server("--max-memory", "1MiB")
+    assert "no authentication" not in loopback.log()
