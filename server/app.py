@@ -34,9 +34,12 @@ def run(config: ServerConfig) -> None:
 async def serve(config: ServerConfig) -> None:
     if not config.loopback_only:
         log.warning(
-            "binding %s: the lm:// protocol has no authentication or encryption; anyone who "
-            "can reach this port can read and overwrite every cached value",
+            "binding %s: the lm:// protocol has no authentication or encryption; %s can "
+            "read and overwrite every cached value",
             config.host,
+            "clients in --allow " + ",".join(map(str, config.allow))
+            if config.allow
+            else "anyone who can reach this port",
         )
     arena = PageArena(config.num_pages, config.page_size, config.prefault)
     store = Store(arena)

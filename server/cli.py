@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from .app import run
-from .config import ServerConfig, parse_size
+from .config import ServerConfig, parse_networks, parse_size
 
 _DEFAULTS = ServerConfig()
 
@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULTS.max_connections,
         help="open connections (one thread each) before new ones are refused (default 1024)",
     )
+    p.add_argument(
+        "--allow",
+        type=parse_networks,
+        default=(),
+        help="comma-separated client addresses/networks allowed to connect, "
+        "e.g. 10.0.0.0/8,192.168.1.7 (default: any)",
+    )
     p.add_argument("--log-level", default=_DEFAULTS.log_level, help="DEBUG, INFO, WARNING...")
     return p
 
@@ -73,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             admin_port=args.admin_port,
             io_timeout=args.io_timeout,
             max_connections=args.max_connections,
+            allow=args.allow,
             log_level=args.log_level.upper(),
         )
     except ValueError as exc:

@@ -47,6 +47,20 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * unit)
 
 
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(text: str) -> tuple[IPNetwork, ...]:
+    """``"10.0.0.0/8,192.168.1.7"`` -> networks; raises ValueError on a bad entry."""
+    networks = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError as exc:
+            raise ValueError(f"not an address or network: {item!r}") from exc
+    return tuple(networks)
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -76,6 +90,9 @@ class ServerConfig:
     io_timeout: float = 30.0
     # Open client connections (one thread each); more are refused at accept.
     max_connections: int = 1024
+    # Client networks allowed to connect (empty: anyone who can reach the port). The
+    # protocol itself has no authentication; this is address-based access control.
+    allow: tuple[IPNetwork, ...] = ()
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -105,3 +122,15 @@ class ServerConfig:
     @property
     def loopback_only(self) -> bool:
         return is_loopback(self.host)
+
+    def allows(self, address: str) -> bool:
+        """Whether a client at ``address`` may connect."""
+        if not self.allow:
+            return True
+        try:
+            ip = ipaddress.ip_address(address.split("%", 1)[0])
+        except ValueError:
+            return False
+        if ip.version == 6 and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip in network for network in self.allow)

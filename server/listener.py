@@ -68,7 +68,7 @@ class Listener:
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                sock, _ = self.sock.accept()
+                sock, address = self.sock.accept()
             except TimeoutError:
                 continue
             except OSError as exc:  # e.g. EMFILE: back off instead of spinning
@@ -76,6 +76,10 @@ class Listener:
                     break
                 log.error("accept failed: %s", exc)
                 self._stopping.wait(_ACCEPT_POLL_S)
+                continue
+            if not self.config.allows(address[0]):
+                log.warning("refusing a connection from %s: not in --allow", address[0])
+                sock.close()
                 continue
             with self._lock:
                 full = len(self._live) >= self.config.max_connections

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import socket
+
 import httpx
 
 from lmkv.backends.lm import LMBackend
@@ -43,3 +45,10 @@ def test_non_loopback_bind_warns_about_missing_auth(spawn_server):
     assert "no authentication" in server.log()
     loopback = spawn_server("--max-memory", "1MiB")
     assert "no authentication" not in loopback.log()
+
+
+def test_allow_list_refuses_other_clients(spawn_server):
+    server = spawn_server("--max-memory", "1MiB", "--allow", "10.0.0.0/8")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        assert sock.recv(1) == b""  # closed at once: 127.0.0.1 is not allowed
+    assert "not in --allow" in server.log()

@@ -50,3 +50,15 @@ def test_loopback_detection():
 def test_cli_parses_sizes():
     args = build_parser().parse_args(["0.0.0.0", "9000", "--max-memory", "512MB"])
     assert args.max_memory == 512 * 10**6 and args.port == 9000 and args.prefault
+
+
+def test_allow_list():
+    from lmkv_server.config import parse_networks
+
+    config = ServerConfig(allow=parse_networks("10.0.0.0/8, 192.168.1.7,::1"))
+    assert config.allows("10.1.2.3") and config.allows("192.168.1.7") and config.allows("::1")
+    assert config.allows("::ffff:10.0.0.1")  # IPv4-mapped, as a dual-stack socket reports
+    assert not config.allows("192.168.1.8") and not config.allows("127.0.0.1")
+    assert ServerConfig().allows("203.0.113.9")  # no list: anyone
+    with pytest.raises(ValueError, match="not an address"):
+        parse_networks("10.0.0.0/33")
