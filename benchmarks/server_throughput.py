@@ -11,10 +11,16 @@ machine's CPUs, so each line also gives the CPU time each server spent per GB mo
 its threads, lowest run): a measure of its efficiency that noise from other processes
 affects much less than throughput.
 
+Three workloads: ``put`` overwrites 256 keys in turn (1 GiB: lmcache_server's memory
+stays bounded and malloc reuses it); ``fill`` writes fresh keys only, as a cache being
+filled with new chunks does (lmkv_server evicts; lmcache_server, which never frees, is
+restarted before each run so that it does not exhaust the machine; the sink does not
+care); ``get`` reads the last 64 keys written (256 MiB).
+
 The sink accepts the same frames, stores nothing (reads PUT payloads into one reused
-buffer) and answers every GET from one preallocated buffer: the ceiling for a server
-that has to keep the bytes. lmcache_server is started from .venv-lmcache if present
-(scripts/setup_lmcache_venv.sh).
+buffer) and answers every GET from one preallocated buffer (``--sink-buffers``): the
+ceiling for a server that has to keep the bytes. lmcache_server is started from
+.venv-lmcache if present (scripts/setup_lmcache_venv.sh).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ MiB = 1 << 20
 VALUE = 4 * MiB
 KEY_SPACE = 256  # PUT keys cycle through 256 x 4 MiB = 1 GiB
 GET_KEYS = 64  # GET reads the last 64 keys written
+LMCACHE_SERVER = REPO / ".venv-lmcache" / "bin" / "lmcache_server"
 
 
 class Result(NamedTuple):
@@ -100,6 +107,8 @@ def _key(i: int) -> bytes:
 
 
 def client(port: int, op: str, ops: int, first: int, barrier, results) -> None:
+    """``op``: "put" (keys cycle through KEY_SPACE: overwrites), "fill" (fresh keys from
+    ``first`` on), or "get" (the last GET_KEYS keys)."""
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     payload = os.urandom(VALUE)
@@ -109,8 +118,8 @@ def client(port: int, op: str, ops: int, first: int, barrier, results) -> None:
     barrier.wait()
     t0 = time.perf_counter()
     for i in range(ops):
-        if op == "put":
-            key = _key((first + i) % KEY_SPACE)
+        if op in ("put", "fill"):
+            key = _key((first + i) % KEY_SPACE if op == "put" else KEY_SPACE + first + i)
             sock.sendall(
                 wire.pack_request(
                     wire.Command.PUT, key, VALUE, wire.Fmt.BINARY, wire.DType.UINT8, put_shape
@@ -125,21 +134,21 @@ def client(port: int, op: str, ops: int, first: int, barrier, results) -> None:
             if header.code != wire.Code.SUCCESS or header.length != VALUE:
                 raise RuntimeError(f"GET {key!r} failed: {header}")
             _recv_exactly(sock, buf)
-    if op == "put":  # PUT has no reply: a round trip proves the server consumed it all
+    if op != "get":  # PUT has no reply: a round trip proves the server consumed it all
         sock.sendall(wire.pack_request(wire.Command.EXIST, _key(0)))
         _recv_exactly(sock, memoryview(reply))
     results.put(time.perf_counter() - t0)
     sock.close()
 
 
-def measure(port: int, op: str, clients: int, total: int) -> float:
+def measure(port: int, op: str, clients: int, total: int, first: int = 0) -> float:
     """GB/s moved by ``clients`` processes, ``total`` bytes in all."""
     ops = max(1, total // VALUE // clients)
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(clients + 1)
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=client, args=(port, op, ops, c * ops, barrier, results))
+        ctx.Process(target=client, args=(port, op, ops, first + c * ops, barrier, results))
         for c in range(clients)
     ]
     for p in procs:
@@ -162,7 +171,7 @@ def measure(port: int, op: str, clients: int, total: int) -> float:
     return ops * clients * VALUE / elapsed / 1e9
 
 
-def fill(port: int) -> None:
+def seed_get_keys(port: int) -> None:
     """Write the GET_KEYS keys that the GET runs read (one client, key by key)."""
     measure_keys = [_key(KEY_SPACE - GET_KEYS + i) for i in range(GET_KEYS)]
     payload = os.urandom(VALUE)
@@ -220,51 +229,38 @@ def lmkv_env(tmp: Path) -> dict[str, str]:
 
 def start_servers(
     env: dict[str, str], max_memory: str, sink_buffers: int
-) -> tuple[dict[str, int], list[subprocess.Popen]]:
-    ports: dict[str, int] = {"lmkv": free_port(), "sink": free_port()}
-    procs = []
+) -> tuple[dict[str, int], dict[str, subprocess.Popen]]:
+    ports = {"lmkv": free_port(), "sink": free_port()}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    procs.append(
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--serve-sink",
-                str(ports["sink"]),
-                "--sink-buffers",
-                str(sink_buffers),
-            ],
-            env=env,
-            **quiet,
-        )
-    )
-    procs.insert(
-        0,
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "lmkv_server",
-                "127.0.0.1",
-                str(ports["lmkv"]),
-                "--max-memory",
-                max_memory,
-                "--log-level",
-                "WARNING",
-            ],
+    lmkv = [sys.executable, "-m", "lmkv_server", "127.0.0.1", str(ports["lmkv"])]
+    procs = {
+        "lmkv": subprocess.Popen(
+            [*lmkv, "--max-memory", max_memory, "--log-level", "WARNING"], env=env, **quiet
+        ),
+        "sink": subprocess.Popen(
+            [sys.executable, __file__, "--serve-sink", str(ports["sink"])]
+            + ["--sink-buffers", str(sink_buffers)],
             env=env,
             **quiet,
         ),
-    )
-    lmcache = REPO / ".venv-lmcache" / "bin" / "lmcache_server"
-    if lmcache.exists():
-        ports["lmcache"] = free_port()
-        procs.append(subprocess.Popen([str(lmcache), "127.0.0.1", str(ports["lmcache"])], **quiet))
+    }
+    if LMCACHE_SERVER.exists():
+        ports["lmcache"], procs["lmcache"] = start_lmcache()
     else:
-        print(f"# {lmcache} not found: run scripts/setup_lmcache_venv.sh to compare")
-    for (_, port), proc in zip(ports.items(), procs, strict=True):
-        wait_port(port, proc)
+        print(f"# {LMCACHE_SERVER} not found: run scripts/setup_lmcache_venv.sh to compare")
+    for name, port in ports.items():
+        wait_port(port, procs[name])
     return ports, procs
+
+
+def start_lmcache() -> tuple[int, subprocess.Popen]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(LMCACHE_SERVER), "127.0.0.1", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return port, proc
 
 
 def cpu_seconds(pid: int) -> float:
@@ -318,24 +314,33 @@ def main() -> None:
                 f"sink GETs from {args.sink_buffers} buffer(s), "
                 f"{os.cpu_count()} CPUs shared by clients and server"
             )
-            for op in ("put", "get"):
+            fresh_keys = 0
+            for op in ("put", "fill", "get"):
                 if op == "get":
                     for name, port in ports.items():
                         if name != "sink":
-                            fill(port)
+                            seed_get_keys(port)
                 for clients in args.clients:
                     best = {name: 0.0 for name in ports}
                     cpu = {name: float("inf") for name in ports}
                     for _ in range(args.repeat):
-                        for (name, port), proc in zip(ports.items(), procs, strict=True):
-                            cpu0 = cpu_seconds(proc.pid)
-                            gbps = measure(port, op, clients, total)
+                        for name in ports:
+                            if op == "fill" and name == "lmcache":
+                                # it never frees: a fresh process per run bounds its memory
+                                procs[name].kill()
+                                procs[name].wait()
+                                ports[name], procs[name] = start_lmcache()
+                                wait_port(ports[name], procs[name])
+                            cpu0 = cpu_seconds(procs[name].pid)
+                            gbps = measure(ports[name], op, clients, total, fresh_keys)
+                            fresh_keys += total // VALUE
                             moved = total // VALUE // clients * clients * VALUE / 1e9
-                            cpu[name] = min(cpu[name], (cpu_seconds(proc.pid) - cpu0) / moved)
+                            used = cpu_seconds(procs[name].pid) - cpu0
+                            cpu[name] = min(cpu[name], used / moved)
                             best[name] = max(best[name], gbps)
                     print(format_line(Result(op, clients, best, cpu)), flush=True)
         finally:
-            for proc in procs:
+            for proc in procs.values():
                 proc.terminate()
                 proc.wait(10)
 
