@@ -169,7 +169,8 @@ class Connection:
         if pages is None:
             reason = "busy" if self.store.fits(length) else "too_large"
             self.traffic.dropped[reason] += 1
-            log.warning("%s: PUT of %d bytes not stored (%s)", self.peer, length, reason)
+            level = logging.WARNING if reason == "too_large" else logging.DEBUG  # busy: load
+            log.log(level, "%s: PUT of %d bytes not stored (%s)", self.peer, length, reason)
             self._drain(length)
             return True
         try:
