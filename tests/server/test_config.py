@@ -62,3 +62,14 @@ def test_allow_list():
     assert ServerConfig().allows("203.0.113.9")  # no list: anyone
     with pytest.raises(ValueError, match="not an address"):
         parse_networks("10.0.0.0/33")
+
+
+def test_cli_rejects_bad_values(capsys):
+    from lmkv_server.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["127.0.0.1", "9000", "--max-memory", "1KiB"])
+    assert exit_info.value.code == 2
+    assert "below one page" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["127.0.0.1", "9000", "--max-memory", "lots"])
