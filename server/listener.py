@@ -89,7 +89,12 @@ class Listener:
                 )
                 sock.close()
                 continue
-            conn = Connection(sock, self.store, self.config)
+            try:
+                conn = Connection(sock, self.store, self.config)
+            except OSError as exc:  # the client went away already
+                log.info("dropping a connection during setup: %s", exc)
+                sock.close()
+                continue
             thread = threading.Thread(
                 target=self._run, args=(conn,), name=f"lmkv-conn-{conn.peer}", daemon=True
             )
