@@ -77,30 +77,30 @@ class Listener:
                 log.error("accept failed: %s", exc)
                 self._stopping.wait(_ACCEPT_POLL_S)
                 continue
-            if not self.config.allows(address[0]):
-                log.warning("refusing a connection from %s: not in --allow", address[0])
-                sock.close()
-                continue
-            with self._lock:
-                full = len(self._live) >= self.config.max_connections
-            if full:
-                log.warning(
-                    "refusing a connection: max_connections=%d", self.config.max_connections
-                )
-                sock.close()
-                continue
             try:
-                conn = Connection(sock, self.store, self.config)
-            except OSError as exc:  # the client went away already
-                log.info("dropping a connection during setup: %s", exc)
+                self._admit(sock, address[0])
+            except Exception:  # one bad connection must not end the accept loop
+                log.exception("dropping a connection from %s during setup", address[0])
                 sock.close()
-                continue
-            thread = threading.Thread(
-                target=self._run, args=(conn,), name=f"lmkv-conn-{conn.peer}", daemon=True
-            )
-            with self._lock:
-                self._live[conn] = thread
-            thread.start()
+
+    def _admit(self, sock: socket.socket, address: str) -> None:
+        if not self.config.allows(address):
+            log.warning("refusing a connection from %s: not in --allow", address)
+            sock.close()
+            return
+        with self._lock:
+            full = len(self._live) >= self.config.max_connections
+        if full:
+            log.warning("refusing a connection: max_connections=%d", self.config.max_connections)
+            sock.close()
+            return
+        conn = Connection(sock, self.store, self.config)
+        thread = threading.Thread(
+            target=self._run, args=(conn,), name=f"lmkv-conn-{conn.peer}", daemon=True
+        )
+        with self._lock:
+            self._live[conn] = thread
+        thread.start()
 
     def _run(self, conn: Connection) -> None:
         try:
