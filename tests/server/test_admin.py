@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import httpx
 
@@ -52,3 +53,21 @@ def test_allow_list_refuses_other_clients(spawn_server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
         assert sock.recv(1) == b""  # closed at once: 127.0.0.1 is not allowed
     assert "not in --allow" in server.log()
+
+
+def test_max_connections(spawn_server):
+    server = spawn_server("--max-memory", "1MiB", "--max-connections", "2")
+    first = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(2)]
+    deadline = time.monotonic() + 5
+    while server.stats()["traffic"]["connections"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as third:
+        assert third.recv(1) == b""  # refused at accept
+    for sock in first:
+        sock.close()
+    while server.stats()["traffic"]["connections"]:
+        assert time.monotonic() < deadline + 5
+        time.sleep(0.05)
+    backend = LMBackend(server.url)  # slots free again
+    assert backend.contains(["x@1"]) == [False]
