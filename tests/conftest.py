@@ -1,9 +1,18 @@
+"""Fixtures shared by all tests. The package is installed (``pip install -e .[test]``), so
+``lmkv``, ``lmkv_engines``, ``lmkv_server`` and ``lmkv_cuda`` import as they are; the repo
+root is put first on sys.path (and PYTHONPATH of child processes) for ``tests.*`` helpers."""
+
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +30,29 @@ def tiny_model_dir(model_cache_dir) -> Path:
     geometry = DemoGeometry(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
                             num_kv_heads=1, head_dim=64, max_position_embeddings=4096)
     return ensure_demo_model(geometry, cache_dir=model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def server_env() -> dict[str, str]:
+    """Environment for child processes (lmkv_server, scripts) that import this checkout."""
+    from lmkv_server.launcher import child_env
+
+    return child_env(REPO)
+
+
+@pytest.fixture
+def spawn_server(server_env, tmp_path):
+    """``spawn_server(*args)`` starts an lmkv_server; every one is stopped at teardown."""
+    from lmkv_server.launcher import ServerProcess
+
+    started: list = []
+
+    def spawn(*args: str, port: int | None = None, host: str = "127.0.0.1"):
+        log = tmp_path / f"server-{len(started)}.log"
+        server = ServerProcess(*args, env=server_env, log_path=log, port=port, host=host)
+        started.append(server)
+        return server.start()
+
+    yield spawn
+    for server in started:
+        server.stop()

@@ -134,3 +134,19 @@ def test_prefill_decode_disaggregation_through_a_shared_store(tiny_model_dir, re
     assert consumed[0]["external"] == [_full_chunks(p) for p in prompts()]
     stored = redis.Redis(port=redis_server.port).dbsize()
     assert stored == sum(_full_chunks(p) // 32 for p in prompts())  # the consumer saved nothing
+
+
+def test_second_process_reuses_kv_through_lmkv_server(tiny_model_dir, reference, spawn_server):  # noqa: F811
+    server = spawn_server("--max-memory", "64MiB")
+    _fill_remote(tiny_model_dir, server.url)
+    # a hot cache of ~9 chunks: one request fits, the 38 chunks of all six do not
+    with lmkv_llm(tiny_model_dir, remote_url=server.url, cpu_gb=3e-4, remote_timeout=1.0) as llm:
+        outs = [llm.generate([p], GREEDY)[0] for p in prompts()]  # one at a time: each fits
+        assert [o.output_token_ids for o in outs] == reference()
+        assert all(o.num_external_tokens == _full_chunks(p) for o, p in zip(outs, prompts(), strict=True))
+        assert metric(llm, "lmkv_tier_hits_total", tier="remote") > 0
+        server.kill()  # kill -9 mid-run: correct tokens by recompute, no error
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        assert sum(metric(llm, "lmkv_errors_total", tier="remote", kind=k)
+                   for k in ("contains", "get", "put")) > 0

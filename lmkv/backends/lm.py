@@ -1,0 +1,267 @@
+"""lm:// backend: a client of lmkv_server or of LMCache's ``lmcache_server``.
+
+Values are opaque bytes sent as fmt BINARY, dtype uint8, shape ``[nbytes, 0, 0, 0]``, so
+either server stores them verbatim. Wire format: lmkv.backends.lm_wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import select
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from typing import NamedTuple, NoReturn
+from urllib.parse import urlsplit
+
+from lmkv.backends import lm_wire as wire
+from lmkv.backends.base import BackendError, StorageBackend
+
+DEFAULT_MAX_VALUE_SIZE = 1 << 30
+# lmcache_server parses the key of every frame, HEALTH included, and drops the connection
+# if it is not model@world_size@worker_id@chunk_hash_hex@dtype
+_HEALTH_KEY = b"lmkv-health@1@0@0@uint8"
+
+
+class LMAddress(NamedTuple):
+    host: str
+    port: int
+
+
+def parse_lm_url(url: str) -> LMAddress:
+    """``lm://host:port`` -> LMAddress; raises ValueError naming what is wrong."""
+    parts = urlsplit(url)
+    if parts.scheme != "lm":
+        raise ValueError(f"not an lm:// URL: {url!r}")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"bad port in {url!r}") from exc
+    if not parts.hostname or port is None:
+        raise ValueError(f"lm:// URL needs host and port: {url!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"lm:// URL takes no path or query: {url!r}")
+    return LMAddress(parts.hostname, port)
+
+
+class LMBackend(StorageBackend):
+    """One persistent TCP connection to an lm:// server, used serially.
+
+    Every call is bounded: ``connect_timeout`` for connecting, ``timeout`` for each reply
+    to arrive in full and for each send to make progress. Any failure closes the
+    connection and raises BackendError; the next call reconnects. A connection that the
+    server closed between calls (restart, idle close) is replaced before anything is sent.
+
+    PUT has no acknowledgement in this protocol: ``put`` returning means the bytes were
+    handed to the kernel, not that the server stored them (it may also evict them later).
+
+    Against LMCache's lmcache_server, keys must have LMCache's form
+    (``model@world_size@worker_id@chunk_hash_hex@dtype[...]``): that server parses them
+    and drops the connection on anything else (a BackendError here). lmkv_server only
+    requires printable ASCII without spaces.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 10.0,
+        connect_timeout: float = 3.0,
+        max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
+    ) -> None:
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+        if not 0 < max_value_size <= wire.MAX_LENGTH:
+            raise ValueError(f"max_value_size must be in (0, {wire.MAX_LENGTH}]")
+        self.address = parse_lm_url(url)
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.max_value_size = max_value_size
+        self._sock: socket.socket | None = None
+        self._header = bytearray(wire.RESPONSE_SIZE)
+
+    def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        frames = []
+        for key, value in items:
+            payload = memoryview(value).cast("B")
+            if payload.nbytes > self.max_value_size:
+                raise BackendError(
+                    f"value for {key!r} is {payload.nbytes} bytes, over max_value_size"
+                )
+            header = wire.pack_request(
+                wire.Command.PUT,
+                self._key(key),
+                payload.nbytes,
+                wire.Fmt.BINARY,
+                wire.DType.UINT8,
+                wire.binary_shape(payload.nbytes),
+            )
+            frames.append((header, payload))
+        sock = self._connection()
+        try:
+            for header, payload in frames:
+                self._send(sock, [header, payload])
+        except OSError as exc:
+            self._fail("put to", exc)
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values in order, None for misses. Hits are returned as bytearrays (no copy)."""
+        requests = [wire.pack_request(wire.Command.GET, self._key(k)) for k in keys]
+        sock = self._connection()
+        values: list[bytes | None] = []
+        try:
+            for request in requests:
+                deadline = self._send(sock, [request])
+                length = self._read_value_header(sock, deadline)
+                if length is None:
+                    values.append(None)
+                    continue
+                value = bytearray(length)
+                self._recv_exactly(sock, memoryview(value), deadline)
+                values.append(value)  # type: ignore[arg-type]
+        except OSError as exc:
+            self._fail("get from", exc)
+        return values
+
+    def get_into(self, key: str, buffer: memoryview | bytearray) -> int | None:
+        """Receive ``key``'s value straight into ``buffer`` (e.g. a pre-faulted pool slot,
+        which avoids the page faults of a fresh allocation); its length, or None on a miss.
+        A value larger than ``buffer`` raises BackendError."""
+        request = wire.pack_request(wire.Command.GET, self._key(key))
+        view = memoryview(buffer).cast("B")
+        sock = self._connection()
+        try:
+            deadline = self._send(sock, [request])
+            length = self._read_value_header(sock, deadline)
+            if length is None:
+                return None
+            if length > view.nbytes:
+                # the reply cannot be skipped cheaply: drop the connection instead
+                self._fail_with(f"value of {key!r} is {length} bytes, buffer {view.nbytes}")
+            self._recv_exactly(sock, view[:length], deadline)
+            return length
+        except OSError as exc:
+            self._fail("get from", exc)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        requests = [wire.pack_request(wire.Command.EXIST, self._key(k)) for k in keys]
+        sock = self._connection()
+        found = []
+        try:
+            for request in requests:
+                deadline = self._send(sock, [request])
+                found.append(self._read_response(sock, deadline).code == wire.Code.SUCCESS)
+        except OSError as exc:
+            self._fail("exist on", exc)
+        return found
+
+    def health(self) -> bool:
+        """True if the server answers HEALTH (lmcache_server 0.5.6 does too)."""
+        sock = self._connection()
+        try:
+            deadline = self._send(sock, [wire.pack_request(wire.Command.HEALTH, _HEALTH_KEY)])
+            return self._read_response(sock, deadline).code == wire.Code.SUCCESS
+        except OSError as exc:
+            self._fail("health of", exc)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _connection(self) -> socket.socket:
+        if self._sock is not None and self._peer_closed(self._sock):
+            self.close()
+        if self._sock is None:
+            try:
+                sock = socket.create_connection(self.address, timeout=self.connect_timeout)
+            except OSError as exc:
+                raise BackendError(f"cannot connect to {self._where()}: {exc}") from exc
+            # Blocking socket with kernel timeouts: a reply is received with one
+            # recv(MSG_WAITALL) and the kernel does the waiting, not Python's poll loop.
+            sock.settimeout(None)
+            timeval = _timeval(self.timeout)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+        return self._sock
+
+    @staticmethod
+    def _peer_closed(sock: socket.socket) -> bool:
+        # Between calls nothing may be pending on a request/response connection: readable
+        # means EOF (server gone or restarted), a reset, or stray bytes. Drop it either way.
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def _send(self, sock: socket.socket, buffers: list[bytes | memoryview]) -> float:
+        """Send ``buffers``; returns the deadline for the reply."""
+        for buf in buffers:
+            sock.sendall(buf)  # each partial send must progress within SO_SNDTIMEO
+        return time.monotonic() + self.timeout
+
+    def _read_response(self, sock: socket.socket, deadline: float) -> wire.ResponseHeader:
+        self._recv_exactly(sock, memoryview(self._header), deadline)
+        return wire.unpack_response(self._header)
+
+    def _read_value_header(self, sock: socket.socket, deadline: float) -> int | None:
+        reply = self._read_response(sock, deadline)
+        if reply.code != wire.Code.SUCCESS:
+            return None
+        if not 0 <= reply.length <= self.max_value_size:
+            self._fail_with(f"{self._where()} announced a {reply.length}-byte value")
+        return reply.length
+
+    def _recv_exactly(self, sock: socket.socket, view: memoryview, deadline: float) -> None:
+        while view.nbytes:
+            try:
+                n = sock.recv_into(view, view.nbytes, socket.MSG_WAITALL)
+            except BlockingIOError:  # SO_RCVTIMEO expired with nothing received
+                n = -1
+            if n == 0:
+                self._fail_with(f"{self._where()} closed the connection mid-reply")
+            if n > 0:
+                view = view[n:]
+            if view.nbytes and time.monotonic() >= deadline:
+                raise TimeoutError("timed out waiting for the reply")
+
+    def _key(self, key: str) -> bytes:
+        try:
+            wire.encode_key(key)  # the caller's key must be valid as is
+            return wire.encode_key(lmcache_key(key))
+        except wire.WireError as exc:
+            raise BackendError(f"invalid lm:// key: {exc}") from exc
+
+    def _fail(self, what: str, exc: OSError) -> NoReturn:
+        if isinstance(exc, BlockingIOError):  # SO_SNDTIMEO expired
+            exc = TimeoutError("timed out sending")
+        self._fail_with(f"{what} {self._where()} failed: {exc}", exc)
+
+    def _fail_with(self, message: str, cause: BaseException | None = None) -> NoReturn:
+        self.close()
+        raise BackendError(message) from cause
+
+    def _where(self) -> str:
+        return f"lm://{self.address.host}:{self.address.port}"
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
+
+
+_LMCACHE_KEY = re.compile(r"[^@\s]+@\d+@\d+@-?[0-9a-f]+@[a-z0-9_]+(@\S*)?")
+
+
+def lmcache_key(key: str) -> str:
+    """``key`` in the ``model@world_size@worker_id@hash@dtype`` form that LMCache's server
+    parses (it drops the connection on anything else). Keys already in that form pass
+    through; others (lmkv's own) become ``lmkv@1@0@<64-bit hash>@uint8``. A hash collision
+    cannot return wrong KV: every lmkv frame carries its full key's hash, checked on read."""
+    if _LMCACHE_KEY.fullmatch(key):
+        return key
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True)
+    return f"lmkv@1@0@{format(h, 'x')}@uint8"

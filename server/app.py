@@ -1,0 +1,110 @@
+"""The lmkv_server process: store, persistence, lm:// listener and admin HTTP.
+
+Threads: the Listener's (accept + one per connection), the Persister's writer, and the
+main thread's event loop, which serves the admin HTTP and waits for SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+
+from .admin import build_admin_app
+from .arena import PageArena
+from .config import ServerConfig
+from .listener import Listener
+from .metrics import build_registry
+from .persistence import Persister
+from .store import Store
+
+log = logging.getLogger("lmkv_server")
+
+
+def run(config: ServerConfig) -> None:
+    """Serve until SIGINT/SIGTERM, then flush persistence and return."""
+    asyncio.run(serve(config))
+
+
+async def serve(config: ServerConfig) -> None:
+    if not config.loopback_only:
+        log.warning(
+            "binding %s: the lm:// protocol has no authentication or encryption; %s can "
+            "read and overwrite every cached value",
+            config.host,
+            "clients in --allow " + ",".join(map(str, config.allow))
+            if config.allow
+            else "anyone who can reach this port",
+        )
+    arena = PageArena(config.num_pages, config.page_size, config.prefault)
+    store = Store(arena)
+    persister = None
+    if config.persist_dir is not None:
+        persister = Persister(config.persist_dir, store)
+        result = persister.load()
+        log.info(
+            "reloaded %d values from %s (%d corrupt skipped, %d without room)",
+            result.loaded,
+            config.persist_dir,
+            result.corrupt,
+            result.no_room,
+        )
+        persister.start()
+    listener = Listener(
+        socket.create_server((config.host, config.port), backlog=1024), store, config
+    )
+    listener.start()
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    admin = admin_task = None
+    if config.admin_port is not None:
+        registry = build_registry(store, listener.traffic, persister)
+        app = build_admin_app(config, store, listener.traffic, persister, registry)
+        admin = _AdminServer(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.admin_port,
+                log_level=config.log_level.lower(),
+                access_log=False,
+                lifespan="off",
+            )
+        )
+        admin_task = asyncio.create_task(admin.serve())
+    log.info(
+        "lmkv_server listening on %s:%d (max_memory=%d bytes, admin port %s)",
+        config.host,
+        listener.port,
+        arena.capacity,
+        config.admin_port,
+    )
+    await stop.wait()
+
+    log.info("shutting down")
+    await asyncio.to_thread(listener.stop)
+    if admin is not None and admin_task is not None:
+        admin.should_exit = True
+        await admin_task
+    if persister is not None:
+        await asyncio.to_thread(persister.stop)
+        log.info("persistence flushed (%d files written)", persister.files_written)
+
+
+class _AdminServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the server's loop owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29 spelling
+        pass

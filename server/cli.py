@@ -1,0 +1,92 @@
+"""``lmkv_server HOST PORT [options]``: parse flags into a ServerConfig and serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from .app import run
+from .config import ServerConfig, parse_networks, parse_size
+
+_DEFAULTS = ServerConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lmkv_server",
+        description="KV-cache server speaking LMCache's lm:// protocol, with bounded memory.",
+    )
+    p.add_argument("host", help="address to bind (non-loopback: no auth, see docs/server.md)")
+    p.add_argument("port", type=int)
+    p.add_argument(
+        "--max-memory",
+        type=parse_size,
+        default=_DEFAULTS.max_memory,
+        help="bound on stored values, e.g. 4GiB, 512MB (default 4GiB); LRU eviction beyond",
+    )
+    p.add_argument(
+        "--max-value-size",
+        type=parse_size,
+        default=_DEFAULTS.max_value_size,
+        help="largest PUT accepted; larger frames close the connection (default 256MiB)",
+    )
+    p.add_argument(
+        "--page-size", type=parse_size, default=_DEFAULTS.page_size, help="default 256KiB"
+    )
+    p.add_argument(
+        "--no-prefault",
+        dest="prefault",
+        action="store_false",
+        help="do not touch all of --max-memory at start (faster start, slower first fill)",
+    )
+    p.add_argument("--persist-dir", type=Path, help="mirror values here; reload on start")
+    p.add_argument("--admin-port", type=int, help="serve /health, /metrics, /stats here")
+    p.add_argument(
+        "--io-timeout",
+        type=float,
+        default=_DEFAULTS.io_timeout,
+        help="seconds a started frame may take (default 30)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=_DEFAULTS.max_connections,
+        help="open connections (one thread each) before new ones are refused (default 1024)",
+    )
+    p.add_argument(
+        "--allow",
+        type=parse_networks,
+        default=(),
+        help="comma-separated client addresses/networks allowed to connect, "
+        "e.g. 10.0.0.0/8,192.168.1.7 (default: any)",
+    )
+    p.add_argument("--log-level", default=_DEFAULTS.log_level, help="DEBUG, INFO, WARNING...")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            max_memory=args.max_memory,
+            max_value_size=args.max_value_size,
+            page_size=args.page_size,
+            prefault=args.prefault,
+            persist_dir=args.persist_dir,
+            admin_port=args.admin_port,
+            io_timeout=args.io_timeout,
+            max_connections=args.max_connections,
+            allow=args.allow,
+            log_level=args.log_level.upper(),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run(config)
+    return 0

@@ -1,0 +1,136 @@
+"""ServerConfig: every setting of lmkv_server, validated once."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmkv.backends.lm_wire import MAX_LENGTH
+
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": KIB,
+    "kib": KIB,
+    "m": MIB,
+    "mib": MIB,
+    "g": GIB,
+    "gib": GIB,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"4GiB"``, ``"512MB"``, ``"64k"`` or ``"1048576"``.
+
+    KB/MB/GB/TB are decimal; KiB/MiB/GiB/TiB and the bare letters K/M/G/T are binary.
+    """
+    if isinstance(text, int):
+        return text
+    match = _SIZE.fullmatch(text)
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not match or unit is None:
+        raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MB, 1048576)")
+    return int(float(match.group(1)) * unit)
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(text: str) -> tuple[IPNetwork, ...]:
+    """``"10.0.0.0/8,192.168.1.7"`` -> networks; raises ValueError on a bad entry."""
+    networks = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError as exc:
+            raise ValueError(f"not an address or network: {item!r}") from exc
+    return tuple(networks)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 65432
+    # Bound on stored values (whole pages, see page_size); the process adds ~100 MB of
+    # Python, per-entry index overhead and one in-flight frame per connection.
+    max_memory: int = 4 * GIB
+    # Largest payload one PUT may announce; larger frames close that connection.
+    max_value_size: int = 256 * MIB
+    # Values are stored in pages of this size: a value wastes < one page.
+    page_size: int = 256 * KIB
+    # Touch all of max_memory at start, so that stores run at memcpy speed from the first
+    # byte instead of at page-fault speed (~0.7 GB/s on our VMs).
+    prefault: bool = True
+    persist_dir: Path | None = None
+    admin_port: int | None = None
+    # A started frame (header or PUT payload) must complete within this many seconds.
+    io_timeout: float = 30.0
+    # Open client connections (one thread each); more are refused at accept.
+    max_connections: int = 1024
+    # Client networks allowed to connect (empty: anyone who can reach the port). The
+    # protocol itself has no authentication; this is address-based access control.
+    allow: tuple[IPNetwork, ...] = ()
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must not be empty")
+        for name in ("port", "admin_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} {port} outside [0, 65535]")
+        if not 4 * KIB <= self.page_size <= 64 * MIB or self.page_size % (4 * KIB):
+            raise ValueError("page_size must be a multiple of 4KiB in [4KiB, 64MiB]")
+        if self.max_memory < self.page_size:
+            raise ValueError(f"max_memory {self.max_memory} is below one page ({self.page_size})")
+        if not 0 < self.max_value_size <= MAX_LENGTH:
+            raise ValueError(f"max_value_size must be in (0, {MAX_LENGTH}] (int32 length)")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        if self.io_timeout <= 0:
+            raise ValueError("io_timeout must be positive")
+        if logging.getLevelName(self.log_level.upper()) not in range(0, 51):
+            raise ValueError(f"unknown log level {self.log_level!r}")
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_memory // self.page_size
+
+    @property
+    def loopback_only(self) -> bool:
+        return is_loopback(self.host)
+
+    def allows(self, address: str) -> bool:
+        """Whether a client at ``address`` may connect."""
+        if not self.allow:
+            return True
+        try:
+            ip = ipaddress.ip_address(address.split("%", 1)[0])
+        except ValueError:
+            return False
+        if ip.version == 6 and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip in network for network in self.allow)

@@ -1,0 +1,222 @@
+"""Persister: mirrors the store into a directory so that its contents survive a restart.
+
+One file per key, written behind the store by one thread: a PUT marks its key dirty and
+the thread later writes whatever value the key has then (so a key overwritten ten times
+before the thread gets to it is written once), or deletes the file if the key is gone
+(evicted). Disk use therefore follows the memory bound. Writes are atomic (tmp file +
+rename); a crash loses at most the keys still pending, never leaves a torn file under a
+final name. On start the index is rebuilt by reading every file, newest first, verifying
+its checksum; corrupt or truncated files are skipped with a log line.
+
+File layout (little-endian):
+    header  "<8sHii4iQ": magic, key length, fmt, dtype, shape0..3, value length
+    crc32   "<I" over header, key and value
+    key     key length bytes
+    value   value length bytes
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from enum import Enum
+from pathlib import Path
+from typing import NamedTuple
+
+from lmkv.backends.lm_wire import WireError, check_key
+
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"LMKVSRV\x01"
+HEADER = struct.Struct("<8sHii4iQ")
+CRC = struct.Struct("<I")
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+
+
+class _Outcome(Enum):
+    LOADED = "loaded"
+    CORRUPT = "corrupt"
+    NO_ROOM = "no_room"
+
+
+class LoadResult(NamedTuple):
+    loaded: int
+    corrupt: int  # skipped: bad magic, size, key or checksum
+    no_room: int  # skipped: valid, but the store was full (oldest files)
+
+
+class Persister:
+    def __init__(self, directory: Path, store: Store) -> None:
+        self.directory = directory
+        self.store = store
+        self._dirty: OrderedDict[bytes, None] = OrderedDict()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.files_written = 0
+        self.files_deleted = 0
+        self.errors = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._dirty) + self._busy
+
+    def load(self) -> LoadResult:
+        """Rebuild the store from the directory (call before serving)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        files = []
+        for item in os.scandir(self.directory):
+            if item.name.endswith(TMP_SUFFIX):
+                os.unlink(item.path)  # a write interrupted by a crash
+            elif item.name.endswith(SUFFIX) and item.is_file():
+                files.append((item.stat().st_mtime_ns, item.path))
+        files.sort(reverse=True)  # newest first: they win the space if it runs out
+        counts = dict.fromkeys(_Outcome, 0)
+        for _, path in files:
+            try:
+                outcome = self._load_file(Path(path))
+            except OSError as exc:
+                log.warning("skipping unreadable persisted file %s: %s", path, exc)
+                outcome = _Outcome.CORRUPT
+            counts[outcome] += 1
+        loaded, corrupt, no_room = counts.values()
+        if no_room:
+            log.warning("%d persisted values did not fit in max_memory; left on disk", no_room)
+        return LoadResult(loaded, corrupt, no_room)
+
+    def start(self) -> None:
+        self.store.set_listener(self.mark)
+        self._thread = threading.Thread(target=self._run, name="lmkv-persist", daemon=True)
+        self._thread.start()
+
+    def mark(self, key: bytes) -> None:
+        with self._cond:
+            self._dirty[key] = None
+            self._cond.notify()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every marked key is on disk; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._dirty and not self._busy, timeout)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Write what is pending, then end the thread."""
+        self.store.set_listener(None)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def path_for(self, key: bytes) -> Path:
+        # keys hold '/', '@', ...; a digest gives a safe, fixed-length name
+        return self.directory / (hashlib.sha256(key).hexdigest()[:40] + SUFFIX)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._dirty or self._stopping)
+                if not self._dirty:
+                    return
+                key, _ = self._dirty.popitem(last=False)
+                self._busy = True
+            try:
+                self._sync(key)
+            except OSError as exc:
+                self.errors += 1
+                log.error("persisting %r failed: %s", key[:60], exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _sync(self, key: bytes) -> None:
+        path = self.path_for(key)
+        entry = self.store.acquire(key, touch=False)
+        if entry is None:
+            try:
+                path.unlink()
+                self.files_deleted += 1
+            except FileNotFoundError:
+                pass
+            return
+        try:
+            header = HEADER.pack(
+                MAGIC, len(key), entry.fmt, entry.dtype, *entry.shape, entry.length
+            )
+            segments = self.store.segments(entry)
+            crc = zlib.crc32(key, zlib.crc32(header))
+            for segment in segments:
+                crc = zlib.crc32(segment, crc)
+            tmp = path.with_name(path.name + TMP_SUFFIX)
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(CRC.pack(crc))
+                f.write(key)
+                for segment in segments:
+                    f.write(segment)
+            os.replace(tmp, path)
+            self.files_written += 1
+        finally:
+            self.store.release(entry)
+
+    def _load_file(self, path: Path) -> _Outcome:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(HEADER.size + CRC.size)
+            if len(head) < HEADER.size + CRC.size:
+                return self._corrupt(path, "truncated header")
+            magic, key_len, fmt, dtype, s0, s1, s2, s3, length = HEADER.unpack_from(head)
+            (expected_crc,) = CRC.unpack_from(head, HEADER.size)
+            if magic != MAGIC:
+                return self._corrupt(path, "bad magic")
+            if size != len(head) + key_len + length:
+                return self._corrupt(path, f"size {size} does not match its header")
+            key = f.read(key_len)
+            try:
+                check_key(key)
+            except WireError as exc:
+                return self._corrupt(path, str(exc))
+            if self.path_for(key) != path:
+                return self._corrupt(path, "file name does not match its key")
+            if not self.store.fits(length):
+                return _Outcome.NO_ROOM
+            pages = self.store.reserve(length, evict=False)
+            if pages is None:
+                return _Outcome.NO_ROOM
+            crc = zlib.crc32(key, zlib.crc32(head[: HEADER.size]))
+            for segment in self.store.arena.segments(pages, length):
+                if not _read_exactly(f, segment):
+                    self.store.abort(pages)
+                    return self._corrupt(path, "short read")
+                crc = zlib.crc32(segment, crc)
+            if crc != expected_crc:
+                self.store.abort(pages)
+                return self._corrupt(path, "checksum mismatch")
+        self.store.commit(
+            key, length, fmt, dtype, (s0, s1, s2, s3), pages, oldest=True, notify=False
+        )
+        return _Outcome.LOADED
+
+    @staticmethod
+    def _corrupt(path: Path, why: str) -> _Outcome:
+        log.warning("skipping corrupt persisted file %s: %s", path, why)
+        return _Outcome.CORRUPT
+
+
+def _read_exactly(f, view: memoryview) -> bool:
+    while view.nbytes:
+        n = f.readinto(view)
+        if not n:
+            return False
+        view = view[n:]
+    return True

@@ -1,0 +1,195 @@
+"""Store: the server's bounded key -> value map, LRU over a PageArena.
+
+Life of a PUT: ``reserve`` pages (evicting least recently used entries to make room),
+the connection receives the payload straight into them, then ``commit`` publishes the
+entry (or ``abort`` returns the pages). Until the commit, readers still see the old value.
+
+Readers pin an entry with ``acquire``/``release`` while they send it; an entry that is
+overwritten or deleted while pinned is unlinked at once and its pages return to the arena
+when the last reader releases it. Eviction skips pinned entries.
+
+The event loop and the persistence thread both call in, so every method takes the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lmkv.backends.lm_wire import Shape
+
+from .arena import PageArena
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: bytes
+    length: int
+    fmt: int
+    dtype: int
+    shape: Shape
+    pages: list[int]
+    readers: int = 0
+    linked: bool = True  # False once overwritten, evicted or deleted
+
+
+@dataclass(slots=True)
+class StoreStats:
+    entries: int
+    stored_bytes: int  # sum of value lengths
+    used_bytes: int  # pages held (by entries, pinned leftovers and in-flight PUTs) * page size
+    capacity_bytes: int
+    page_size: int
+    evictions: int
+    evicted_bytes: int
+
+
+class Store:
+    def __init__(self, arena: PageArena, on_change: Callable[[bytes], None] | None = None) -> None:
+        """``on_change(key)`` is called (under the lock, so it must be quick) whenever a
+        key's value is committed or removed."""
+        self.arena = arena
+        self._on_change = on_change
+        self._index: OrderedDict[bytes, Entry] = OrderedDict()  # oldest first
+        self._lock = threading.Lock()
+        self._stored_bytes = 0
+        self._evictions = 0
+        self._evicted_bytes = 0
+
+    def set_listener(self, on_change: Callable[[bytes], None] | None) -> None:
+        with self._lock:
+            self._on_change = on_change
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a value of ``nbytes`` could ever be stored (it is not above the cap)."""
+        return self.arena.pages_for(nbytes) <= self.arena.num_pages
+
+    def reserve(self, nbytes: int, evict: bool = True) -> list[int] | None:
+        """Pages for a value of ``nbytes``, evicting LRU entries if needed; None if they
+        cannot be found (value above the cap, or the rest is pinned/in flight)."""
+        arena = self.arena
+        need = arena.pages_for(nbytes)
+        with self._lock:
+            missing = need - arena.free_pages
+            if missing > 0:
+                if not evict:
+                    return None
+                victims = self._pick_victims(missing)
+                if victims is None:
+                    return None
+                for entry in victims:
+                    self._evictions += 1
+                    self._evicted_bytes += entry.length
+                    self._unlink(entry)
+            return arena.allocate(need)
+
+    def commit(
+        self,
+        key: bytes,
+        length: int,
+        fmt: int,
+        dtype: int,
+        shape: Shape,
+        pages: list[int],
+        *,
+        oldest: bool = False,
+        notify: bool = True,
+    ) -> None:
+        """Publish reserved ``pages`` as ``key``'s value, replacing any older value.
+        ``oldest`` inserts at the LRU end (used when reloading, newest file first)."""
+        entry = Entry(key, length, fmt, dtype, shape, pages)
+        with self._lock:
+            old = self._index.get(key)
+            if old is not None:
+                self._unlink(old, notify=False)
+            self._index[key] = entry
+            if oldest:
+                self._index.move_to_end(key, last=False)
+            self._stored_bytes += length
+            if notify and self._on_change is not None:
+                self._on_change(key)
+
+    def abort(self, pages: list[int]) -> None:
+        with self._lock:
+            self.arena.free(pages)
+
+    def acquire(self, key: bytes, touch: bool = True) -> Entry | None:
+        """Pin ``key``'s entry for reading (and mark it most recently used)."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return None
+            if touch:
+                self._index.move_to_end(key)
+            entry.readers += 1
+            return entry
+
+    def release(self, entry: Entry) -> None:
+        with self._lock:
+            entry.readers -= 1
+            if entry.readers == 0 and not entry.linked:
+                self.arena.free(entry.pages)
+
+    def segments(self, entry: Entry) -> list[memoryview]:
+        """Views of a pinned entry's bytes, in order."""
+        return self.arena.segments(entry.pages, entry.length)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._index
+
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return False
+            self._unlink(entry)
+            return True
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
+
+    def stats(self) -> StoreStats:
+        arena = self.arena
+        with self._lock:
+            return StoreStats(
+                entries=len(self._index),
+                stored_bytes=self._stored_bytes,
+                used_bytes=(arena.num_pages - arena.free_pages) * arena.page_size,
+                capacity_bytes=arena.capacity,
+                page_size=arena.page_size,
+                evictions=self._evictions,
+                evicted_bytes=self._evicted_bytes,
+            )
+
+    def check_integrity(self) -> None:
+        """Arena pages are each free or owned once; byte accounting matches. Only valid
+        with no PUT in flight and no reader pinned."""
+        with self._lock:
+            entries = list(self._index.values())
+            self.arena.check_integrity(e.pages for e in entries)
+            assert self._stored_bytes == sum(e.length for e in entries), "stored_bytes drift"
+            assert all(e.linked and e.readers == 0 for e in entries), "pinned entries left"
+
+    def _pick_victims(self, missing: int) -> list[Entry] | None:
+        # Oldest unpinned entries until their pages cover `missing`; None if impossible.
+        victims = []
+        for entry in self._index.values():
+            if entry.readers:
+                continue
+            victims.append(entry)
+            missing -= len(entry.pages)
+            if missing <= 0:
+                return victims
+        return None
+
+    def _unlink(self, entry: Entry, notify: bool = True) -> None:
+        del self._index[entry.key]
+        entry.linked = False
+        self._stored_bytes -= entry.length
+        if entry.readers == 0:
+            self.arena.free(entry.pages)
+        if notify and self._on_change is not None:
+            self._on_change(entry.key)

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+
+from lmkv.backends.lm import LMBackend
+
+
+def test_health_metrics_stats(spawn_server):
+    server = spawn_server("--max-memory", "4MiB")
+    backend = LMBackend(server.url)
+    backend.put([("a@1", b"x" * 1000)])
+    assert backend.get(["a@1", "b@1"]) == [b"x" * 1000, None]
+
+    base = f"http://127.0.0.1:{server.admin_port}"
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+
+    stats = httpx.get(f"{base}/stats").json()
+    assert stats["entries"] == 1 and stats["stored_bytes"] == 1000
+    assert stats["capacity_bytes"] == 4 << 20 and stats["used_bytes"] == stats["page_size"]
+    traffic = stats["traffic"]
+    assert traffic["requests"]["PUT"] == 1 and traffic["requests"]["GET"] == 2
+    assert traffic["hits"] == 1 and traffic["misses"] == 1 and traffic["connections"] == 1
+
+    response = httpx.get(f"{base}/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in response.text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert samples["lmkv_server_entries"] == 1
+    assert samples["lmkv_server_memory_capacity_bytes"] == 4 << 20
+    assert samples['lmkv_server_requests_total{command="get"}'] == 2
+    assert samples["lmkv_server_get_hits_total"] == 1
+    assert samples["lmkv_server_received_bytes_total"] == 1000
+    assert samples["lmkv_server_open_connections"] == 1
+    assert not any(name.startswith("python_gc") for name in samples)  # private registry
+    backend.close()
+
+
+def test_non_loopback_bind_warns_about_missing_auth(spawn_server):
+    server = spawn_server("--max-memory", "1MiB", host="0.0.0.0")
+    assert "no authentication" in server.log()
+    loopback = spawn_server("--max-memory", "1MiB")
+    assert "no authentication" not in loopback.log()
+
+
+def test_allow_list_refuses_other_clients(spawn_server):
+    server = spawn_server("--max-memory", "1MiB", "--allow", "10.0.0.0/8")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        assert sock.recv(1) == b""  # closed at once: 127.0.0.1 is not allowed
+    assert "not in --allow" in server.log()
+
+
+def test_max_connections(spawn_server):
+    server = spawn_server("--max-memory", "1MiB", "--max-connections", "2")
+    first = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(2)]
+    deadline = time.monotonic() + 5
+    while server.stats()["traffic"]["connections"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as third:
+        assert third.recv(1) == b""  # refused at accept
+    for sock in first:
+        sock.close()
+    while server.stats()["traffic"]["connections"]:
+        assert time.monotonic() < deadline + 5
+        time.sleep(0.05)
+    backend = LMBackend(server.url)  # slots free again
+    assert backend.contains(["x@1"]) == [False]

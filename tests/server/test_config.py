@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import pytest
+
+from lmkv_server.cli import build_parser
+from lmkv_server.config import GIB, MIB, ServerConfig, is_loopback, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4GiB", 4 * GIB),
+        ("512MB", 512 * 10**6),
+        ("512mib", 512 * MIB),
+        ("64k", 64 * 1024),
+        ("1048576", 1 << 20),
+        ("1.5GiB", 3 * GIB // 2),
+        (" 8 MiB ", 8 * MIB),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "4 parsecs", "-1", "4GiBs"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size(text)
+
+
+def test_config_validation():
+    assert ServerConfig().num_pages == 4 * GIB // (256 * 1024)
+    with pytest.raises(ValueError, match="page_size"):
+        ServerConfig(page_size=1000)
+    with pytest.raises(ValueError, match="below one page"):
+        ServerConfig(max_memory=1024)
+    with pytest.raises(ValueError, match="max_value_size"):
+        ServerConfig(max_value_size=3 * GIB)
+    with pytest.raises(ValueError, match="port"):
+        ServerConfig(port=70000)
+    with pytest.raises(ValueError, match="log level"):
+        ServerConfig(log_level="CHATTY")
+
+
+def test_loopback_detection():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1")
+    assert not ServerConfig(host="0.0.0.0").loopback_only
+
+
+def test_cli_parses_sizes():
+    args = build_parser().parse_args(["0.0.0.0", "9000", "--max-memory", "512MB"])
+    assert args.max_memory == 512 * 10**6 and args.port == 9000 and args.prefault
+
+
+def test_allow_list():
+    from lmkv_server.config import parse_networks
+
+    config = ServerConfig(allow=parse_networks("10.0.0.0/8, 192.168.1.7,::1"))
+    assert config.allows("10.1.2.3") and config.allows("192.168.1.7") and config.allows("::1")
+    assert config.allows("::ffff:10.0.0.1")  # IPv4-mapped, as a dual-stack socket reports
+    assert not config.allows("192.168.1.8") and not config.allows("127.0.0.1")
+    assert ServerConfig().allows("203.0.113.9")  # no list: anyone
+    with pytest.raises(ValueError, match="not an address"):
+        parse_networks("10.0.0.0/33")
+
+
+def test_cli_rejects_bad_values(capsys):
+    from lmkv_server.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["127.0.0.1", "9000", "--max-memory", "1KiB"])
+    assert exit_info.value.code == 2
+    assert "below one page" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["127.0.0.1", "9000", "--max-memory", "lots"])

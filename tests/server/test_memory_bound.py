@@ -1,0 +1,64 @@
+"""--max-memory holds while clients write three times that."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from lmkv.backends.lm import LMBackend
+
+CAP = 8 << 20
+VALUE = 256 << 10
+
+
+def test_lru_eviction_keeps_memory_under_cap(spawn_server):
+    server = spawn_server("--max-memory", str(CAP), "--page-size", "64KiB")
+    peaks = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peaks.append(server.stats()["used_bytes"])
+
+    def write(worker: int):
+        backend = LMBackend(server.url)
+        for i in range(3 * CAP // VALUE // 4):
+            backend.put([(f"ev@{worker}@{i}", os.urandom(VALUE))])
+        backend.contains(["sync"])  # a round trip: every PUT before it was processed
+        backend.close()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    writers = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    done.set()
+    watcher.join()
+
+    stats = server.stats()
+    assert stats["capacity_bytes"] == CAP
+    assert max(peaks + [stats["used_bytes"]]) <= CAP
+    assert stats["entries"] == CAP // VALUE  # full, to the page
+    assert stats["evictions"] == 3 * CAP // VALUE - stats["entries"]
+    assert stats["traffic"]["bytes_in"] == 3 * CAP
+    # LRU order: after CAP more bytes from one client, exactly its keys remain
+    backend = LMBackend(server.url)
+    fresh = [f"fresh@{i}" for i in range(CAP // VALUE)]
+    backend.put([(key, bytes([i]) * VALUE) for i, key in enumerate(fresh)])
+    assert backend.contains(fresh) == [True] * len(fresh)
+    assert backend.contains([f"ev@{w}@{i}" for w in range(4) for i in range(24)]) == [False] * 96
+    assert backend.get(fresh[-1:]) == [bytes([len(fresh) - 1]) * VALUE]
+    assert server.stats()["used_bytes"] == CAP
+
+
+def test_value_above_cap_is_refused_without_crash(spawn_server):
+    server = spawn_server("--max-memory", "1MiB", "--max-value-size", "4MiB")
+    backend = LMBackend(server.url)
+    backend.put([("small@1", b"kept")])
+    backend.put([("huge@1", os.urandom(2 << 20))])  # drained and dropped: no reply in lm://
+    assert backend.get(["huge@1", "small@1"]) == [None, b"kept"]
+    stats = server.stats()
+    assert stats["traffic"]["dropped"]["too_large"] == 1
+    assert stats["used_bytes"] <= stats["capacity_bytes"] and server.alive()

@@ -1,0 +1,102 @@
+"""Store and PageArena on their own: LRU, pinning, accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmkv_server.arena import PageArena
+from lmkv_server.store import Store
+
+PAGE = 4096
+SHAPE = (0, 0, 0, 0)
+
+
+def make_store(pages: int = 8) -> Store:
+    return Store(PageArena(pages, PAGE, prefault=False))
+
+
+def put(store: Store, key: bytes, value: bytes) -> bool:
+    pages = store.reserve(len(value))
+    if pages is None:
+        return False
+    offset = 0
+    for segment in store.arena.segments(pages, len(value)):
+        segment[:] = value[offset : offset + segment.nbytes]
+        offset += segment.nbytes
+    store.commit(key, len(value), 4, 6, SHAPE, pages)
+    return True
+
+
+def read(store: Store, key: bytes) -> bytes | None:
+    entry = store.acquire(key)
+    if entry is None:
+        return None
+    try:
+        return b"".join(bytes(s) for s in store.segments(entry))
+    finally:
+        store.release(entry)
+
+
+def test_round_trip_across_pages_and_overwrite():
+    store = make_store()
+    value = bytes(range(256)) * 40  # 10240 bytes: 3 pages
+    assert put(store, b"k", value)
+    assert read(store, b"k") == value
+    assert put(store, b"k", b"short")
+    assert read(store, b"k") == b"short"
+    assert store.stats().stored_bytes == 5 and store.stats().used_bytes == PAGE
+    store.check_integrity()
+
+
+def test_lru_eviction_keeps_recently_read():
+    store = make_store(pages=4)
+    for key in (b"a", b"b", b"c", b"d"):
+        assert put(store, key, b"x" * PAGE)
+    assert read(store, b"a") is not None  # a is now most recently used
+    assert put(store, b"e", b"y" * PAGE)  # evicts b, the oldest
+    assert store.keys() == [b"c", b"d", b"a", b"e"]
+    stats = store.stats()
+    assert stats.evictions == 1 and stats.used_bytes <= stats.capacity_bytes
+    store.check_integrity()
+
+
+def test_value_above_cap_is_refused_without_evicting():
+    store = make_store(pages=4)
+    assert put(store, b"a", b"x" * PAGE)
+    assert not store.fits(5 * PAGE)
+    assert store.reserve(5 * PAGE) is None
+    assert store.keys() == [b"a"]
+
+
+def test_pinned_entry_survives_overwrite_until_released():
+    store = make_store(pages=4)
+    assert put(store, b"a", b"1" * PAGE)
+    entry = store.acquire(b"a")
+    assert put(store, b"a", b"2" * PAGE)  # old pages stay with the reader
+    assert bytes(store.segments(entry)[0]) == b"1" * PAGE
+    assert store.arena.free_pages == 2
+    store.release(entry)
+    assert store.arena.free_pages == 3
+    assert read(store, b"a") == b"2" * PAGE
+    store.check_integrity()
+
+
+def test_eviction_skips_pinned_and_reports_busy():
+    store = make_store(pages=2)
+    assert put(store, b"a", b"x" * PAGE)
+    assert put(store, b"b", b"x" * PAGE)
+    pinned = [store.acquire(b"a"), store.acquire(b"b")]
+    assert store.reserve(PAGE) is None  # everything pinned: nothing can go
+    store.release(pinned[0])
+    pages = store.reserve(PAGE)  # a is evicted now
+    assert pages is not None and store.keys() == [b"b"]
+    store.abort(pages)
+    store.release(pinned[1])
+    store.check_integrity()
+
+
+def test_integrity_check_catches_leak():
+    store = make_store(pages=2)
+    store.arena.allocate(1)  # pages taken and never committed or aborted
+    with pytest.raises(AssertionError, match="leaked"):
+        store.check_integrity()
