@@ -1,17 +1,22 @@
 # The two commands a new user needs (see README.md).
 PY := .venv/bin/python
 
-.PHONY: serve test lint setup
+.PHONY: serve test lint setup peers
 
 setup:
 	./scripts/setup.sh
+
+# The real peer systems the interop tests run against, each in its own venv
+# (LMCache 0.5.6 for lm:// interop; tests marked for them skip when these are absent).
+peers:
+	./scripts/setup_lmcache_venv.sh
 
 # Set up, then serve the built-in demo model with lmkv (CPU + disk tiers) on 127.0.0.1:8000.
 serve: setup
 	LMKV_CONFIG_FILE=$${LMKV_CONFIG_FILE:-examples/local_cpu_disk.yaml} .venv/bin/engine serve $(ARGS)
 
-# Set up, lint, and run the whole test suite.
-test: setup
+# Set up (lmkv and the peer systems), lint, and run the whole test suite.
+test: setup peers
 	.venv/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
