@@ -42,8 +42,10 @@ def quantize(kv: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, delta: to
              group_size: int) -> torch.Tensor:
     """kv [2, L, T, H, D] float -> symbols [2, L, T, H, D] int16 (steps 1 and 2 above).
     step, mean: [2, L, H, D] float32; delta: [2, L] bool."""
-    q = torch.round((kv.float() - mean[:, :, None]) / step[:, :, None])
-    q = q.clamp_(-QMAX, QMAX).to(torch.int16)
+    x = kv.float() - mean[:, :, None]  # fp16/bf16: the upcast is one extra pass
+    q = x.div_(step[:, :, None]).round_().clamp_(-QMAX, QMAX).to(torch.int16)
+    if not bool(delta.any()):
+        return q
     t = kv.shape[2]
     anchor = q[:, :, (torch.arange(t, device=kv.device) // group_size) * group_size]
     anchor[:, :, ::group_size] = 0  # anchors stay themselves
@@ -75,15 +77,18 @@ def encode(kv: torch.Tensor, table: CacheGenTable, coder: str = "zstd") -> bytes
     table.check_layout(tuple(kv.shape))
     symbols = quantize(kv, table.step, table.mean, table.delta, table.group_size)
     streams = symbols.reshape(2 * kv.shape[1], -1)  # [2 * L, T * H * D]
-    small = (streams.abs() <= 127).all(dim=1).tolist()
+    lo, hi = streams.aminmax(dim=1)
+    small = (lo >= -127) & (hi <= 127)
+    narrow = streams.to(torch.int8).numpy()  # wraps where a stream does not fit: not used
+    wide = streams.numpy()
     zc = zstandard.ZstdCompressor(level=1)
     descs, blobs = [], []
-    for s, fits in zip(streams, small, strict=True):
+    for i, fits in enumerate(small.tolist()):
         if fits:
-            arr = s.to(torch.int8).numpy()
-            blob = rans.encode(arr) if coder == "rans" else zc.compress(arr.tobytes())
+            arr = narrow[i]
+            blob = rans.encode(arr) if coder == "rans" else zc.compress(arr.data)
         else:
-            blob = zc.compress(s.numpy().astype("<i2").tobytes())
+            blob = zc.compress(wide[i].astype("<i2").tobytes())
         descs.append(_STREAM.pack(1 if fits else 2, len(blob)))
         blobs.append(blob)
     head = _HEAD.pack(MAGIC, table.table_id, table.group_size, CODERS[coder], 0, len(blobs))
