@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras="${LMKV_EXTRAS:-test}"
-apt_pkgs=(redis-server)
+apt_pkgs=(redis-server libibverbs1)  # libibverbs1: Mooncake's native library needs it
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     missing=()

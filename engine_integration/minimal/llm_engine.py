@@ -131,14 +131,14 @@ class LLMEngine:
         self.metrics.prompt_tokens.inc(len(ids))
         return req
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """With blending on, the parts between separators are tokenized separately (as they
-        were when precomputed) and joined with the separator's tokens."""
+        were when precomputed) and joined with the separator's tokens. Thread-safe."""
         sep = self.kv_connector.engine.config.blend_special_str if self.blend_separator else None
         if not sep or sep not in text:
-            return self.tokenizer.encode(text)
+            return self.tokenizer.encode(text, add_special_tokens)
         parts = text.split(sep)
-        ids = self.tokenizer.encode(parts[0])
+        ids = self.tokenizer.encode(parts[0], add_special_tokens)
         for part in parts[1:]:
             ids += self.blend_separator + self.tokenizer.encode(part, add_special_tokens=False)
         return ids
@@ -160,6 +160,7 @@ class LLMEngine:
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, FinishReason.ABORT)
             self.metrics.requests_finished.labels("abort").inc()
+            self._update_gauges()  # no step may follow to do it
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -178,11 +179,14 @@ class LLMEngine:
             sampled = self.kv_connector.execute(self.runner, sched)
         outputs = self._postprocess(sched, sampled)
         self.metrics.computed_tokens.inc(sched.num_tokens)
+        self._update_gauges()
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        return outputs
+
+    def _update_gauges(self) -> None:
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.metrics.kv_usage.set(self.block_manager.usage)
-        self.metrics.step_seconds.observe(time.perf_counter() - start)
-        return outputs
 
     def _postprocess(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
         outputs = []

@@ -43,6 +43,10 @@ class StorageBackend(ABC):
         out[: len(value)] = value
         return len(value)
 
+    def register_memory(self, region: memoryview) -> None:  # noqa: B027 - optional hook
+        """``region`` (lmkv's chunk pool) will be the source and target of puts and
+        get_into; backends with zero-copy transfers register it."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and files."""
 

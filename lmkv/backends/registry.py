@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
+from collections.abc import Callable, Sequence
 from urllib.parse import urlparse
 
-from .base import StorageBackend
+from .base import BackendError, StorageBackend
+
+log = logging.getLogger(__name__)
 
 # scheme -> (module, class)
 SCHEMES = {
@@ -13,6 +18,7 @@ SCHEMES = {
     "redis": ("lmkv.backends.redis", "RedisBackend"),
     "rediss": ("lmkv.backends.redis", "RedisBackend"),
     "redis-cluster": ("lmkv.backends.redis", "RedisBackend"),
+    "mooncakestore": ("lmkv.backends.mooncake", "MooncakeBackend"),
 }
 
 
@@ -27,6 +33,58 @@ def check_url(url: str) -> str:
 
 
 def create_backend(url: str, timeout: float) -> StorageBackend:
+    """The backend for ``url``; it connects on first use, and again after a failure, so a
+    store that is down at start-up is picked up once it comes back."""
     module, name = SCHEMES[check_url(url)]
     cls = getattr(importlib.import_module(module), name)
-    return cls(url, timeout=timeout)
+    return LazyBackend(lambda: cls(url, timeout=timeout), url)
+
+
+class LazyBackend(StorageBackend):
+    def __init__(self, factory: Callable[[], StorageBackend], url: str):
+        self._factory = factory
+        self._url = url
+        self._backend: StorageBackend | None = None
+        self._regions: list[memoryview] = []
+
+    def _connected(self) -> StorageBackend:
+        if self._backend is None:
+            backend = self._factory()  # raises BackendError while the store is unreachable
+            for region in self._regions:
+                backend.register_memory(region)
+            self._backend = backend
+            log.info("lmkv: connected to %s", self._url)
+        return self._backend
+
+    def _call(self, fn):
+        try:
+            return fn(self._connected())
+        except BackendError:
+            self._reset()
+            raise
+
+    def _reset(self) -> None:
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            with contextlib.suppress(Exception):
+                backend.close()
+
+    def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        self._call(lambda b: b.put(items))
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._call(lambda b: b.get(keys))
+
+    def get_into(self, key: str, out: memoryview) -> int | None:
+        return self._call(lambda b: b.get_into(key, out))
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        return self._call(lambda b: b.contains(keys))
+
+    def register_memory(self, region: memoryview) -> None:
+        self._regions.append(region)
+        if self._backend is not None:
+            self._backend.register_memory(region)
+
+    def close(self) -> None:
+        self._reset()

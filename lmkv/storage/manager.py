@@ -49,6 +49,9 @@ class StorageManager:
         self.tiers = tiers
         self.metrics = metrics
         self.io = IOWorker(io_queue_size)
+        region = memoryview(pool.storage.numpy()).cast("B")
+        for tier in tiers:
+            tier.backend.register_memory(region)
         self._inflight: dict[str, Future] = {}  # key -> running fetch of that key
         self._lock = threading.Lock()
 
@@ -124,14 +127,25 @@ class StorageManager:
 
     def fetch(self, keys: list[str]) -> list[ChunkBuffer]:
         """The longest prefix of ``keys`` that can be had, as chunks in the hot cache with a
-        reference for the caller each."""
+        reference for the caller each. Chunks below the hot cache are read in one job on
+        the I/O worker, ahead of background work."""
         out: list[ChunkBuffer] = []
         for key in keys:
             buf = self.hot.get(key)
             if buf is None:
-                buf = self._fetch_lower(key, urgent=True)
-            else:
-                self.metrics.tier_hits.labels("hot").inc()
+                break
+            self.metrics.tier_hits.labels("hot").inc()
+            out.append(buf)
+        rest = keys[len(out):]
+        if rest and self.tiers:
+            out += self.io.submit(lambda: self._load_run(rest), urgent=True).result()
+        return out
+
+    def _load_run(self, keys: list[str]) -> list[ChunkBuffer]:
+        """On the I/O thread: the leading ``keys`` that some tier has, each retained."""
+        out: list[ChunkBuffer] = []
+        for key in keys:
+            buf = self.hot.get(key) if self._load(key, prefetch=False) else None
             if buf is None:
                 break
             out.append(buf)
@@ -151,19 +165,6 @@ class StorageManager:
                     return
                 self._inflight[key] = fut
                 fut.add_done_callback(lambda _f, k=key: self._done(k))
-
-    def _fetch_lower(self, key: str, urgent: bool) -> ChunkBuffer | None:
-        if not self.tiers:
-            return None
-        with self._lock:
-            fut = self._inflight.get(key)
-            if fut is None or not (fut.running() or fut.done()):
-                # none yet, or a prefetch still queued behind background work: jump the queue
-                fut = self.io.submit(lambda: self._load(key, prefetch=False), urgent=urgent)
-                self._inflight[key] = fut
-                fut.add_done_callback(lambda _f: self._done(key))
-        fut.result()
-        return self.hot.get(key)
 
     def _done(self, key: str) -> None:
         with self._lock:

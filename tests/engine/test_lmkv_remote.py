@@ -3,12 +3,15 @@ corrupting store costs a recompute, never a wrong token or an error."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import time
 
 import pytest
 import redis
 
+from ..mooncake_store import MooncakeStore
 from ..redis_server import RedisServer, start_cluster
 from .lmkv_workload import GREEDY, lmkv_llm, metric, prompts
 from .test_lmkv_e2e import _fill_disk, _full_chunks, reference  # noqa: F401 - fixture
@@ -83,3 +86,33 @@ def test_flipped_bytes_in_the_store_are_detected(tiny_model_dir, reference, redi
         assert [o.output_token_ids for o in outs] == reference()
         assert all(o.num_external_tokens == 0 for o in outs)
         assert metric(llm, "lmkv_errors_total", tier="remote", kind="corrupt") > 0
+
+
+@pytest.mark.skipif(shutil.which("mooncake_master") is None, reason="mooncake is not installed")
+def test_second_process_reuses_kv_through_mooncake(tiny_model_dir, reference, tmp_path):  # noqa: F811
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    store = MooncakeStore(tmp_path / "mooncake").start()
+    try:
+        _fill_remote(tiny_model_dir, store.url)
+        with lmkv_llm(tiny_model_dir, remote_url=store.url) as llm:
+            outs = llm.generate(prompts(), GREEDY)
+            assert [o.output_token_ids for o in outs] == reference()
+            assert all(o.num_external_tokens == _full_chunks(p) for o, p in zip(outs, prompts(), strict=True))
+            assert metric(llm, "lmkv_tier_hits_total", tier="remote") > 0
+    finally:
+        store.kill()
+
+
+def test_store_down_at_start_is_picked_up_later(tiny_model_dir, reference, tmp_path):  # noqa: F811
+    server = RedisServer(tmp_path / "redis")  # not started yet
+    with lmkv_llm(tiny_model_dir, remote_url=server.url, remote_timeout=0.5) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        server.start()
+        try:
+            time.sleep(2.5)  # past the breaker's interval
+            llm.generate(prompts(seed=4)[:2], GREEDY)
+            llm.engine.kv_connector.engine.storage.io.drain()
+            assert redis.Redis(port=server.port).dbsize() > 0
+        finally:
+            server.kill()

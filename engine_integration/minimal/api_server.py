@@ -1,0 +1,299 @@
+"""The engine's OpenAI-compatible HTTP API: FastAPI routes over an AsyncEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from .async_engine import AsyncEngine, EngineError, EngineStoppedError, QueueFullError
+from .event_stream import DONE, EventStream, hold_back, sse
+from .openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    usage_chunk,
+)
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .server_config import ServerConfig
+from .server_metrics import MetricsMiddleware, ServerMetrics
+
+if TYPE_CHECKING:  # torch is imported only once the config is known to be good
+    from .llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks for a gone client
+
+
+class APIError(Exception):
+    """Answered as an OpenAI-style error body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class StartupError(Exception):
+    """The server cannot start; the message says why."""
+
+
+class APIServer:
+    def __init__(self, engine: LLMEngine, config: ServerConfig):
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.metrics = ServerMetrics(engine.metrics.registry)
+        self.async_engine = AsyncEngine(engine, config.max_in_flight, self.metrics)
+        self.created = int(time.time())
+
+        app = FastAPI(title="lmkv engine", lifespan=self._lifespan)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.prometheus, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_exception_handler(APIError, _api_error)
+        app.add_exception_handler(RequestValidationError, _validation_error)
+        app.add_exception_handler(HTTPException, _http_error)
+        app.add_exception_handler(Exception, _unexpected_error)
+        app.add_middleware(MetricsMiddleware, metrics=self.metrics, endpoints=ENDPOINTS)
+        self.app = app
+
+    @asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self.async_engine.start()
+        try:
+            yield
+        finally:
+            self.async_engine.shutdown()
+
+    # ---- plain endpoints ------------------------------------------------------------
+    async def health(self) -> Response:
+        if not self.async_engine.is_alive:
+            raise APIError(503, "the engine is not running")
+        return Response(status_code=200)
+
+    async def prometheus(self) -> Response:
+        text = generate_latest(self.engine.metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "lmkv", "root": str(self.engine.model_dir),
+            "max_model_len": self.engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    # ---- generation -----------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        try:
+            body.check_supported()
+            prompt = body.single_prompt()
+            params = body.sampling_params(body.max_tokens)
+            if isinstance(prompt, str):  # off the event loop and off the engine thread
+                prompt = await asyncio.to_thread(self.engine.tokenize, prompt)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return await self._generate(request, body, prompt, params, chat=False)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        try:
+            body.check_supported()
+            prompt = await asyncio.to_thread(self._chat_prompt, body.template_messages())
+            max_tokens = body.max_completion_tokens
+            if max_tokens is None:
+                max_tokens = body.max_tokens
+            # no limit asked: the context's end stops the request
+            params = body.sampling_params(
+                self.engine.max_model_len if max_tokens is None else max_tokens
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return await self._generate(request, body, prompt, params, chat=True)
+
+    def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        tok = self.engine.tokenizer
+        text = tok.apply_chat_template(messages)
+        return self.engine.tokenize(text, add_special_tokens=False)  # the template places BOS
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model")
+
+    async def _generate(
+        self, request: Request, body: GenerationRequest, prompt: list[int],
+        params: SamplingParams, chat: bool,
+    ) -> Response:
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        outputs = self.async_engine.generate(rid, prompt, params)
+        first = await _first_output(outputs)  # refusals become 4xx/5xx before any byte is sent
+        if body.stream:
+            events = self._events(rid, created, body, params.stop, first, outputs, chat)
+            return EventStream(events)
+        out = await _last_output(first, outputs, request)
+        if out is None:
+            return Response(status_code=499)  # the client went away; nobody reads this
+        build = chat_response if chat else completion_response
+        return JSONResponse(build(rid, created, self.model_name, out, body.return_token_ids))
+
+    async def _events(
+        self, rid: str, created: int, body: GenerationRequest, stops: tuple[str, ...],
+        first: RequestOutput, outputs: AsyncIterator[RequestOutput], chat: bool,
+    ) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per new text, the last with finish_reason."""
+        model, ids = self.model_name, body.return_token_ids
+        sent_text, sent_ids, out = "", 0, first
+        try:
+            if chat:
+                role = {"role": "assistant", "content": ""}
+                yield sse(chat_chunk(rid, created, model, role, None, [] if ids else None))
+            while True:
+                # the tail that may grow into a stop string waits until it cannot
+                text = out.text if out.finished else hold_back(out.text, stops)
+                delta = text[len(sent_text):] if text.startswith(sent_text) else ""
+                new_ids = out.output_token_ids[sent_ids:] if ids else None
+                if delta or new_ids or out.finished:
+                    if chat:
+                        content = {"content": delta} if delta or not out.finished else {}
+                        chunk = chat_chunk(rid, created, model, content, out.finish_reason, new_ids)
+                    else:
+                        chunk = completion_chunk(
+                            rid, created, model, delta, out.finish_reason, new_ids
+                        )
+                    yield sse(chunk)
+                    sent_text += delta
+                    sent_ids = len(out.output_token_ids)
+                if out.finished:
+                    break
+                out = await anext(outputs)
+        except EngineError as e:
+            yield sse(error_body(str(e), 500))
+        else:
+            if body.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield sse(usage_chunk(rid, created, model, obj, out))
+        finally:
+            await outputs.aclose()  # aborts the request unless it finished
+        yield DONE
+
+
+async def _first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    try:
+        return await anext(outputs)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    except (QueueFullError, EngineStoppedError) as e:
+        raise APIError(503, str(e)) from None
+    except EngineError as e:
+        raise APIError(500, str(e)) from None
+
+
+async def _last_output(
+    first: RequestOutput, outputs: AsyncIterator[RequestOutput], request: Request
+) -> RequestOutput | None:
+    """The finished output; None if the client disconnected first (the request is aborted)."""
+
+    async def drain() -> RequestOutput:
+        out = first
+        async for out in outputs:  # noqa: B007 - the last one is the answer
+            pass
+        return out
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    except EngineError as e:
+        raise APIError(500, str(e)) from None
+    finally:
+        if not task.done():
+            task.cancel()  # cancels inside generate(), which aborts the request
+
+
+# ---- error bodies -------------------------------------------------------------------
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return JSONResponse(error_body(exc.message, exc.status, exc.param), status_code=exc.status)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    if "json" not in request.headers.get("content-type", ""):
+        message = "the request body must be JSON, sent with Content-Type: application/json"
+        return JSONResponse(error_body(message, 400), status_code=400)
+    parts: list[str] = []
+    fields: set[str] = set()
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            detail = err.get("ctx", {}).get("error", "")
+            return JSONResponse(error_body(f"the request body is not valid JSON: {detail}", 400),
+                                status_code=400)
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        field = loc[0] if loc else "body"
+        if field not in fields:  # a union type reports once per alternative: keep the first
+            fields.add(field)
+            parts.append(f"{field}: {err.get('msg', 'invalid')}")
+    param = next(iter(fields)) if len(fields) == 1 and "body" not in fields else None
+    return JSONResponse(error_body("invalid request: " + "; ".join(parts), 400, param),
+                        status_code=400)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette logs the traceback after sending this
+    return JSONResponse(error_body(f"internal server error: {exc!r}", 500), status_code=500)
+
+
+# ---- the program ----------------------------------------------------------------------
+def serve(config: ServerConfig) -> None:
+    """Load the model and serve HTTP until interrupted. Raises StartupError."""
+    try:
+        lmkv_config = None
+        if config.lmkv_config_file is not None:
+            from lmkv.config import load_config
+
+            lmkv_config = load_config(config.lmkv_config_file)
+            log.info("lmkv enabled from %s: %s", config.lmkv_config_file, lmkv_config)
+        from .llm_engine import LLMEngine
+
+        engine = LLMEngine(config.engine, lmkv_config=lmkv_config)
+    except (OSError, ValueError) as e:
+        raise StartupError(str(e)) from e
+    import uvicorn
+
+    server = APIServer(engine, config)
+    log.info("serving %s on http://%s:%d", server.model_name, config.host, config.port)
+    uvicorn.run(
+        server.app, host=config.host, port=config.port, log_level=config.log_level,
+        timeout_graceful_shutdown=5,
+    )

@@ -1,0 +1,233 @@
+"""AsyncEngine: the LLMEngine's step loop in one background thread, fed from asyncio.
+
+Handlers call ``generate()`` on the event loop. Adds and aborts reach the engine thread
+through a locked list of commands, applied between steps; outputs come back through one
+``asyncio.Queue`` per request, filled with ``loop.call_soon_threadsafe``. Only the engine
+thread touches the LLMEngine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .server_metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+# what the engine thread puts in a request's queue
+_Item = RequestOutput | Exception
+
+
+class QueueFullError(Exception):
+    """Too many requests in flight; the client should retry later."""
+
+
+class EngineError(Exception):
+    """The engine failed this request (a step raised)."""
+
+
+class EngineStoppedError(EngineError):
+    """The engine is not running (shut down, or its thread died)."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    queue: asyncio.Queue[_Item]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(
+        self, engine: LLMEngine, max_in_flight: int, metrics: ServerMetrics | None = None
+    ):
+        self.engine = engine
+        self.max_in_flight = max_in_flight
+        self.metrics = metrics
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort] = []  # guarded by _cond
+        self._closed = False  # guarded by _cond; set once the engine thread stops
+        self._stopping = False  # guarded by _cond
+        self._queues: dict[str, asyncio.Queue[_Item]] = {}  # engine thread only
+        self._in_flight = 0  # event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- event loop side ------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread. Call on the event loop that will call generate()."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; unfinished requests fail with EngineError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        with self._cond:
+            closed = self._closed or self._stopping
+        return not closed and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """The outputs of one request, each cumulative; the last one is finished.
+
+        Raises ValueError when the engine refuses the request (the message says why),
+        QueueFullError when ``max_in_flight`` requests are already in flight, EngineError
+        when the engine fails (EngineStoppedError when it is not running). Closing the
+        iterator before the end aborts the request.
+        """
+        if not self.is_alive:
+            raise EngineStoppedError("the engine is not running")
+        if self._in_flight >= self.max_in_flight:
+            if self.metrics:
+                self.metrics.rejected.inc()
+            raise QueueFullError(
+                f"the server is at capacity ({self.max_in_flight} requests in flight); "
+                "retry later"
+            )
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._set_in_flight(self._in_flight + 1)
+        done = False
+        try:
+            self._submit(_Add(request_id, prompt, params, queue))
+            while not done:
+                item = await queue.get()
+                # outputs are cumulative, so a consumer that fell behind skips to the newest
+                while isinstance(item, RequestOutput) and not item.finished and not queue.empty():
+                    item = queue.get_nowait()
+                if isinstance(item, Exception):
+                    done = True  # the engine thread has already dropped the request
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            self._set_in_flight(self._in_flight - 1)
+            if not done:
+                self._submit(_Abort(request_id))
+
+    def _set_in_flight(self, n: int) -> None:
+        self._in_flight = n
+        if self.metrics:
+            self.metrics.in_flight.set(n)
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._cond:
+            if not self._closed:
+                self._commands.append(command)
+                self._cond.notify()
+                return
+        if isinstance(command, _Add):  # the engine thread is gone: nobody else will answer
+            command.queue.put_nowait(EngineStoppedError("the engine is not running"))
+
+    # ---- engine thread --------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (
+                        self._commands or self._stopping or self.engine.has_unfinished_requests()
+                    ):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    commands, self._commands = self._commands, []
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_unfinished_requests() and not self._step():
+                    break
+        except BaseException:
+            log.exception("the engine loop crashed")
+        finally:
+            self._close()
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self._queues.pop(command.request_id, None)
+            self.engine.abort_request(command.request_id)
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params)
+        except ValueError as e:
+            self._post(command.queue, ValueError(str(e)))
+        except Exception as e:
+            log.exception("adding request %s failed", command.request_id)
+            self._post(command.queue, EngineError(f"the engine could not add the request: {e}"))
+        else:
+            self._queues[command.request_id] = command.queue
+
+    def _step(self) -> bool:
+        """One engine step; False when the engine is broken beyond recovery."""
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            log.exception("engine step failed; failing its %d requests", len(self._queues))
+            if self.metrics:
+                self.metrics.step_errors.inc()
+            return self._fail_requests()
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is None:
+                continue  # aborted while the step ran
+            self._post(queue, out)
+            if out.finished:
+                del self._queues[out.request_id]
+        return True
+
+    def _fail_requests(self) -> bool:
+        """Fail and abort every request in the engine; True if that left it clean."""
+        for queue in self._queues.values():
+            self._post(queue, EngineError("the engine failed while running this request"))
+        self._queues.clear()
+        for request_id in list(self.engine.requests):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                log.exception("aborting request %s after a failed step failed", request_id)
+        if self.engine.has_unfinished_requests():
+            log.error("the engine still holds requests after aborting all of them; stopping it")
+            return False
+        return True
+
+    def _close(self) -> None:
+        with self._cond:
+            self._closed = True
+            commands, self._commands = self._commands, []
+        queues = [c.queue for c in commands if isinstance(c, _Add)] + list(self._queues.values())
+        self._queues.clear()
+        for queue in queues:
+            self._post(queue, EngineStoppedError("the engine stopped"))
+
+    def _post(self, queue: asyncio.Queue[_Item], item: _Item) -> None:
+        assert self._loop is not None
+        # RuntimeError: the event loop is closed, nobody is listening any more
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(queue.put_nowait, item)

@@ -1,0 +1,210 @@
+"""The ``engine`` command.
+
+    engine serve [--model DIR] [--port 8000] ...   OpenAI-compatible HTTP API
+    engine generate PROMPT [--max-tokens N] ...    one generation, printed to stdout
+    engine precompute FILE... [--split-on SEP]     store RAG chunks' KV for CacheBlend
+
+Every command reads ``LMKV_CONFIG_FILE`` when it is set (lmkv on); precompute needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from dataclasses import asdict
+
+from .config import EngineConfig
+from .sampling_params import SamplingParams
+from .server_config import LOG_LEVELS, ServerConfig
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+    "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "2GiB", "512MiB", "1.5G" (binary), "4GB" (decimal) or a plain number."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m and _SIZE_UNITS.get(m.group(2).lower())
+    if not m or unit is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1e9)")
+    return int(float(m.group(1)) * unit)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="engine", description="lmkv's bundled LLM engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    engine_args = argparse.ArgumentParser(add_help=False)
+    g = engine_args.add_argument_group("engine")
+    g.add_argument("--model", help="Hugging Face Llama-family checkpoint directory "
+                   "(default: the built-in demo model)")
+    g.add_argument("--served-model-name", help="model name of the API (default: --model)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="weights and KV memory (default float32)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=EngineConfig.kv_cache_memory,
+                   help="paged KV memory, e.g. 2GiB (default 1GiB)")
+    g.add_argument("--num-kv-blocks", type=int, help="KV blocks (overrides --kv-cache-memory)")
+    g.add_argument("--max-model-len", type=int,
+                   help="context length (default: the model's, capped by the KV memory)")
+    g.add_argument("--max-num-seqs", type=int, default=64,
+                   help="requests run at once (default 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens computed per step (default 2048)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV of shared prompt prefixes (default on)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="split long prompts over steps (default on)")
+    g.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
+
+    serve = commands.add_parser("serve", parents=[engine_args],
+                                help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="default 8000")
+    serve.add_argument("--max-pending", type=int, default=ServerConfig.max_pending,
+                       help="requests that may wait beyond --max-num-seqs; more get HTTP 503 "
+                       "(default %(default)s)")
+    serve.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+
+    gen = commands.add_parser("generate", parents=[engine_args],
+                              help="generate from one prompt and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, help="default 16")
+    gen.add_argument("--temperature", type=float, help="default 1.0; 0 is greedy")
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+
+    pre = commands.add_parser("precompute", parents=[engine_args],
+                              help="compute and store the KV of RAG document chunks (lmkv)")
+    pre.add_argument("files", nargs="+", help="text files; each is one chunk unless --split-on")
+    pre.add_argument("--split-on", help="split each file into chunks at this string "
+                     "(e.g. a blank line: $'\\n\\n')")
+    pre.add_argument("--batch-size", type=int, default=8)
+    pre.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_threads=args.num_threads,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.command == "serve":
+        try:
+            config = ServerConfig(
+                engine=engine_config(args), host=args.host, port=args.port,
+                max_pending=args.max_pending, log_level=args.log_level,
+                lmkv_config_file=os.environ.get("LMKV_CONFIG_FILE") or None,
+            )
+        except ValueError as e:
+            parser.error(str(e))
+        return _serve(config)
+    if args.command == "precompute":
+        try:
+            config = engine_config(args)
+        except ValueError as e:
+            parser.error(str(e))
+        return _precompute(config, args.files, args.split_on, args.batch_size)
+    try:
+        config = engine_config(args)
+        given = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                 "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "stop": args.stop}
+        params = SamplingParams(ignore_eos=args.ignore_eos,
+                                **{k: v for k, v in given.items() if v is not None})
+    except ValueError as e:
+        parser.error(str(e))
+    return _generate(config, args.prompt, params)
+
+
+def _serve(config: ServerConfig) -> int:
+    from .api_server import StartupError, serve
+
+    try:
+        serve(config)
+    except StartupError as e:
+        print(f"engine serve: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _lmkv_config():
+    """lmkv's config when LMKV_CONFIG_FILE is set, else None (lmkv off)."""
+    path = os.environ.get("LMKV_CONFIG_FILE")
+    if not path:
+        return None
+    from lmkv.config import load_config
+
+    return load_config(path)
+
+
+def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -> int:
+    from .llm import LLM
+
+    try:
+        with LLM(lmkv_config=_lmkv_config(), **asdict(config)) as llm:
+            out = llm.generate(prompt, params)[0]
+    except (OSError, ValueError) as e:
+        print(f"engine generate: error: {e}", file=sys.stderr)
+        return 1
+    print(out.text)
+    return 0
+
+
+def _precompute(config: EngineConfig, files: list[str], split_on: str | None,
+                batch_size: int) -> int:
+    from .llm import LLM
+
+    try:
+        lmkv_config = _lmkv_config()
+        if lmkv_config is None:
+            raise ValueError("precompute stores into lmkv: set LMKV_CONFIG_FILE")
+        if not (lmkv_config.local_disk or lmkv_config.remote_url):
+            print("engine precompute: warning: no disk or remote tier configured; the chunks "
+                  "live only as long as this process", file=sys.stderr)
+        chunks = []
+        for name in files:
+            with open(name, encoding="utf-8") as f:
+                text = f.read()
+            parts = text.split(split_on) if split_on else [text]
+            chunks += [p for p in parts if p.strip()]
+        with LLM(lmkv_config=lmkv_config, **asdict(config)) as llm:
+            report = llm.precompute(chunks, batch_size=batch_size)
+    except (OSError, ValueError) as e:
+        print(f"engine precompute: error: {e}", file=sys.stderr)
+        return 1
+    print(f"precompute: {report.stored} chunks stored, {report.skipped} already stored, "
+          f"{report.failed} failed, {report.tokens} tokens in {report.seconds:.1f}s")
+    return 0 if report.failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

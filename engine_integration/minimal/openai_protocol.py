@@ -1,0 +1,240 @@
+"""The OpenAI wire format: request bodies in, response and chunk bodies out.
+
+Requests parse with pydantic (unknown fields are ignored, as OpenAI-compatible servers
+do); what this engine cannot honour is refused with a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt
+
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
+    top_k: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # extensions, as in vLLM
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    # accepted for compatibility, refused unless left at values that change nothing
+    presence_penalty: FiniteFloat | None = None
+    frequency_penalty: FiniteFloat | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check_supported(self) -> None:
+        """Raise ValueError naming the first requested feature this server lacks."""
+        if self.n != 1:
+            raise ValueError("n must be 1: this server returns one choice per request")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """SamplingParams from the fields set; ``max_tokens`` when the request has none."""
+        temperature = self.temperature
+        if temperature is not None and 0 < temperature < MIN_TEMPERATURE:
+            temperature = 0.0  # as vLLM does: dividing by it would overflow the logits
+        given: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "stop_token_ids": self.stop_token_ids,
+        }
+        given = {k: v for k, v in given.items() if v is not None}
+        return SamplingParams(ignore_eos=self.ignore_eos, **given)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.logprobs is not None:
+            raise ValueError("logprobs is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of must be 1")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request; a list of several prompts is refused."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise ValueError(
+                    f"prompt holds {len(p)} prompts; this server takes one per request"
+                )
+            return p[0]  # type: ignore[return-value]
+        return p  # type: ignore[return-value]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"message content of type {part.type!r} is not supported")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.logprobs or self.top_logprobs is not None:
+            raise ValueError("logprobs is not supported")
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# ---- responses ------------------------------------------------------------------------
+def usage(out: RequestOutput) -> dict[str, int]:
+    prompt, completion = len(out.prompt_token_ids), len(out.output_token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def completion_response(
+    rid: str, created: int, model: str, out: RequestOutput, token_ids: bool
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason,
+    }
+    if token_ids:
+        choice["prompt_token_ids"] = out.prompt_token_ids
+        choice["token_ids"] = out.output_token_ids
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [choice], "usage": usage(out),
+    }
+
+
+def completion_chunk(
+    rid: str, created: int, model: str, text: str, finish_reason: str | None,
+    token_ids: list[int] | None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+    }
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [choice],
+    }
+
+
+def chat_response(
+    rid: str, created: int, model: str, out: RequestOutput, token_ids: bool
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": out.text},
+        "logprobs": None,
+        "finish_reason": out.finish_reason,
+    }
+    body: dict[str, Any] = {
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [choice], "usage": usage(out),
+    }
+    if token_ids:
+        choice["token_ids"] = out.output_token_ids
+        body["prompt_token_ids"] = out.prompt_token_ids
+    return body
+
+
+def chat_chunk(
+    rid: str, created: int, model: str, delta: dict[str, str], finish_reason: str | None,
+    token_ids: list[int] | None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+    }
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {
+        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, out: RequestOutput) -> dict:
+    return {
+        "id": rid, "object": obj, "created": created, "model": model, "choices": [],
+        "usage": usage(out),
+    }

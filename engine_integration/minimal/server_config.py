@@ -1,0 +1,36 @@
+"""ServerConfig: everything ``engine serve`` needs, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import EngineConfig
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # requests that may wait for a slot beyond the max_num_seqs that run at once; more: 503
+    max_pending: int = 256
+    log_level: str = "info"
+    lmkv_config_file: str | None = None  # LMKV_CONFIG_FILE, read at startup
+
+    def __post_init__(self) -> None:
+        _check(bool(self.host), "host", "non-empty")
+        _check(0 <= self.port <= 65535, "port", "in [0, 65535]")
+        _check(self.max_pending >= 0, "max_pending", ">= 0")
+        _check(self.log_level in LOG_LEVELS, "log_level", f"one of {', '.join(LOG_LEVELS)}")
+
+    @property
+    def max_in_flight(self) -> int:
+        """Requests the server holds at once (running, waiting, or being handed over)."""
+        return self.engine.max_num_seqs + self.max_pending
+
+
+def _check(ok: bool, name: str, want: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid server setting {name}: must be {want}")

@@ -1,0 +1,136 @@
+"""mooncakestore://master_host:port/ : a Mooncake Store (master + storage segments).
+
+Settings other than the master's address follow LMCache's names, from the JSON file named
+by MOONCAKE_CONFIG_PATH or the URL's query: local_hostname, metadata_server,
+global_segment_size, local_buffer_size, protocol, device_name. Chunks move zero-copy
+(put_from / get_into) when they live in memory registered with ``register_memory`` (lmkv's
+chunk pool); otherwise through Python bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from urllib.parse import parse_qs, urlparse
+
+from .base import BackendError, StorageBackend
+
+log = logging.getLogger(__name__)
+NOT_FOUND = -704
+TOO_SMALL = -600  # get_into's buffer is smaller than the object
+
+
+def _settings(url: str) -> dict:
+    parts = urlparse(url)
+    host, port = parts.hostname, parts.port or 50051
+    settings = {
+        "local_hostname": "127.0.0.1",
+        "metadata_server": f"http://{host}:8080/metadata",
+        "global_segment_size": 0,  # store nothing in the engine process by default
+        "local_buffer_size": 64 << 20,
+        "protocol": "tcp",
+        "device_name": "",
+    }
+    path = os.environ.get("MOONCAKE_CONFIG_PATH")
+    if path:
+        try:
+            with open(path) as f:
+                settings.update(json.load(f))
+        except (OSError, ValueError) as e:
+            raise BackendError(f"cannot read MOONCAKE_CONFIG_PATH={path}: {e}") from e
+    for key, values in parse_qs(parts.query).items():
+        settings[key] = values[0]
+    settings["master_server_address"] = f"{host}:{port}"
+    for key in ("global_segment_size", "local_buffer_size"):
+        settings[key] = int(settings[key])
+    return settings
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class MooncakeBackend(StorageBackend):
+    def __init__(self, url: str, timeout: float = 2.0):
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise BackendError("mooncakestore:// needs `pip install mooncake-transfer-engine-non-cuda`"
+                               f" (and libibverbs1): {e}") from e
+        s = _settings(url)
+        host, port = s["master_server_address"].rsplit(":", 1)
+        try:  # setup() against a dead master blocks for ~90 s: fail fast instead
+            socket.create_connection((host, int(port)), timeout=timeout).close()
+        except OSError as e:
+            raise BackendError(f"Mooncake master {host}:{port} unreachable: {e}") from e
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup(s["local_hostname"], s["metadata_server"], s["global_segment_size"],
+                              s["local_buffer_size"], s["protocol"], s["device_name"],
+                              s["master_server_address"])
+        if rc != 0:
+            raise BackendError(f"Mooncake setup against {url} failed (code {rc})")
+        self._regions: list[tuple[int, int]] = []  # registered [start, end) addresses
+
+    def register_memory(self, region: memoryview) -> None:
+        start = _address(region)
+        rc = self.store.register_buffer(start, len(region))
+        if rc != 0:
+            log.warning("Mooncake register_buffer failed (code %d): chunks go through copies", rc)
+            return
+        self._regions.append((start, start + len(region)))
+
+    def _registered(self, view: memoryview) -> int | None:
+        if view.readonly:
+            return None
+        addr = _address(view)
+        if any(lo <= addr and addr + len(view) <= hi for lo, hi in self._regions):
+            return addr
+        return None
+
+    def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        for key, value in items:
+            view = memoryview(value)
+            addr = self._registered(view)
+            if addr is not None:
+                rc = self.store.upsert_from(key, addr, len(view))
+            else:
+                rc = self.store.upsert(key, bytes(view))
+            if rc != 0:
+                raise BackendError(f"Mooncake put of {len(view)} bytes failed (code {rc})")
+
+    def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for key in keys:
+            size = self.store.get_size(key)
+            if size == NOT_FOUND:
+                out.append(None)
+                continue
+            if size < 0:
+                raise BackendError(f"Mooncake get_size failed (code {size})")
+            value = self.store.get(key)
+            out.append(value if len(value) == size else None)
+        return out
+
+    def get_into(self, key: str, out: memoryview) -> int | None:
+        addr = self._registered(out)
+        if addr is None:
+            return super().get_into(key, out)
+        n = self.store.get_into(key, addr, len(out))  # one round trip: no get_size first
+        if n in (NOT_FOUND, TOO_SMALL):
+            return None  # absent, or larger than a chunk frame: not ours to read
+        if n < 0:
+            raise BackendError(f"Mooncake get_into failed (code {n})")
+        return n
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        codes = self.store.batch_is_exist(list(keys))
+        if any(c < 0 for c in codes):
+            raise BackendError("Mooncake batch_is_exist failed")
+        return [c == 1 for c in codes]
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,324 @@
+"""The OpenAI-compatible API, over real HTTP to ``python -m lmkv_engines.minimal serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+MAX_MODEL_LEN = 512
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lmkv_engines.minimal", *args]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory) -> str:
+    """Base URL of an `engine serve` subprocess with lmkv (hot cache + disk tier)."""
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "lmkv.yaml").write_text(
+        f"chunk_size: 32\nmax_local_cpu_size: 0.05\nlocal_disk: {tmp / 'disk'}\n"
+        "max_local_disk_size: 0.1\n")
+    port = free_port()
+    log = (tmp / "server.log").open("w")
+    proc = subprocess.Popen(
+        engine_command(
+            "serve", "--model", str(tiny_model_dir), "--port", str(port),
+            "--kv-cache-memory", "32MiB", "--max-model-len", str(MAX_MODEL_LEN),
+            "--served-model-name", "tiny", "--num-threads", "1", "--log-level", "warning",
+        ),
+        env={**os.environ, "LMKV_CONFIG_FILE": str(tmp / "lmkv.yaml")},
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                log_text = (tmp / "server.log").read_text()
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_text}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("server did not become healthy in 120 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics as "name{label=value,...}" -> value."""
+    text = httpx.get(f"{url}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def sse_events(response: httpx.Response) -> list[dict | str]:
+    """The data of each server-sent event; "[DONE]" stays a string."""
+    events: list[dict | str] = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "", line
+    return events
+
+
+PROMPTS = [f"Question {i}: what does {'the brown fox ' * (i % 5)}jump over?" for i in range(16)]
+
+
+def test_health_models_and_metrics(server):
+    assert httpx.get(f"{server}/health").status_code == 200
+    models = httpx.get(f"{server}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+
+    before = metrics(server)
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True}
+    assert httpx.post(f"{server}/v1/completions", json=body).status_code == 200
+    after = metrics(server)
+    assert after["engine_prompt_tokens_total"] - before["engine_prompt_tokens_total"] == 4
+    gen = "engine_generation_tokens_total"
+    assert after[gen] - before[gen] == 3
+    ok = "api_requests_total{endpoint=/v1/completions,status=200}"
+    assert after[ok] - before.get(ok, 0) == 1
+    assert after["api_generations_in_flight"] == 0
+    assert after["engine_requests_running"] == 0
+
+
+def test_lmkv_stores_and_finds_prompt_chunks_over_http(server):
+    body = {"model": "tiny", "prompt": list(range(100, 180)), "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    before = metrics(server)
+    first = httpx.post(f"{server}/v1/completions", json=body).json()
+    second = httpx.post(f"{server}/v1/completions", json=body).json()
+    after = metrics(server)
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    # 80 prompt tokens: chunks [0, 32) and [32, 64) stored, then found by the second request
+    assert after["lmkv_stored_chunks_total"] - before["lmkv_stored_chunks_total"] == 2
+    assert after["lmkv_hit_tokens_total"] - before["lmkv_hit_tokens_total"] == 64
+
+
+def test_concurrent_requests_equal_sequential_ones(server):
+    def body(prompt):
+        return {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+
+    with httpx.Client(base_url=server, timeout=60) as client:
+        steps_before = metrics(server)["engine_step_seconds_count"]
+        alone = [client.post("/v1/completions", json=body(p)).json() for p in PROMPTS]
+        steps_alone = metrics(server)["engine_step_seconds_count"] - steps_before
+
+    async def all_at_once():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            posts = (client.post("/v1/completions", json=body(p)) for p in PROMPTS)
+            rs = await asyncio.gather(*posts)
+        return [r.json() for r in rs]
+
+    steps_before = metrics(server)["engine_step_seconds_count"]
+    together = asyncio.run(all_at_once())
+    steps_together = metrics(server)["engine_step_seconds_count"] - steps_before
+
+    for a, b in zip(alone, together, strict=True):
+        assert len(a["choices"][0]["token_ids"]) == 16
+        assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        assert a["usage"] == b["usage"]
+        assert a["usage"]["completion_tokens"] == 16
+        assert a["choices"][0]["finish_reason"] == "length"
+    assert steps_together < steps_alone / 2  # the requests really were batched
+
+
+def test_streaming_concatenates_to_the_non_streaming_text(server):
+    body = {"prompt": PROMPTS[3], "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+    full = httpx.post(f"{server}/v1/completions", json=body).json()
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage, chunks = events[-2], events[:-2]
+    assert usage["choices"] == [] and usage["usage"] == full["usage"]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    choices = [c["choices"][0] for c in chunks]
+    assert "".join(c["text"] for c in choices) == full["choices"][0]["text"]
+    assert sum((c["token_ids"] for c in choices), []) == full["choices"][0]["token_ids"]
+    assert [c["finish_reason"] for c in choices[:-1]] == [None] * (len(choices) - 1)
+    assert choices[-1]["finish_reason"] == full["choices"][0]["finish_reason"]
+
+
+def test_stop_string_is_cut_from_streamed_and_full_text(server):
+    base = {"prompt": PROMPTS[5], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    text = httpx.post(f"{server}/v1/completions", json=base).json()["choices"][0]["text"]
+    stop = text[len(text) // 2: len(text) // 2 + 4]  # occurs in the output, maybe earlier too
+    assert len(stop) == 4
+    want = text[: text.find(stop)]
+    full = httpx.post(f"{server}/v1/completions", json=base | {"stop": [stop]}).json()
+    assert full["choices"][0] | {"text": want, "finish_reason": "stop"} == full["choices"][0]
+    with httpx.stream("POST", f"{server}/v1/completions",
+                      json=base | {"stop": stop, "stream": True}) as r:
+        events = sse_events(r)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_completions(server):
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": [{"type": "text", "text": "Name a prime number."}]}]
+    body = {"model": "tiny", "messages": messages, "max_completion_tokens": 12,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    full = httpx.post(f"{server}/v1/chat/completions", json=body).json()
+    assert full["object"] == "chat.completion"
+    choice = full["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] == "length"
+    assert full["usage"]["completion_tokens"] == 12 == len(choice["token_ids"])
+    assert full["usage"]["prompt_tokens"] == len(full["prompt_token_ids"]) > 10
+
+    # the same prompt, templated by hand, through /v1/completions
+    prompt = "<|system|>\nAnswer briefly.\n<|user|>\nName a prime number.\n<|assistant|>\n"
+    plain = httpx.post(f"{server}/v1/completions", json={
+        "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True}).json()
+    assert plain["choices"][0]["token_ids"] == choice["token_ids"]
+
+    with httpx.stream("POST", f"{server}/v1/chat/completions",
+                      json=body | {"stream": True, "max_completion_tokens": None,
+                                   "max_tokens": 12}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("content", "") for d in deltas) == choice["message"]["content"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+
+
+BAD_REQUESTS = {
+    "temperature < 0": ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    "top_p > 1": ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    "max_tokens 0": ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    "max_tokens 0 streamed": ({"prompt": "hi", "max_tokens": 0, "stream": True}, 400,
+                              "max_tokens"),
+    "prompt too long": ({"prompt": [5] * MAX_MODEL_LEN}, 400, "max_model_len"),
+    "empty prompt": ({"prompt": ""}, 400, "empty"),
+    "token id out of range": ({"prompt": [1, 10**6]}, 400, "token ids"),
+    "n=2": ({"prompt": "hi", "n": 2}, 400, "n must be 1"),
+    "missing prompt": ({"max_tokens": 4}, 400, "prompt"),
+    "wrong type": ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    "several prompts": ({"prompt": ["a", "b"]}, 400, "one per request"),
+    "unknown model": ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_requests_get_openai_errors(server, case):
+    body, status, needle = BAD_REQUESTS[case]
+    r = httpx.post(f"{server}/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"]
+    assert err["code"] == status and err["type"]
+
+
+def test_malformed_bodies_and_chat_errors(server):
+    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "hi",',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "hi"}')
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/chat/completions", json={"prompt": "hi"})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.get(f"{server}/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    # the server is still fine
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_client_disconnect_aborts_the_stream(server):
+    aborted = "engine_requests_finished_total{reason=abort}"
+    before = metrics(server).get(aborted, 0)
+    body = {"prompt": "hi", "max_tokens": MAX_MODEL_LEN, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 10
+    while metrics(server).get(aborted, 0) == before:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    after = metrics(server)
+    assert after["engine_requests_running"] == 0
+    assert after["api_generations_in_flight"] == 0
+
+
+def test_generate_command_prints_the_offline_text(tiny_model_dir):
+    from lmkv_engines.minimal.llm import LLM
+    from lmkv_engines.minimal.sampling_params import SamplingParams
+
+    prompt = "The meaning of life is"
+    out = subprocess.run(
+        engine_command("generate", prompt, "--model", str(tiny_model_dir), "--max-tokens", "10",
+                       "--temperature", "0", "--ignore-eos", "--kv-cache-memory", "8MiB"),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=8 << 20)
+    want = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert out.stdout == want[0].text + "\n"
+    assert want[0].text
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read lmkv config file"),
+    ("chunk_sise: 256\n", "unknown lmkv config key(s): chunk_sise"),
+    ("chunk_size: 24\n", "chunk_size 24 must be a multiple of the engine's block size 16"),
+    ("- a\n", "must be a mapping"),
+])
+def test_lmkv_config_file_that_cannot_be_used_stops_serve(tiny_model_dir, tmp_path, content,
+                                                          message):
+    path = tmp_path / "lmkv.yaml"
+    if content is not None:
+        path.write_text(content)
+    out = subprocess.run(
+        engine_command("serve", "--model", str(tiny_model_dir), "--port", str(free_port()),
+                       "--kv-cache-memory", "32MiB"),
+        env={**os.environ, "LMKV_CONFIG_FILE": str(path)},
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 1
+    assert message in out.stderr

@@ -1,0 +1,174 @@
+"""AsyncEngine: the engine thread, the hand-off, back-pressure and failures; and how the
+HTTP server answers an engine failure (uvicorn in a thread of this process)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from lmkv_engines.minimal.api_server import APIServer
+from lmkv_engines.minimal.async_engine import AsyncEngine, EngineError, QueueFullError
+from lmkv_engines.minimal.config import EngineConfig
+from lmkv_engines.minimal.llm_engine import LLMEngine
+from lmkv_engines.minimal.sampling_params import SamplingParams
+from lmkv_engines.minimal.server_config import ServerConfig
+from lmkv_engines.minimal.server_metrics import ServerMetrics
+
+from .test_api_server import free_port
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=16 << 20,
+                                  max_num_seqs=1, max_model_len=1024))
+
+
+async def _last(outputs):
+    out = None
+    async for out in outputs:  # noqa: B007
+        pass
+    return out
+
+
+def _fail_next_step(engine: LLMEngine) -> None:
+    real = engine.step
+
+    def step():
+        engine.step = real
+        raise RuntimeError("injected step failure")
+
+    engine.step = step
+
+
+def test_queue_full_then_abort_frees_a_slot(engine):
+    metrics = ServerMetrics(engine.metrics.registry)
+
+    async def main():
+        ae = AsyncEngine(engine, max_in_flight=2, metrics=metrics)
+        ae.start()
+        try:
+            first = ae.generate("a", [5, 6, 7], LONG)
+            assert len((await anext(first)).output_token_ids) >= 1
+            # max_num_seqs=1: the second waits for the first to finish
+            second = ae.generate("b", [8, 9], GREEDY)
+            second_done = asyncio.ensure_future(_last(second))
+            await asyncio.sleep(0.05)
+            assert not second_done.done() and ae.num_in_flight == 2
+            with pytest.raises(QueueFullError, match="2 requests in flight"):
+                await anext(ae.generate("c", [1], GREEDY))
+            await first.aclose()  # aborts "a"; "b" runs
+            out = await asyncio.wait_for(second_done, 30)
+            assert out.finished and len(out.output_token_ids) == 8
+            assert ae.num_in_flight == 0
+            ok = await _last(ae.generate("d", [1], GREEDY))
+            assert ok.finished
+        finally:
+            ae.shutdown()
+
+    asyncio.run(main())
+    assert metrics.rejected._value.get() == 1
+    assert engine.metrics.requests_finished.labels("abort")._value.get() == 1
+    assert not engine.has_unfinished_requests() and not engine.requests
+
+
+def test_step_failure_fails_its_requests_and_the_engine_goes_on(engine):
+    metrics = ServerMetrics(engine.metrics.registry)
+
+    async def main():
+        ae = AsyncEngine(engine, max_in_flight=8, metrics=metrics)
+        ae.start()
+        try:
+            want = await _last(ae.generate("ref", [5, 6, 7], GREEDY))
+            _fail_next_step(engine)
+            runs = [_last(ae.generate(f"x{i}", [5, 6, 7], GREEDY)) for i in range(3)]
+            results = await asyncio.gather(*runs, return_exceptions=True)
+            assert all(isinstance(r, EngineError) for r in results), results
+            assert ae.is_alive
+            again = await _last(ae.generate("again", [5, 6, 7], GREEDY))
+            assert again.output_token_ids == want.output_token_ids
+            with pytest.raises(ValueError, match="empty"):
+                await anext(ae.generate("empty", [], GREEDY))
+        finally:
+            ae.shutdown()
+        assert not ae.is_alive
+        with pytest.raises(EngineError, match="not running"):
+            await anext(ae.generate("late", [1], GREEDY))
+
+    asyncio.run(main())
+    assert metrics.step_errors._value.get() == 1
+    assert not engine.has_unfinished_requests()
+
+
+def test_shutdown_fails_requests_in_flight(engine):
+    async def main():
+        ae = AsyncEngine(engine, max_in_flight=8)
+        ae.start()
+        outputs = ae.generate("a", [5, 6, 7], LONG)
+        await anext(outputs)
+        await asyncio.to_thread(ae.shutdown)
+        with pytest.raises(EngineError, match="stopped"):
+            await _last(outputs)
+
+    asyncio.run(main())
+
+
+def test_http_engine_failure_is_a_500_and_the_server_keeps_serving(engine):
+    import uvicorn
+
+    api = APIServer(engine, ServerConfig(engine=engine.config, max_pending=0))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(api.app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        body = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        want = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+
+        _fail_next_step(engine)
+        r = httpx.post(f"{url}/v1/completions", json=body)
+        assert r.status_code == 500
+        assert r.json()["error"] == {"message": "the engine failed while running this request",
+                                     "type": "InternalServerError", "param": None, "code": 500}
+        assert httpx.get(f"{url}/health").status_code == 200
+
+        # a bug outside the engine is a 500 with an OpenAI-style body too
+        encode = engine.tokenizer.encode
+        engine.tokenizer.encode = lambda *a, **k: 1 / 0
+        r = httpx.post(f"{url}/v1/completions", json=body | {"prompt": "hi"})
+        engine.tokenizer.encode = encode
+        assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"]
+
+        # max_num_seqs=1 and max_pending=0: a second request while one streams is refused
+        real_step = engine.step
+        engine.step = lambda: time.sleep(0.005) or real_step()  # the stream outlasts the test
+        with httpx.stream("POST", f"{url}/v1/completions",
+                          json=body | {"max_tokens": 1000, "stream": True}) as stream:
+            lines = stream.iter_lines()  # held: dropping it would close the stream
+            assert next(lines).startswith("data: ")
+            busy = httpx.post(f"{url}/v1/completions", json=body)
+            assert busy.status_code == 503
+            assert "capacity" in busy.json()["error"]["message"]
+        while "api_generations_in_flight 0.0" not in httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline + 30, "the closed stream was not aborted"
+            time.sleep(0.05)
+        engine.step = real_step
+        r = httpx.post(f"{url}/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        text = httpx.get(f"{url}/metrics").text
+        assert "api_engine_step_errors_total 1.0" in text
+        assert "api_generations_rejected_total 1.0" in text
+    finally:
+        server.should_exit = True
+        thread.join(30)

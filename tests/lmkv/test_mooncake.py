@@ -1,0 +1,49 @@
+"""The Mooncake Store tier against a real master and storage process on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from lmkv.backends.base import BackendError
+
+pytestmark = pytest.mark.skipif(shutil.which("mooncake_master") is None,
+                                reason="mooncake-transfer-engine-non-cuda is not installed")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    from ..mooncake_store import MooncakeStore
+
+    s = MooncakeStore(tmp_path_factory.mktemp("mooncake")).start()
+    yield s
+    s.kill()
+
+
+def test_put_get_zero_copy_and_plain(store):
+    from lmkv.backends.mooncake import MooncakeBackend
+
+    backend = MooncakeBackend(store.url)
+    pool = torch.zeros(4, 1 << 20, dtype=torch.uint8)
+    region = memoryview(pool.numpy()).cast("B")
+    backend.register_memory(region)
+    pool[0] = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
+    backend.put([("zc", memoryview(pool[0].numpy())), ("plain", b"hello" * 100)])
+    assert backend.contains(["zc", "plain", "none"]) == [True, True, False]
+    n = backend.get_into("zc", memoryview(pool[1].numpy()))
+    assert n == 1 << 20 and torch.equal(pool[0], pool[1])
+    assert backend.get(["plain", "none"]) == [b"hello" * 100, None]
+    backend.put([("plain", b"new")])  # overwrites
+    assert backend.get(["plain"]) == [b"new"]
+    backend.close()
+
+
+def test_dead_master_fails_fast():
+    from lmkv.backends.mooncake import MooncakeBackend
+
+    with pytest.raises(BackendError, match="unreachable"):
+        MooncakeBackend("mooncakestore://127.0.0.1:1/", timeout=0.5)
