@@ -1,6 +1,7 @@
 """KV codecs side by side, in one run: size, agreement, speed, TTFT from disk.
 
-On a model directory (--model; default: the bundled demo model) and long prompts:
+On a model directory (--model; default: the engine's shipped trained model when present,
+else the random-weight demo model) and long prompts (--text FILE for real text):
 - cachegen bytes vs fp16 bytes of the same KV (target >= 4x) at greedy-token agreement
   >= 99% over 64 generated tokens, with the stored KV replaced by its decoded copy;
 - vs per-token int8 (one fp16 scale per token, layer, K/V; target: >= 2x smaller at equal or
@@ -94,9 +95,22 @@ def best(fn: Callable[[], object], repeats: int = 5) -> float:
     return min(times)
 
 
+def default_model() -> str | None:
+    """The engine's shipped trained model if this checkout has it, else None (the demo)."""
+    try:
+        from lmkv_engines.minimal.trained_model import trained_model_dir
+    except ImportError:
+        return None
+    try:
+        return str(trained_model_dir())
+    except FileNotFoundError:
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="HF model directory (default: the bundled demo model)")
+    ap.add_argument("--model", help="HF model directory (default: the shipped trained model if "
+                    "present, else the demo model)")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=256)
@@ -107,6 +121,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="TTFT measurements per codec")
     ap.add_argument("--text", help="text file for prompts (default: random tokens)")
     args = ap.parse_args()
+    args.model = args.model or default_model()
     torch.manual_seed(0)
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from .backends.base import BackendError
+from .backends.base import BackendError, StorageBackend
 from .blend.plan import BlendPlan, CachedSegment
 from .blend.segments import split_segments
 from .codec.calibration import CacheGenTable
@@ -153,7 +153,8 @@ class LMKVEngine:
         self.storage.close()
 
 
-def _tier(name: str, backend, codec: str, table: CacheGenTable | None) -> Tier:
+def _tier(name: str, backend: StorageBackend, codec: str, table: CacheGenTable | None) -> Tier:
+    """A tier whose cachegen codec falls back to zstd when there is no calibration table."""
     if codec == "cachegen" and table is None:
         codec = "zstd"
     return Tier(name, backend, codec, table=table if codec == "cachegen" else None)

@@ -15,6 +15,7 @@ from lmkv.codec.calibration import CalibrationSettings
 from lmkv.config import load_config
 from lmkv_engines.minimal.llm import LLM
 
+from ..redis_server import RedisServer
 from .lmkv_workload import CHUNK, GREEDY, lmkv_llm, metric, prompts
 
 
@@ -54,6 +55,28 @@ def test_disk_tier_with_cachegen_gives_same_tokens(tiny_model_dir, reference, tm
         assert metric(llm, "lmkv_tier_hits_total", tier="disk") == sum(
             _full_chunks(p) // CHUNK for p in prompts())
         assert metric(llm, "lmkv_errors_total", tier="disk", kind="corrupt") == 0
+
+
+def test_remote_serde_cachegen_through_redis(tiny_model_dir, reference, tmp_path):
+    import redis
+
+    _table(tiny_model_dir, tmp_path / "fine.safetensors", error=5e-4)
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        opts = dict(remote_url=server.url, remote_serde="cachegen", enable_prefetch=False,
+                    cachegen_calibration=str(tmp_path / "fine.safetensors"))
+        with lmkv_llm(tiny_model_dir, **opts) as llm:
+            assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+        client = redis.Redis(port=server.port)
+        sizes = [client.strlen(k) for k in client.keys("*")]
+        chunks = sum(_full_chunks(p) // CHUNK for p in prompts())
+        assert len(sizes) == chunks and max(sizes) < (2 * 2 * CHUNK * 64 * 4) / 2
+        with lmkv_llm(tiny_model_dir, **opts) as llm:  # a fresh hot cache: all from redis
+            outs = llm.generate(prompts(), GREEDY)
+            assert [o.output_token_ids for o in outs] == reference
+            assert metric(llm, "lmkv_tier_hits_total", tier="remote") == chunks
+    finally:
+        server.kill()
 
 
 def test_missing_calibration_falls_back_to_zstd(tiny_model_dir, reference, tmp_path):
