@@ -3,8 +3,10 @@
 Runs calibration prompts through the bundled engine with lmkv on, takes the chunks lmkv
 stored (exactly the KV the codec will see), measures them (calibration.calibrate) and
 writes the table where lmkv looks for it: ``cachegen_calibration`` if set, else the
-default path of the model's key scope (calibration.default_path). Calibrate again after
-changing the model, chunk_size, dtype, tensor-parallel split or cache_salt.
+default path of the model's key scope (calibration.default_path). It reads the lmkv
+configuration as the engine does (LMKV_CONFIG_FILE, LMKV_* variables), so run it with the
+engine's: chunk_size and cache_salt are part of the scope. Calibrate again after changing
+the model, chunk_size, dtype, tensor-parallel split or cache_salt.
 """
 
 from __future__ import annotations

@@ -79,6 +79,20 @@ def test_remote_serde_cachegen_through_redis(tiny_model_dir, reference, tmp_path
         server.kill()
 
 
+def test_calibrate_cli_writes_where_the_engine_looks(tiny_model_dir, monkeypatch, tmp_path, capsys):
+    from lmkv.codec.calibrate import main
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the default table path is under ~
+    monkeypatch.setenv("LMKV_CHUNK_SIZE", str(CHUNK))
+    monkeypatch.setenv("LMKV_MAX_LOCAL_CPU_SIZE", "0.05")
+    main(["--model", str(tiny_model_dir), "--prompts", "2", "--length", "128", "--error", "0.01"])
+    path = next((tmp_path / "home" / ".cache" / "lmkv" / "calibration").glob("*.safetensors"))
+    assert path.name in capsys.readouterr().out
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", local_disk_codec="cachegen") as llm:
+        tier = llm.engine.kv_connector.engine.storage.tiers[0]
+        assert tier.codec == "cachegen" and tier.table.target[0, 0].item() == pytest.approx(0.01)
+
+
 def test_missing_calibration_falls_back_to_zstd(tiny_model_dir, reference, tmp_path):
     opts = dict(local_disk_codec="cachegen", cachegen_calibration=str(tmp_path / "none.safetensors"))
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
