@@ -1,10 +1,8 @@
 """Wrappers of cachegen.cu: the quantize / dequantize steps of the cachegen codec on the GPU.
 Torch twins with the same signatures (less the launcher): lmkv.codec.cachegen.quantize and
-lmkv.codec.cachegen.dequantize. Shapes: kv / out [2, L, T, H, D] float, symbols int16 of the
-same shape, step / mean [2, L, H, D] fp32, delta [2, L] bool; all contiguous, one device.
-
-Registration (lmkv_cuda.INSTANTIATIONS):
-    "cachegen.cu": [f"cachegen_{op}<{t}>" for op in ("quantize", "dequantize") for t in _DTYPES]
+lmkv.codec.cachegen.dequantize; lmkv.ops.cachegen_quantize / cachegen_dequantize dispatch.
+Shapes: kv / out [2, L, T, H, D] float, symbols int16 of the same shape, step / mean
+[2, L, H, D] fp32, delta [2, L] bool; all contiguous, one device.
 """
 
 from __future__ import annotations

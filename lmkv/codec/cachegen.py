@@ -14,7 +14,9 @@ Payload (inside the 64-byte frame, which names codec "cachegen" and checks the b
   then per stream: width u8 (1 = int8, 2 = int16), length u32; then the stream bytes.
 
 ``quantize`` / ``dequantize`` are the torch twins of the CUDA kernels in
-cuda/cachegen.cu (same signatures; the wrappers are in cuda/cachegen.py).
+cuda/cachegen.cu (same signatures; the wrappers are in cuda/cachegen.py; lmkv.ops picks one
+by device). Chunks leave the hot cache from CPU memory, so the torch twins are what runs
+today; ``encode`` takes a CUDA chunk too (quantized on the GPU, entropy-coded on the CPU).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import struct
 import numpy as np
 import torch
 
+from .. import ops
 from . import rans
 from .calibration import CacheGenTable
 
@@ -75,7 +78,9 @@ def encode(kv: torch.Tensor, table: CacheGenTable, coder: str = "zstd") -> bytes
     import zstandard
 
     table.check_layout(tuple(kv.shape))
-    symbols = quantize(kv, table.step, table.mean, table.delta, table.group_size)
+    dev = kv.device  # a CUDA chunk is quantized by the kernel (lmkv.ops), then coded here
+    symbols = ops.cachegen_quantize(kv, table.step.to(dev), table.mean.to(dev),
+                                    table.delta.to(dev), table.group_size).cpu()
     streams = symbols.reshape(2 * kv.shape[1], -1)  # [2 * L, T * H * D]
     lo, hi = streams.aminmax(dim=1)
     small = (lo >= -127) & (hi <= 127)
