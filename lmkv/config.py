@@ -32,7 +32,11 @@ class LMKVConfig:
     local_disk: str | None = None  # directory (or file:// URL) of the disk tier; None = off
     max_local_disk_size: float = 0.0  # GB cap of the disk tier (required when local_disk is set)
     remote_url: str | None = None  # lm://, redis://, ... (issue: cross-instance sharing)
-    remote_serde: str = "naive"  # naive (raw frames) | zstd
+    remote_serde: str = "naive"  # naive (raw frames) | zstd | cachegen (lossy, calibrated)
+    local_disk_codec: str = "raw"  # raw | zstd | cachegen: how chunks are written to disk
+    cachegen_calibration: str | None = None  # table file; None = ~/.cache/lmkv/calibration/<scope>
+    codec_check_every: int = 0  # quality gate: check 1 in N requests served lossy KV; 0 = off
+    codec_min_agreement: float = 0.99  # below this token agreement, lossy tiers turn lossless
     remote_timeout: float = 2.0  # seconds for any one remote call
     save_decode_cache: bool = False  # also store chunks completed by generated tokens
     kv_role: str = "both"  # both | producer (save only, flushed per request) | consumer (load only)
@@ -72,8 +76,10 @@ class LMKVConfig:
                 check_url(self.remote_url)
             except ValueError as e:
                 raise ConfigError(f"lmkv config key remote_url: {e}") from None
-        _require(self.remote_serde != "cachegen", "remote_serde",
-                 "cachegen is not supported by this build yet (use naive or zstd)")
+        _require(self.local_disk_codec in ("raw", "zstd", "cachegen"), "local_disk_codec",
+                 "must be one of raw, zstd, cachegen")
+        _require(self.codec_check_every >= 0, "codec_check_every", "must be >= 0 (0 = off)")
+        _require(0 <= self.codec_min_agreement <= 1, "codec_min_agreement", "must be in [0, 1]")
         _require(self.remote_timeout > 0, "remote_timeout", "must be > 0 (seconds)")
         _require(self.blend_check_layer >= 0, "blend_check_layer", "must be >= 0")
         _require(bool(self.blend_special_str), "blend_special_str", "must not be empty")
@@ -81,6 +87,11 @@ class LMKVConfig:
     @property
     def hot_cache_bytes(self) -> int:
         return int(self.max_local_cpu_size * 1e9)
+
+    @property
+    def uses_cachegen(self) -> bool:
+        return self.local_disk_codec == "cachegen" or (
+            self.remote_url is not None and self.remote_serde == "cachegen")
 
     @property
     def disk_bytes(self) -> int:

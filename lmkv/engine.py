@@ -6,9 +6,11 @@ import logging
 
 import torch
 
-from .backends.base import BackendError
+from .backends.base import BackendError, StorageBackend
 from .blend.plan import BlendPlan, CachedSegment
 from .blend.segments import split_segments
+from .codec.calibration import CacheGenTable
+from .codec.gate import QualityGate
 from .config import LMKVConfig
 from .keys import KeyScope, content_hashes, prefix_hashes
 from .layout import KVLayout
@@ -31,6 +33,10 @@ class LMKVEngine:
         self.pool = MemoryPool(layout, config.hot_cache_bytes)
         self.storage = StorageManager(self.pool, self._build_tiers(), self.metrics,
                                       config.io_queue_size)
+        self.gate: QualityGate | None = None
+        if config.codec_check_every and any(t.lossy for t in self.storage.tiers):
+            self.gate = QualityGate(config.codec_check_every, config.codec_min_agreement,
+                                    self.metrics, self.storage.make_lossless)
         log.info(
             "lmkv ready: chunk %d tokens (%.1f MB), hot cache %d chunks, tiers: %s",
             layout.chunk_size, layout.chunk_bytes / 1e6, self.pool.num_slots,
@@ -39,20 +45,39 @@ class LMKVEngine:
 
     def _build_tiers(self) -> list[Tier]:
         tiers = []
+        table = self._calibration() if self.config.uses_cachegen else None
         if self.config.local_disk:
             from .backends.disk import DiskBackend
 
             try:
-                tiers.append(Tier("disk", DiskBackend(self.config.local_disk, self.config.disk_bytes)))
+                backend = DiskBackend(self.config.local_disk, self.config.disk_bytes)
             except BackendError as e:
                 raise ValueError(f"lmkv config key local_disk: {e}") from e
+            tiers.append(_tier("disk", backend, self.config.local_disk_codec, table))
         if self.config.remote_url:
             from .backends.registry import create_backend
 
             codec = "raw" if self.config.remote_serde == "naive" else self.config.remote_serde
             backend = create_backend(self.config.remote_url, self.config.remote_timeout)
-            tiers.append(Tier("remote", backend, codec))
+            tiers.append(_tier("remote", backend, codec, table))
         return tiers
+
+    def _calibration(self) -> CacheGenTable | None:
+        """The cachegen table of this scope, or None (then cachegen tiers use zstd)."""
+        from .codec.calibration import default_path
+
+        path = self.config.cachegen_calibration or default_path(self.scope.prefix)
+        try:
+            table = CacheGenTable.load(path)
+            table.check_layout(self.layout.chunk_shape)
+        except FileNotFoundError:
+            log.warning("lmkv: no cachegen calibration at %s; storing lossless (zstd) instead. "
+                        "Calibrate with: python -m lmkv.codec.calibrate --model DIR", path)
+            return None
+        except ValueError as e:
+            raise ValueError(f"lmkv config key cachegen_calibration: {path}: {e}") from e
+        log.info("lmkv: cachegen calibration %016x from %s", table.table_id, path)
+        return table
 
     @property
     def chunk_size(self) -> int:
@@ -126,3 +151,10 @@ class LMKVEngine:
 
     def close(self) -> None:
         self.storage.close()
+
+
+def _tier(name: str, backend: StorageBackend, codec: str, table: CacheGenTable | None) -> Tier:
+    """A tier whose cachegen codec falls back to zstd when there is no calibration table."""
+    if codec == "cachegen" and table is None:
+        codec = "zstd"
+    return Tier(name, backend, codec, table=table if codec == "cachegen" else None)

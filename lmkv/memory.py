@@ -38,6 +38,15 @@ class ChunkBuffer:
         lay = self.pool.layout
         return self.frame[HEADER_BYTES:].view(lay.dtype).view(lay.chunk_shape)
 
+    @property
+    def lossy(self) -> bool:
+        """The chunk was decoded from a lossy codec (approximate KV)."""
+        return self.pool._lossy[self.index]
+
+    @lossy.setter
+    def lossy(self, value: bool) -> None:
+        self.pool._lossy[self.index] = value
+
     def retain(self) -> ChunkBuffer:
         self.pool._retain(self)
         return self
@@ -62,6 +71,7 @@ class MemoryPool:
                                    pin_memory=pin)
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._refs = [0] * self.num_slots
+        self._lossy = [False] * self.num_slots
         self._lock = threading.Lock()
 
     @property
@@ -75,6 +85,7 @@ class MemoryPool:
                 return None
             index = self._free.pop()
             self._refs[index] = 1
+            self._lossy[index] = False
         return ChunkBuffer(self, index)
 
     def _retain(self, buf: ChunkBuffer) -> None:

@@ -42,6 +42,21 @@ class LMKVMetrics:
         self.blend_recomputed_tokens = Counter(
             "lmkv_blend_recomputed_tokens", "Cached tokens recomputed by blending (selected)",
             registry=r)
+        self.codec_checks = Counter("lmkv_codec_checks",
+                                    "Requests served lossy KV that the quality gate re-ran",
+                                    registry=r)
+        self.codec_checked_tokens = Counter("lmkv_codec_checked_tokens",
+                                            "Generated tokens compared by the quality gate",
+                                            registry=r)
+        self.codec_agreed_tokens = Counter("lmkv_codec_agreed_tokens",
+                                           "Compared tokens equal with and without lossy KV",
+                                           registry=r)
+        self.codec_agreement = Gauge("lmkv_codec_agreement",
+                                     "agreed / checked tokens of the quality gate since start",
+                                     registry=r)
+        self.codec_fallbacks = Counter("lmkv_codec_fallbacks",
+                                       "Times the quality gate turned lossy tiers lossless",
+                                       registry=r)
         self.hot_chunks = Gauge("lmkv_hot_cache_chunks", "Chunks in the hot cache", registry=r)
 
     def record_blend(self, tokens: int, hits: int) -> None:

@@ -178,3 +178,34 @@ def reshape_and_cache(
     from lmkv_engines.minimal import attention as reference
 
     reference.reshape_and_cache(key, value, kv_layer, slot_mapping)
+
+
+# ---- cachegen quantize / dequantize (lmkv.codec.cachegen; kv [2, L, T, Hkv, D])
+
+
+def cachegen_quantize(
+    kv: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, delta: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """int16 symbols of kv: clamp(round((x - mean) / step)), minus the group anchor's in the
+    (K/V, layer) streams ``delta`` marks."""
+    if (launcher := kernel_launcher(kv, step, mean, delta)) is not None:
+        from lmkv_cuda import cachegen
+
+        return cachegen.quantize(launcher, kv, step, mean, delta, group_size)
+    from lmkv.codec import cachegen as twin
+
+    return twin.quantize(kv, step, mean, delta, group_size)
+
+
+def cachegen_dequantize(
+    symbols: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, delta: torch.Tensor,
+    group_size: int, out: torch.Tensor,
+) -> None:  # fmt: skip
+    """out = (symbols + anchor) * step + mean; symbols int16 (int8 too on the torch path)."""
+    if (launcher := kernel_launcher(symbols, step, mean, delta, out)) is not None:
+        from lmkv_cuda import cachegen
+
+        return cachegen.dequantize(launcher, symbols, step, mean, delta, group_size, out)
+    from lmkv.codec import cachegen as twin
+
+    twin.dequantize(symbols, step, mean, delta, group_size, out)

@@ -33,7 +33,7 @@ class KVConnector:
     def execute(self, runner: ModelRunner, sched: SchedulerOutput) -> dict[str, int]:
         """One step with lmkv: load what was matched, run the model, save new chunks."""
         meta = self.scheduler.build_connector_meta(
-            (s.request, s.num_new_tokens) for s in sched.scheduled
+            (s.request, s.num_new_tokens) for s in sched.scheduled if s.request.use_cache
         )
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv()

@@ -53,6 +53,8 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
+        while self.engine.has_unfinished_requests():  # lmkv quality-gate re-runs (no output)
+            self.engine.step()
         return [done[r] for r in order]
 
     def precompute(self, documents, batch_size: int = 8, progress: bool = True):

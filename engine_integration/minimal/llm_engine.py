@@ -98,6 +98,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
         self.requests: dict[str, Request] = {}
+        self._codec_checks: dict[str, list[int]] = {}  # quality-gate re-run id -> served tokens
         log.info(
             "engine ready: model %s (%d layers, %d/%d heads, head_dim %d, %s), KV memory %d "
             "blocks x %d tokens, max_model_len %d",
@@ -208,12 +209,36 @@ class LLMEngine:
             req.output_token_ids.append(token)
             self.metrics.generation_tokens.inc()
             reason = self._check_stop(req, token)
+            check = req.request_id in self._codec_checks
             if reason is not None:
+                self._codec_check(req)
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
                 self.metrics.requests_finished.labels(reason.value).inc()
-            outputs.append(self._output(req))
+            if not check:
+                outputs.append(self._output(req))
         return outputs
+
+    def _codec_check(self, req: Request) -> None:
+        """lmkv's quality gate (codec_check_every): re-run a sample of the greedy requests that
+        were served lossy KV, without any cached KV, and report both token lists. The re-run
+        is internal: it produces no output."""
+        gate = self.kv_connector.engine.gate if self.kv_connector is not None else None
+        if gate is None:
+            return
+        if req.request_id in self._codec_checks:
+            gate.record(req.output_token_ids, self._codec_checks.pop(req.request_id))
+            return
+        if not (req.params.greedy and self.kv_connector.scheduler.served_lossy(req)
+                and gate.sample()):
+            return
+        params = SamplingParams(max_tokens=len(req.output_token_ids), temperature=0,
+                                ignore_eos=True)
+        rerun = Request(f"{req.request_id}#codec-check", list(req.prompt_token_ids), params,
+                        arrival=time.monotonic(), cacheable=False, use_cache=False)
+        self._codec_checks[rerun.request_id] = list(req.output_token_ids)
+        self.requests[rerun.request_id] = rerun
+        self.scheduler.add(rerun)
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         p = req.params

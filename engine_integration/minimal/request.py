@@ -45,6 +45,8 @@ class Request:
     output_text: str = ""
     # False: never register this request's blocks in the prefix cache (blended KV is approximate)
     cacheable: bool = True
+    # False: use no cached KV (engine prefix cache, lmkv) and save none (quality-gate re-runs)
+    use_cache: bool = True
     blend: Any = None  # lmkv.blend.plan.BlendPlan while a blended prefill is pending
     num_blend_recomputed: int = 0  # tokens with stored KV that blending recomputed
     capture_kv: bool = False  # keep the prompt's KV when its prefill completes (precompute)

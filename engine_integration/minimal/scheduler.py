@@ -89,17 +89,19 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             blend = None
-            if self.connector is not None and not req.output_token_ids:
-                blend = self.connector.get_blend_plan(req)
+            connector = self.connector if req.use_cache else None
+            if connector is not None and not req.output_token_ids:
+                blend = connector.get_blend_plan(req)
             if blend is not None:
                 # a blended prefill runs the whole prompt in one step, whatever the budget
                 req.cacheable = False
                 computed, external, num_new = ComputedBlocks([], 0), 0, req.num_tokens
             else:
-                computed = self.blocks.get_computed_blocks(req)
+                computed = (self.blocks.get_computed_blocks(req) if req.use_cache
+                            else ComputedBlocks([], 0))
                 external = 0  # tokens after the local hit that lmkv loads
-                if self.connector is not None:
-                    external, _ = self.connector.get_num_new_matched_tokens(req, computed.num_tokens)
+                if connector is not None:
+                    external, _ = connector.get_num_new_matched_tokens(req, computed.num_tokens)
                 num_new = req.num_tokens - computed.num_tokens - external
                 if num_new > budget and not chunked:
                     break

@@ -4,6 +4,9 @@ Header (little-endian): magic "LMKV", version, codec id, dtype code, ndim, shape
 payload length u64, xxh3-64 checksum of the payload, xxh3-64 of the chunk's key (so a
 payload filed under the wrong key is caught), padding. Decoding checks every field
 against what the reader expects before it touches the payload; nothing is unpickled.
+
+Codecs: raw (the chunk's bytes), zstd (lossless), cachegen (lossy, cachegen.py: needs the
+model's calibration table; its payload names the table it was made with).
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import torch
 import xxhash
 
 from ..memory import HEADER_BYTES, ChunkBuffer
+from .calibration import CacheGenTable
 
 MAGIC = b"LMKV"
 VERSION = 1
 _HEADER = struct.Struct("<4sBBBB5IQQQ")
+CODEC_BYTE = 5  # offset of the codec id in the header
 assert _HEADER.size <= HEADER_BYTES
 
-CODECS = {"raw": 0, "zstd": 1}
+CODECS = {"raw": 0, "zstd": 1, "cachegen": 2}
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
@@ -28,9 +33,11 @@ class FrameError(ValueError):
     """A stored payload is corrupt, truncated, or not what the reader expects."""
 
 
-def encode(buf: ChunkBuffer, key: str, codec: str = "raw") -> memoryview:
+def encode(buf: ChunkBuffer, key: str, codec: str = "raw",
+           table: CacheGenTable | None = None) -> memoryview:
     """The frame of ``buf``'s chunk. For 'raw' it is written in place, in the slot's header
-    area, and the returned view aliases the slot (valid while the caller holds a reference)."""
+    area, and the returned view aliases the slot (valid while the caller holds a reference).
+    'cachegen' needs the model's calibration ``table``."""
     kv = buf.kv
     raw = memoryview(buf.frame.numpy())[HEADER_BYTES:]
     if codec == "raw":
@@ -39,6 +46,12 @@ def encode(buf: ChunkBuffer, key: str, codec: str = "raw") -> memoryview:
         import zstandard
 
         payload = memoryview(zstandard.ZstdCompressor(level=1).compress(raw))
+    elif codec == "cachegen":
+        from . import cachegen
+
+        if table is None:
+            raise ValueError("codec cachegen needs a calibration table")
+        payload = memoryview(cachegen.encode(kv, table))
     else:
         raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
     shape = list(kv.shape) + [0] * (5 - kv.dim())
@@ -53,9 +66,11 @@ def encode(buf: ChunkBuffer, key: str, codec: str = "raw") -> memoryview:
     return memoryview(header + payload)
 
 
-def decode_into(data: bytes | memoryview, buf: ChunkBuffer, key: str) -> None:
+def decode_into(data: bytes | memoryview, buf: ChunkBuffer, key: str,
+                table: CacheGenTable | None = None) -> None:
     """Verify the frame ``data`` and place its chunk in ``buf``. ``data`` may already be
-    ``buf``'s own slot (a read straight into the slot); then nothing is copied."""
+    ``buf``'s own slot (a read straight into the slot); then nothing is copied. A cachegen
+    frame needs the ``table`` it was made with."""
     view = memoryview(data)
     if len(view) < HEADER_BYTES:
         raise FrameError(f"truncated frame: {len(view)} bytes, header needs {HEADER_BYTES}")
@@ -82,6 +97,15 @@ def decode_into(data: bytes | memoryview, buf: ChunkBuffer, key: str) -> None:
             raise FrameError(f"raw payload of {len(payload)} bytes, chunk needs {len(out)}")
         if not _same_memory(payload, out):
             out[:] = payload
+    elif codec == CODECS["cachegen"]:
+        from . import cachegen
+
+        if table is None:
+            raise FrameError("a cachegen frame, and no calibration table to decode it")
+        try:
+            cachegen.decode_into(payload, kv, table)
+        except ValueError as e:
+            raise FrameError(f"cachegen payload: {e}") from e
     else:
         import zstandard
 

@@ -31,6 +31,7 @@ class _RequestState:
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being stored
     plan: BlendPlan | None = None  # found by get_blend_plan, until the engine takes it
     blended: bool = False  # its KV is approximate: never saved as prefix chunks
+    lossy: bool = False  # some loaded chunk was decoded from a lossy codec
 
 
 class SchedulerConnector:
@@ -70,6 +71,7 @@ class SchedulerConnector:
         hit = len(chunks) * self.engine.chunk_size
         self.engine.metrics.record_lookup(len(request.prompt_token_ids), hit)
         st.saved_chunks = max(st.saved_chunks, len(chunks))
+        st.lossy = st.lossy or any(b.lossy for b in chunks[num_computed_tokens // self.engine.chunk_size:])
         first = num_computed_tokens // self.engine.chunk_size  # chunks below are all local
         for buf in chunks[:first]:
             buf.release()
@@ -133,6 +135,12 @@ class SchedulerConnector:
                 ))
                 st.saved_chunks = full
         return meta
+
+    def served_lossy(self, request: Any) -> bool:
+        """Whether KV decoded from a lossy codec was loaded for ``request`` (ask before
+        request_finished). The quality gate re-runs a sample of such requests."""
+        st = self.states.get(request.request_id)
+        return st is not None and st.lossy
 
     def request_finished(self, request: Any) -> tuple[bool, dict | None]:
         """The request left the engine: drop its state. Its blocks may be freed at once."""

@@ -62,6 +62,15 @@ class HotCache:
         self.num_evictions += 1
         return True
 
+    def drop_lossy(self) -> int:
+        """Remove the entries decoded from a lossy codec (readers keep their references)."""
+        with self._lock:
+            keys = [k for k, b in self.entries.items() if b.lossy]
+            dropped = [self.entries.pop(k) for k in keys]
+        for buf in dropped:
+            buf.release()
+        return len(dropped)
+
     def clear(self) -> None:
         with self._lock:
             entries, self.entries = self.entries, OrderedDict()

@@ -17,7 +17,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ..backends.base import BackendError, StorageBackend
-from ..codec import FrameError, decode_into, encode
+from ..codec import CODECS, FrameError, decode_into, encode
+from ..codec.calibration import CacheGenTable
+from ..codec.frame import CODEC_BYTE
 from ..memory import ChunkBuffer, MemoryPool
 from ..metrics import LMKVMetrics
 from .breaker import CircuitBreaker
@@ -33,6 +35,11 @@ class Tier:
     backend: StorageBackend
     codec: str = "raw"
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    table: CacheGenTable | None = None  # the model's calibration, for cachegen frames
+
+    @property
+    def lossy(self) -> bool:
+        return self.codec == "cachegen"
 
 
 class StorageManager:
@@ -74,7 +81,10 @@ class StorageManager:
             self.metrics.dropped.labels(f"save_{tier.name}").inc()
             return
         try:
-            frame = encode(buf, key, tier.codec)
+            codec, table = tier.codec, tier.table
+            if codec == "cachegen" and table is None:  # make_lossless ran in between
+                codec = "zstd"
+            frame = encode(buf, key, codec, table)
             start = time.perf_counter()
             before = getattr(tier.backend, "num_evictions", 0)
             tier.backend.put([(key, frame)])
@@ -183,7 +193,8 @@ class StorageManager:
                     buf.release()
                     continue
                 tier.breaker.success()
-                decode_into(data, buf, key)
+                decode_into(data, buf, key, tier.table)
+                buf.lossy = data[CODEC_BYTE] == CODECS["cachegen"]
                 self.metrics.tier_seconds.labels(tier.name, "get").observe(time.perf_counter() - start)
                 self.metrics.tier_bytes.labels(tier.name, "get").inc(len(data))
             except BackendError as e:
@@ -212,6 +223,20 @@ class StorageManager:
         log.warning("lmkv: %s %s failed: %s; skipping %s for %.0f s (chunks are recomputed)",
                     tier.name, op, error, tier.name, pause)
         self.metrics.errors.labels(tier.name, op).inc()
+
+    def make_lossless(self) -> list[str]:
+        """The quality gate's fallback: lossy tiers write zstd from now on and stop serving
+        what they stored lossy (such chunks are then rejected, dropped and recomputed), and
+        the hot cache drops the chunks it holds decoded from lossy frames. Returns the names
+        of the tiers changed."""
+        changed = []
+        for tier in self.tiers:
+            if tier.lossy:
+                tier.codec, tier.table = "zstd", None
+                changed.append(tier.name)
+        self.hot.drop_lossy()
+        self.metrics.hot_chunks.set(len(self.hot))
+        return changed
 
     def close(self) -> None:
         """Finish background writes, then stop the I/O worker and drop the hot cache."""

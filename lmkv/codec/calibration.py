@@ -1,0 +1,166 @@
+"""CacheGenTable: the per-model quantization table of the cachegen codec, measured on the
+model's own KV, and stored as a safetensors file (tensors + string metadata; never pickled).
+
+Calibration (``calibrate``) looks at chunks of real KV [2, L, T, Hkv, D]:
+- ``mean`` [2, L, Hkv, D]: each channel's mean, removed before quantizing (keys carry large
+  constant channel offsets);
+- ``step`` [2, L, Hkv, D]: the quantization step. A uniform step s leaves an error of rms
+  s / sqrt(12), so s = error(kv, layer) * sqrt(12) * rms of the centred KV of that layer
+  gives a relative error of about error(kv, layer). The error target grows linearly from
+  ``error`` at layer 0 to ``error * deep_ratio`` at the last layer (shallow layers get more
+  bins: their errors propagate through every later layer), times ``value_ratio`` for V;
+- ``delta`` [2, L] bool: code each token as its difference from the group's first token
+  (the anchor) where that lowers the measured entropy of the symbols (KV of neighbouring
+  tokens is similar in trained models; in random ones it is not, and the flag stays off).
+
+The table id (xxh3-64 of the file's bytes) is written into every payload; a payload made
+with another table is rejected rather than decoded wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+FORMAT = "lmkv-cachegen-table/1"
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    error: float = 0.06  # relative error target of layer 0 (keys)
+    deep_ratio: float = 2.0  # the last layer's target is error * deep_ratio
+    value_ratio: float = 1.0  # V's target relative to K's
+    group_size: int = 16  # tokens per anchor group
+
+    def __post_init__(self) -> None:
+        if not (0 < self.error < 1 and self.deep_ratio >= 1 and self.value_ratio > 0):
+            raise ValueError(f"bad calibration settings {self}")
+        if not 1 <= self.group_size <= 1024:
+            raise ValueError(f"group_size {self.group_size} outside [1, 1024]")
+
+    def targets(self, num_layers: int) -> torch.Tensor:
+        """Relative error target per [kv, layer]: [2, L] float32."""
+        ramp = torch.linspace(0, 1, num_layers) if num_layers > 1 else torch.zeros(1)
+        k = self.error * (1 + (self.deep_ratio - 1) * ramp)
+        return torch.stack([k, k * self.value_ratio]).float()
+
+
+@dataclass(frozen=True, eq=False)
+class CacheGenTable:
+    step: torch.Tensor  # [2, L, Hkv, D] float32, > 0
+    mean: torch.Tensor  # [2, L, Hkv, D] float32
+    delta: torch.Tensor  # [2, L] bool
+    target: torch.Tensor  # [2, L] float32: the relative error each layer was calibrated to
+    group_size: int
+    table_id: int  # xxh3-64 of the serialized table
+
+    @property
+    def num_layers(self) -> int:
+        return self.step.shape[1]
+
+    def check_layout(self, shape: tuple[int, ...]) -> None:
+        """Raise ValueError unless chunks of ``shape`` [2, L, T, H, D] fit this table."""
+        _, layers, _, heads, dim = shape
+        if tuple(self.step.shape) != (2, layers, heads, dim):
+            raise ValueError(f"calibration table for [2, L, H, D] = {tuple(self.step.shape)} "
+                             f"does not fit chunks {tuple(shape)}")
+
+    def to_bytes(self) -> bytes:
+        return _serialize(self.step, self.mean, self.delta, self.target, self.group_size)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(self.to_bytes())
+        tmp.replace(path)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> CacheGenTable:
+        from safetensors.torch import load
+
+        try:
+            tensors = load(data)
+            meta = json.loads(_metadata(data).get("lmkv", "{}"))
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(f"not a cachegen calibration table: {e}") from e
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"calibration table format {meta.get('format')!r}, expected {FORMAT}")
+        step, mean = tensors["step"].float(), tensors["mean"].float()
+        delta, target = tensors["delta"].bool(), tensors["target"].float()
+        if (step.dim() != 4 or step.shape[0] != 2 or mean.shape != step.shape
+                or delta.shape != step.shape[:2] or target.shape != step.shape[:2]
+                or not bool((step > 0).all()) or not bool(torch.isfinite(mean).all())):
+            raise ValueError("calibration table has inconsistent tensors")
+        return cls(step, mean, delta, target, int(meta["group_size"]),
+                   xxhash.xxh3_64_intdigest(data))
+
+    @classmethod
+    def load(cls, path: str | Path) -> CacheGenTable:
+        return cls.from_bytes(Path(path).read_bytes())
+
+
+def default_path(scope_prefix: str) -> Path:
+    """Where the table of a key scope (``KeyScope.prefix``: model, layout, rank, namespace)
+    lives unless ``cachegen_calibration`` names a file: one file per scope, so a table is
+    only ever used for the KV it was measured on."""
+    name = scope_prefix.replace("@", "_").replace("/", "_")
+    return Path.home() / ".cache" / "lmkv" / "calibration" / f"{name}.safetensors"
+
+
+def _serialize(step, mean, delta, target, group_size: int) -> bytes:
+    from safetensors.torch import save
+
+    meta = {"lmkv": json.dumps({"format": FORMAT, "group_size": group_size})}
+    return save({"step": step.float().contiguous(), "mean": mean.float().contiguous(),
+                 "delta": delta.to(torch.uint8).contiguous(),
+                 "target": target.float().contiguous()}, metadata=meta)
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + n]).get("__metadata__", {})
+
+
+def build_table(step, mean, delta, target, group_size: int) -> CacheGenTable:
+    data = _serialize(step, mean, delta, target, group_size)
+    return CacheGenTable.from_bytes(data)
+
+
+def calibrate(chunks: Iterable[torch.Tensor], settings: CalibrationSettings | None = None
+              ) -> CacheGenTable:
+    """The table for the model whose KV chunks [2, L, T, Hkv, D] are given (a few dozen
+    chunks of ordinary prompts are enough)."""
+    settings = settings or CalibrationSettings()
+    data = torch.cat([c.float() for c in chunks], dim=2)  # [2, L, N, H, D]
+    if data.shape[2] == 0:
+        raise ValueError("calibration needs at least one chunk")
+    mean = data.mean(dim=2)  # [2, L, H, D]
+    centred = data - mean[:, :, None]
+    rms = centred.square().mean(dim=(2, 3, 4)).sqrt().clamp_min(1e-12)  # [2, L]
+    target = settings.targets(data.shape[1])
+    step = (target * math.sqrt(12) * rms)[:, :, None, None].expand_as(mean).contiguous()
+    q = torch.round(centred / step[:, :, None]).clamp(-16383, 16383)
+    g = settings.group_size
+    anchors = q[:, :, (torch.arange(q.shape[2]) // g) * g]
+    delta = torch.zeros(q.shape[:2], dtype=torch.bool)
+    for kv in range(2):
+        for layer in range(q.shape[1]):
+            plain = _entropy(q[kv, layer])
+            diff = _entropy(q[kv, layer] - anchors[kv, layer])
+            delta[kv, layer] = diff < plain
+    return build_table(step, mean, delta, target, g)
+
+
+def _entropy(symbols: torch.Tensor) -> float:
+    """Empirical entropy in bits per symbol."""
+    _, counts = np.unique(symbols.numpy().astype(np.int32), return_counts=True)
+    p = counts / counts.sum()
+    return float(-(p * np.log2(p)).sum())

@@ -1,0 +1,125 @@
+"""The disk tier with the cachegen codec, end to end through the bundled engine: calibration
+via the engine, tokens from compressed KV, and the quality gate's fallback to lossless.
+
+The test model has random weights and is chaotic: 1% relative noise on its KV already flips
+most greedy continuations (a trained model is far less sensitive; see docs/codec.md). So the
+"same tokens" test calibrates to a 0.05% error, and the gate test uses the default setting,
+where the gate must see the disagreement and turn the tier lossless."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmkv.codec.calibrate import calibrate_model
+from lmkv.codec.calibration import CalibrationSettings
+from lmkv.config import load_config
+from lmkv_engines.minimal.llm import LLM
+
+from ..redis_server import RedisServer
+from .lmkv_workload import CHUNK, GREEDY, lmkv_llm, metric, prompts
+
+
+def _full_chunks(p: list[int]) -> int:
+    return (len(p) - 1) // CHUNK * CHUNK
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), enable_prefix_caching=False, kv_cache_memory=64 << 20)
+    return [llm.generate([p], GREEDY)[0].output_token_ids for p in prompts()]
+
+
+def _table(model_dir, path, error: float):
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.05)
+    table, where = calibrate_model(str(model_dir), cfg, CalibrationSettings(error=error),
+                                   num_prompts=4, length=256, out=path,
+                                   kv_cache_memory=64 << 20)
+    assert where == path and path.is_file()
+    return table
+
+
+def test_disk_tier_with_cachegen_gives_same_tokens(tiny_model_dir, reference, tmp_path):
+    table = _table(tiny_model_dir, tmp_path / "fine.safetensors", error=5e-4)
+    opts = dict(local_disk_codec="cachegen", cachegen_calibration=str(tmp_path / "fine.safetensors"))
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
+        assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+        assert llm.engine.kv_connector.engine.storage.tiers[0].codec == "cachegen"
+        assert llm.engine.kv_connector.engine.storage.tiers[0].table.table_id == table.table_id
+    raw_bytes = sum(_full_chunks(p) // CHUNK for p in prompts()) * (2 * 2 * CHUNK * 64 * 4)
+    stored = sum(f.stat().st_size for f in (tmp_path / "disk").rglob("*") if f.is_file())
+    assert stored < raw_bytes / 2  # fp32 KV at a 0.05% error: still > 2x smaller
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", enable_prefetch=False, **opts) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference
+        assert [o.num_external_tokens for o in outs] == [_full_chunks(p) for p in prompts()]
+        assert metric(llm, "lmkv_tier_hits_total", tier="disk") == sum(
+            _full_chunks(p) // CHUNK for p in prompts())
+        assert metric(llm, "lmkv_errors_total", tier="disk", kind="corrupt") == 0
+
+
+def test_remote_serde_cachegen_through_redis(tiny_model_dir, reference, tmp_path):
+    import redis
+
+    _table(tiny_model_dir, tmp_path / "fine.safetensors", error=5e-4)
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        opts = dict(remote_url=server.url, remote_serde="cachegen", enable_prefetch=False,
+                    cachegen_calibration=str(tmp_path / "fine.safetensors"))
+        with lmkv_llm(tiny_model_dir, **opts) as llm:
+            assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+        client = redis.Redis(port=server.port)
+        sizes = [client.strlen(k) for k in client.keys("*")]
+        chunks = sum(_full_chunks(p) // CHUNK for p in prompts())
+        assert len(sizes) == chunks and max(sizes) < (2 * 2 * CHUNK * 64 * 4) / 2
+        with lmkv_llm(tiny_model_dir, **opts) as llm:  # a fresh hot cache: all from redis
+            outs = llm.generate(prompts(), GREEDY)
+            assert [o.output_token_ids for o in outs] == reference
+            assert metric(llm, "lmkv_tier_hits_total", tier="remote") == chunks
+    finally:
+        server.kill()
+
+
+def test_calibrate_cli_writes_where_the_engine_looks(tiny_model_dir, monkeypatch, tmp_path, capsys):
+    from lmkv.codec.calibrate import main
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the default table path is under ~
+    monkeypatch.setenv("LMKV_CHUNK_SIZE", str(CHUNK))
+    monkeypatch.setenv("LMKV_MAX_LOCAL_CPU_SIZE", "0.05")
+    main(["--model", str(tiny_model_dir), "--prompts", "2", "--length", "128", "--error", "0.01"])
+    path = next((tmp_path / "home" / ".cache" / "lmkv" / "calibration").glob("*.safetensors"))
+    assert path.name in capsys.readouterr().out
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", local_disk_codec="cachegen") as llm:
+        tier = llm.engine.kv_connector.engine.storage.tiers[0]
+        assert tier.codec == "cachegen" and tier.table.target[0, 0].item() == pytest.approx(0.01)
+
+
+def test_missing_calibration_falls_back_to_zstd(tiny_model_dir, reference, tmp_path):
+    opts = dict(local_disk_codec="cachegen", cachegen_calibration=str(tmp_path / "none.safetensors"))
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
+        assert llm.engine.kv_connector.engine.storage.tiers[0].codec == "zstd"
+        assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+
+
+def test_quality_gate_measures_agreement_and_turns_lossless(tiny_model_dir, reference, tmp_path):
+    _table(tiny_model_dir, tmp_path / "default.safetensors", error=CalibrationSettings().error)
+    opts = dict(local_disk_codec="cachegen", cachegen_calibration=str(tmp_path / "default.safetensors"),
+                codec_check_every=2, codec_min_agreement=0.99, enable_prefetch=False)
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
+        llm.generate(prompts(), GREEDY)  # fills the disk tier (and the hot cache, exact KV)
+        assert metric(llm, "lmkv_codec_checks_total") == 0  # nothing was served lossy
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
+        engine = llm.engine.kv_connector.engine
+        served = llm.generate(prompts(), GREEDY)  # every prompt is served lossy KV from disk
+        agreement = metric(llm, "lmkv_codec_agreement")
+        same = sum(o.output_token_ids == r for o, r in zip(served, reference, strict=True))
+        print(f"default setting on the random test model: agreement {agreement:.2%}, "
+              f"{same}/{len(reference)} prompts identical")
+        assert metric(llm, "lmkv_codec_checks_total") == 3  # 1 in 2 of 6 requests
+        assert metric(llm, "lmkv_codec_checked_tokens_total") == 3 * GREEDY.max_tokens
+        assert agreement < 0.99 and metric(llm, "lmkv_codec_fallbacks_total") == 1
+        assert engine.storage.tiers[0].codec == "zstd" and engine.gate.tripped
+        # after the fallback nothing lossy is served: exact tokens again, the lossy chunks
+        # on disk are dropped and recomputed, and rewritten lossless
+        assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+        assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
+        engine.pool.check_integrity()

@@ -1,0 +1,209 @@
+"""The codecs: lossless round trips, cachegen's error bound, calibration tables, rANS,
+rejection of corrupt, truncated and foreign payloads, and the quality gate."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lmkv.codec import FrameError, cachegen, decode_into, encode, rans
+from lmkv.codec.calibration import CacheGenTable, CalibrationSettings, calibrate
+from lmkv.codec.gate import QualityGate
+from lmkv.config import ConfigError, load_config
+from lmkv.layout import KVLayout
+from lmkv.memory import MemoryPool
+from lmkv.metrics import LMKVMetrics
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, chunk_size=40)
+
+
+def kv_like(seed: int, smooth: bool = False, layout: KVLayout = LAYOUT) -> torch.Tensor:
+    """KV with per-channel offsets and scales (like keys); ``smooth``: a large component
+    shared by the chunk's tokens plus small per-token noise (the token locality of a
+    trained model's KV)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = layout.chunk_shape
+    scale = torch.linspace(0.2, 3.0, shape[-1])
+    offset = torch.randn(shape[:2] + (1,) + shape[3:], generator=torch.Generator().manual_seed(7))
+    x = torch.randn(shape, generator=g)
+    if smooth:
+        x = 3 * torch.randn(shape[:2] + (1,) + shape[3:], generator=g) + 0.3 * x
+    return (x * scale + 4 * offset).to(layout.dtype)
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per [kv, layer] relative error ||a - b|| / ||b||."""
+    a, b = a.float(), b.float()
+    return ((a - b).square().sum(dim=(2, 3, 4)) / b.square().sum(dim=(2, 3, 4))).sqrt()
+
+
+@pytest.fixture(scope="module")
+def table() -> CacheGenTable:
+    return calibrate([kv_like(s) for s in range(4)])
+
+
+def test_lossless_codecs_round_trip_exactly():
+    pool = MemoryPool(LAYOUT, 2 * (64 + LAYOUT.chunk_bytes))
+    src, dst = pool.allocate(), pool.allocate()
+    src.kv.copy_(kv_like(0))
+    for codec in ("raw", "zstd"):
+        dst.kv.zero_()
+        decode_into(bytes(encode(src, "k", codec)), dst, "k")
+        assert torch.equal(src.kv, dst.kv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cachegen_error_within_the_calibrated_bound(dtype):
+    layout = KVLayout(4, 2, 16, dtype, 40)
+    settings = CalibrationSettings(error=0.03, deep_ratio=3.0, value_ratio=1.5)
+    table = calibrate([kv_like(s, layout=layout) for s in range(3)], settings)
+    assert torch.allclose(table.target[0], torch.tensor([0.03, 0.05, 0.07, 0.09]))
+    assert torch.allclose(table.target[1], table.target[0] * 1.5)
+    pool = MemoryPool(layout, 2 * (64 + layout.chunk_bytes))
+    src, dst = pool.allocate(), pool.allocate()
+    src.kv.copy_(kv_like(10, layout=layout))
+    frame = bytes(encode(src, "k", "cachegen", table))
+    decode_into(frame, dst, "k", table)
+    err = rel_error(dst.kv, src.kv)
+    assert (err <= table.target * 1.1).all(), (err, table.target)
+    assert (err >= table.target * 0.2).all()  # it is lossy, and uses the room it is given
+    assert len(frame) < 0.3 * src.kv.numel() * 2  # > 3.3x smaller than fp16, tiny chunk
+
+
+def test_shallow_layers_and_keys_get_more_bins():
+    table = calibrate([kv_like(s) for s in range(2)], CalibrationSettings(value_ratio=2.0))
+    assert table.step.shape == (2, 4, 2, 16)
+    t = table.target
+    assert (t[:, 1:] > t[:, :-1]).all() and (t[1] == 2 * t[0]).all()
+    data = torch.cat([kv_like(s) for s in range(2)], dim=2)
+    rms = (data - data.mean(dim=2, keepdim=True)).square().mean(dim=(2, 3, 4)).sqrt()
+    assert torch.allclose(table.step[:, :, 0, 0], t * math.sqrt(12) * rms, rtol=1e-4)
+
+
+def test_delta_coding_is_chosen_for_smooth_kv_and_shrinks_it():
+    big = KVLayout(2, 2, 64, torch.float32, 256)  # streams of 32k symbols, as in real chunks
+    table = calibrate([kv_like(s, smooth=True, layout=big) for s in range(3)])
+    assert table.delta.all()
+    assert not calibrate([kv_like(s, layout=big) for s in range(3)]).delta.any()
+    x = kv_like(9, smooth=True, layout=big)
+    plain = CacheGenTable.from_bytes(_with_delta(table, False))
+    assert len(cachegen.encode(x, table)) < 0.9 * len(cachegen.encode(x, plain))
+    out = torch.empty_like(x)
+    cachegen.decode_into(cachegen.encode(x, table), out, table)
+    assert (rel_error(out, x) <= table.target * 1.1).all()
+
+
+def _with_delta(table: CacheGenTable, on: bool) -> bytes:
+    from lmkv.codec.calibration import build_table
+
+    delta = torch.full_like(table.delta, on)
+    return build_table(table.step, table.mean, delta, table.target, table.group_size).to_bytes()
+
+
+def test_symbols_beyond_int8_and_partial_groups(table):
+    x = kv_like(3)
+    x[1, 2, 5, 1, 3] = 500.0  # an outlier: its stream goes as int16
+    x[0, 0, 39] = -300.0  # the last token, alone in its group of 16 (40 = 16 + 16 + 8)
+    out = torch.empty_like(x)
+    cachegen.decode_into(cachegen.encode(x, table), out, table)
+    assert abs(out[1, 2, 5, 1, 3].item() - 500) < table.step[1, 2, 1, 3].item()
+    assert (out[0, 0, 39] + 300).abs().max() < table.step[0, 0].max()
+
+
+def test_quantize_dequantize_twins_agree_with_plain_formula(table):
+    x = kv_like(4)
+    q = cachegen.quantize(x, table.step, table.mean, table.delta, table.group_size)
+    want = torch.round((x - table.mean[:, :, None]) / table.step[:, :, None])
+    assert q.dtype == torch.int16 and torch.equal(q.float(), want)  # no delta layers here
+    out = torch.empty_like(x)
+    cachegen.dequantize(q, table.step, table.mean, table.delta, table.group_size, out)
+    assert torch.allclose(out, want * table.step[:, :, None] + table.mean[:, :, None], atol=1e-5)
+
+
+def test_table_file_round_trip_and_id(tmp_path, table):
+    path = tmp_path / "t.safetensors"
+    table.save(path)
+    again = CacheGenTable.load(path)
+    assert again.table_id == table.table_id and torch.equal(again.step, table.step)
+    with pytest.raises(ValueError):
+        CacheGenTable.from_bytes(b"\x08" + bytes(40))
+    with pytest.raises(ValueError, match="does not fit"):
+        table.check_layout((2, 3, 40, 2, 16))
+
+
+def test_corrupt_truncated_and_foreign_payloads_are_rejected(table):
+    pool = MemoryPool(LAYOUT, 2 * (64 + LAYOUT.chunk_bytes))
+    src, dst = pool.allocate(), pool.allocate()
+    src.kv.copy_(kv_like(5))
+    frame = bytes(encode(src, "k", "cachegen", table))
+    flipped = bytearray(frame)
+    flipped[len(frame) // 2] ^= 0x40
+    with pytest.raises(FrameError, match="checksum"):
+        decode_into(bytes(flipped), dst, "k", table)
+    with pytest.raises(FrameError, match="truncated"):
+        decode_into(frame[:-10], dst, "k", table)
+    with pytest.raises(FrameError, match="no calibration table"):
+        decode_into(frame, dst, "k", None)
+    other = calibrate([kv_like(s) for s in range(4, 6)])
+    with pytest.raises(FrameError, match="calibration table"):
+        decode_into(frame, dst, "k", other)
+    # a payload that passes the checksum but is malformed: cachegen's own checks catch it
+    payload = cachegen.encode(src.kv, table)
+    for bad in (payload[:-3], payload + b"\0", payload[:20]):
+        with pytest.raises(cachegen.PayloadError):
+            cachegen.decode_into(bad, dst.kv, table)
+
+
+def test_rans_round_trip_and_rejects_garbage():
+    rng = np.random.default_rng(0)
+    for n, spread in [(1, 1.0), (7, 0.1), (5000, 3.0), (70000, 20.0)]:
+        s = np.clip(np.round(rng.normal(0, spread, n)), -128, 127).astype(np.int8)
+        blob = rans.encode(s)
+        assert np.array_equal(rans.decode(blob, n), s)
+    h = -sum(p * math.log2(p) for p in np.unique(s, return_counts=True)[1] / n)
+    assert len(blob) * 8 / n < h + 0.2  # near the entropy
+    with pytest.raises(rans.RansError):
+        rans.decode(blob[:-2], n)
+    with pytest.raises(rans.RansError):
+        rans.decode(blob[:3], n)
+    payload_r = cachegen.encode(kv_like(1), calibrate([kv_like(2)]), coder="rans")
+    assert payload_r[:4] == b"CGv1"
+
+
+def test_rans_payload_decodes_like_zstd(table):
+    x = kv_like(6)
+    a, b = torch.empty_like(x), torch.empty_like(x)
+    cachegen.decode_into(cachegen.encode(x, table, "zstd"), a, table)
+    cachegen.decode_into(cachegen.encode(x, table, "rans"), b, table)
+    assert torch.equal(a, b)
+
+
+def test_quality_gate_samples_measures_and_falls_back_once():
+    metrics = LMKVMetrics()
+    calls = []
+    gate = QualityGate(every=3, min_agreement=0.9, metrics=metrics,
+                       fallback=lambda: calls.append(1) or ["disk"], min_tokens=20)
+    assert [gate.sample() for _ in range(7)] == [True, False, False, True, False, False, True]
+    assert gate.record(list(range(10)), list(range(10))) == 1.0
+    assert not calls  # 10 tokens < min_tokens
+    assert gate.record(list(range(10)), list(range(5)) + [0] * 5) == 0.5
+    assert calls == [1] and gate.tripped and not gate.sample()
+    value = metrics.registry.get_sample_value
+    assert value("lmkv_codec_agreement") == 0.75
+    assert value("lmkv_codec_checked_tokens_total") == 20
+    assert value("lmkv_codec_fallbacks_total") == 1
+    gate.record([1, 2], [3, 4])
+    assert calls == [1]  # trips once
+
+
+def test_codec_config_keys():
+    cfg = load_config(env={"LMKV_LOCAL_DISK_CODEC": "cachegen"}, remote_serde="cachegen",
+                      codec_check_every=10)
+    assert cfg.local_disk_codec == "cachegen" and cfg.codec_check_every == 10
+    with pytest.raises(ConfigError, match="local_disk_codec"):
+        load_config(env={}, local_disk_codec="lz4")
+    with pytest.raises(ConfigError, match="codec_min_agreement"):
+        load_config(env={}, codec_min_agreement=1.5)
