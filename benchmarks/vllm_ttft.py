@@ -3,14 +3,17 @@
     .venv-vllm/bin/python benchmarks/vllm_ttft.py [--prompt-len 4096] [--chunk 128]
 
 A realistic-shape random Llama (8 layers, hidden 768, 12 heads, 2 KV heads, head_dim 64,
-~55M parameters, fp32) and one long prompt. Each engine runs in its own process:
-- plain vLLM: TTFT cold (fresh prompts), and the tail alone (vLLM's own prefix cache
-  holding the prefix: the tokens any external cache leaves to compute);
-- vLLM + lmkv: cold (storing), then warm from lmkv's hot cache;
-- vLLM + lmkv in a new process, its disk tier only, files dropped from the page cache;
-- vLLM + ExampleConnector (the shared-storage debug connector): cold, then warm.
+~55M parameters, fp32) and one long prompt. Each engine runs in its own process, which
+alternates TTFT cold (a fresh prompt, stored by the connector), warm (the prompt again,
+vLLM's prefix cache emptied first) and the tail (the prompt again, vLLM's prefix cache now
+holding what was loaded: the tokens any external cache leaves vLLM to compute):
+- vLLM + lmkv, warm from lmkv's hot cache;
+- vLLM + lmkv in a new process, warm from its disk tier only (hot cache emptied and the
+  files dropped from the page cache before each warm request);
+- vLLM + ExampleConnector (vLLM's shared-storage debug connector).
 The floor of a warm TTFT is the KV bytes to load / measured bandwidth (memcpy for the hot
-cache, raw file reads for the disk) + the tail. Each result line ends with its ratio.
+cache, raw reads of the files for the disk) + the tail. Each result line ends with its
+ratio.
 """
 
 from __future__ import annotations
@@ -101,73 +104,81 @@ def disk_read_gbps(paths: list[Path]) -> float:
 
 
 # ---- one engine per process ----------------------------------------------------------------
-def role_plain(a) -> dict:
-    llm = make_llm(a.model, None, {}, prefix_caching=True)
-    ttft(llm, prompt(a.prompt_len, 99))  # warm-up
-    cold = [ttft(llm, prompt(a.prompt_len, 100 + i))[0] for i in range(a.repeats)]
+# The machine is shared and noisy: each process alternates its measurements (cold on a fresh
+# prompt, warm, tail) so that the ratios it reports see the same conditions.
+def measure(llm, a, warm_once, seed0: int) -> dict:
+    """Median TTFTs over ``a.repeats`` rounds of: warm (``warm_once`` prepares it: vLLM's
+    prefix cache emptied, ...), the tail (vLLM's prefix cache now holding what was loaded),
+    cold (a fresh prompt)."""
     target = prompt(a.prompt_len, 0)
-    ttft(llm, target)
-    tail = [ttft(llm, target) for _ in range(a.repeats)]
-    return {"cold": statistics.median(cold), "tail": statistics.median(t for t, _ in tail),
-            "tail_hit": tail[0][1]}
+    warm, tail, cold = [], [], []
+    for i in range(a.repeats):
+        warm_once()
+        warm.append(ttft(llm, target))
+        tail.append(ttft(llm, target))
+        cold.append(ttft(llm, prompt(a.prompt_len, seed0 + i)))
+    return {"warm": statistics.median(t for t, _ in warm), "hit": warm[0][1],
+            "tail": statistics.median(t for t, _ in tail), "tail_hit": tail[0][1],
+            "cold": statistics.median(t for t, _ in cold)}
 
 
-def lmkv_extra(a, disk: bool) -> dict:
-    extra = {"chunk_size": a.chunk, "max_local_cpu_size": 1.0}
-    if disk:
-        extra.update(local_disk=a.disk, max_local_disk_size=2.0)
-    return extra
+def lmkv_extra(a) -> dict:
+    return {"chunk_size": a.chunk, "max_local_cpu_size": 1.0, "local_disk": a.disk,
+            "max_local_disk_size": 2.0}
 
 
 def role_lmkv(a) -> dict:
+    """Warm from lmkv's hot cache (it stored the prompt in this process)."""
     from lmkv_engines.vllm.engines import SharedEngines
 
-    llm = make_llm(a.model, "lmkv", lmkv_extra(a, disk=True), prefix_caching=False)
-    ttft(llm, prompt(a.prompt_len, 99))  # warm-up (stored too, never read)
-    target = prompt(a.prompt_len, 0)
-    cold, _ = ttft(llm, target)
-    warm = [ttft(llm, target) for _ in range(a.repeats)]
+    llm = make_llm(a.model, "lmkv", lmkv_extra(a), prefix_caching=True)
+    ttft(llm, prompt(a.prompt_len, 99))  # warm-up
+    ttft(llm, prompt(a.prompt_len, 0))  # cold: stores the prompt
+    out = measure(llm, a, llm.reset_prefix_cache, 100)
     engine = SharedEngines.engines()[0]
     engine.storage.io.drain()
-    nbytes = warm[0][1] * engine.layout.bytes_per_token
-    return {"cold": cold, "warm": statistics.median(t for t, _ in warm), "hit": warm[0][1],
-            "kv_bytes": nbytes, "memcpy_gbps": memcpy_gbps(nbytes)}
+    out["kv_bytes"] = out["hit"] * engine.layout.bytes_per_token
+    out["memcpy_gbps"] = memcpy_gbps(out["kv_bytes"])
+    return out
 
 
 def role_lmkv_disk(a) -> dict:
+    """A new process: warm from lmkv's disk tier only (hot cache emptied, files dropped from
+    the page cache before each warm request)."""
     from lmkv_engines.vllm.engines import SharedEngines
 
-    llm = make_llm(a.model, "lmkv", lmkv_extra(a, disk=True), prefix_caching=False)
-    ttft(llm, prompt(a.prompt_len, 98))  # warm-up: a miss
+    llm = make_llm(a.model, "lmkv", lmkv_extra(a), prefix_caching=True)
     engine = SharedEngines.engines()[0]
-    engine.storage.io.drain()
-    target = prompt(a.prompt_len, 0)
-    files = [engine.storage.tiers[0].backend.root / engine.storage.tiers[0].backend._name(k)
-             for k in engine.keys(target)]
+    disk = engine.storage.tiers[0].backend
+    files = [disk.root / disk._name(k) for k in engine.keys(prompt(a.prompt_len, 0))]
     files = [f for f in files if f.exists()]
     gbps = disk_read_gbps(files)
-    drop_page_cache(files)
-    t, hit = ttft(llm, target)
-    return {"warm": t, "hit": hit, "disk_gbps": gbps, "file_bytes": sum(f.stat().st_size for f in files)}
+    ttft(llm, prompt(a.prompt_len, 98))  # warm-up: a miss
+
+    def from_disk() -> None:
+        llm.reset_prefix_cache()
+        engine.storage.io.drain()
+        engine.storage.hot.clear()
+        drop_page_cache(files)
+
+    out = measure(llm, a, from_disk, 200)
+    out.update(disk_gbps=gbps, file_bytes=sum(f.stat().st_size for f in files))
+    return out
 
 
 def role_example(a) -> dict:
-    llm = make_llm(a.model, "example", {"shared_storage_path": a.disk}, prefix_caching=False)
+    llm = make_llm(a.model, "example", {"shared_storage_path": a.disk}, prefix_caching=True)
     ttft(llm, prompt(a.prompt_len, 99))  # warm-up
-    target = prompt(a.prompt_len, 0)
-    cold, _ = ttft(llm, target)
-    warm = [ttft(llm, target) for _ in range(a.repeats)]
-    return {"cold": cold, "warm": statistics.median(t for t, _ in warm), "hit": warm[0][1]}
+    ttft(llm, prompt(a.prompt_len, 0))  # cold: stores the prompt
+    return measure(llm, a, llm.reset_prefix_cache, 300)
 
 
-ROLES = {"plain": role_plain, "lmkv": role_lmkv, "lmkv-disk": role_lmkv_disk, "example": role_example}
+ROLES = {"lmkv": role_lmkv, "lmkv-disk": role_lmkv_disk, "example": role_example}
 
 
-def run_role(a, role: str, disk: Path | None = None) -> dict:
+def run_role(a, role: str, disk: Path) -> dict:
     cmd = [sys.executable, __file__, "--role", role, "--model", a.model, "--prompt-len", str(a.prompt_len),
-           "--chunk", str(a.chunk), "--repeats", str(a.repeats)]
-    if disk is not None:
-        cmd += ["--disk", str(disk)]
+           "--chunk", str(a.chunk), "--repeats", str(a.repeats), "--disk", str(disk)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"{role} failed:\n{res.stderr[-5000:]}")
@@ -178,7 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=128, help="lmkv chunk_size (a multiple of 128)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--disk", help=argparse.SUPPRESS)
@@ -191,29 +202,28 @@ def main() -> None:
 
     a.model = str(realistic_model_dir(**SHAPE, tie_word_embeddings=True))
     tmp = Path(tempfile.mkdtemp(prefix="lmkv-vllm-bench-"))
-    plain = run_role(a, "plain")
     hot = run_role(a, "lmkv", tmp / "lmkv")
     disk = run_role(a, "lmkv-disk", tmp / "lmkv")
     ex = run_role(a, "example", tmp / "example")
 
-    kv_mb = hot["kv_bytes"] / 1e6
-    floor_hot = hot["kv_bytes"] / (hot["memcpy_gbps"] * 1e9) + plain["tail"]
-    floor_disk = disk["file_bytes"] / (disk["disk_gbps"] * 1e9) + plain["tail"]
-    cold = plain["cold"]
-    print(f"vLLM {_version()} CPU, prompt {a.prompt_len} tokens, fp32, lmkv chunk {a.chunk}; "
-          f"lmkv loads {hot['hit']} tokens ({kv_mb:.1f} MB), ExampleConnector {ex['hit']}, "
-          f"vLLM prefix cache {plain['tail_hit']}")
-    print(f"floor parts: tail compute {plain['tail'] * 1e3:.0f} ms; memcpy {hot['memcpy_gbps']:.1f} GB/s; "
-          f"cold disk read {disk['disk_gbps']:.2f} GB/s")
-    print(f"cold TTFT (plain vLLM) {cold * 1e3:.0f} ms; lmkv storing {hot['cold'] * 1e3:.0f} ms; "
-          f"ExampleConnector storing {ex['cold'] * 1e3:.0f} ms; lmkv-storing / plain = "
-          f"{hot['cold'] / cold:.2f}x")
-    print(f"ExampleConnector warm {ex['warm'] * 1e3:.0f} ms: cold/warm = {cold / ex['warm']:.1f}x")
-    print(f"lmkv warm from hot cache {hot['warm'] * 1e3:.0f} ms: cold/warm = {cold / hot['warm']:.1f}x")
-    print(f"lmkv warm from disk, new process {disk['warm'] * 1e3:.0f} ms: cold/warm = "
-          f"{cold / disk['warm']:.1f}x")
-    print(f"floor hot {floor_hot * 1e3:.0f} ms: lmkv hot warm/floor = {hot['warm'] / floor_hot:.2f}x")
-    print(f"floor disk {floor_disk * 1e3:.0f} ms: lmkv disk warm/floor = {disk['warm'] / floor_disk:.2f}x")
+    floor_hot = hot["kv_bytes"] / (hot["memcpy_gbps"] * 1e9) + hot["tail"]
+    floor_disk = disk["file_bytes"] / (disk["disk_gbps"] * 1e9) + disk["tail"]
+    print(f"vLLM {_version()} CPU, {a.prompt_len}-token prompt, fp32, medians of {a.repeats}; lmkv chunk "
+          f"{a.chunk}. Tokens loaded: lmkv hot {hot['hit']} ({hot['kv_bytes'] / 1e6:.1f} MB), lmkv disk "
+          f"{disk['hit']}, ExampleConnector {ex['hit']}; vLLM prefix cache (tail) {hot['tail_hit']}")
+    print(f"measured: memcpy {hot['memcpy_gbps']:.1f} GB/s, cold disk read {disk['disk_gbps']:.2f} GB/s; "
+          f"tail compute {hot['tail'] * 1e3:.0f} / {disk['tail'] * 1e3:.0f} / {ex['tail'] * 1e3:.0f} ms "
+          f"(hot / disk / example processes)")
+    print(f"ExampleConnector: cold {ex['cold'] * 1e3:.0f} ms, warm {ex['warm'] * 1e3:.0f} ms: "
+          f"cold/warm = {ex['cold'] / ex['warm']:.1f}x")
+    print(f"lmkv warm from hot cache: cold {hot['cold'] * 1e3:.0f} ms, warm {hot['warm'] * 1e3:.0f} ms: "
+          f"cold/warm = {hot['cold'] / hot['warm']:.1f}x")
+    print(f"lmkv warm from disk, new process: cold {disk['cold'] * 1e3:.0f} ms, warm "
+          f"{disk['warm'] * 1e3:.0f} ms: cold/warm = {disk['cold'] / disk['warm']:.1f}x")
+    print(f"lmkv hot: floor {floor_hot * 1e3:.0f} ms (KV / memcpy + tail), warm {hot['warm'] * 1e3:.0f} ms: "
+          f"warm/floor = {hot['warm'] / floor_hot:.2f}x")
+    print(f"lmkv disk: floor {floor_disk * 1e3:.0f} ms (files / disk read + tail), warm "
+          f"{disk['warm'] * 1e3:.0f} ms: warm/floor = {disk['warm'] / floor_disk:.2f}x")
 
 
 def _version() -> str:

@@ -159,3 +159,38 @@ def test_failed_saves_and_loads_cost_a_recompute(runs):
     assert failed_load["tokens"] == want  # vLLM recomputed the blocks reported as failed
     assert failed_load["lmkv"]["lmkv_errors_total[connector,load]"] >= 1
     assert warm["tokens"] == want and warm["cached"] == _full(2)
+
+
+def test_lmkv_server_shares_kv_between_vllm_and_the_bundled_engine(runs, model_dir, tmp_path):
+    """lm:// (lmkv_server): the bundled engine stores, a vLLM process loads and stores, a new
+    bundled engine loads what vLLM stored."""
+    import importlib.util
+    import sys
+
+    from lmkv_engines.minimal.sampling_params import SamplingParams
+    from tests.redis_server import _wait_port, free_port
+
+    if not all(importlib.util.find_spec(m) for m in ("lmkv.backends.lm", "lmkv_server")):
+        pytest.skip("the lm:// backend and lmkv_server are not in this checkout yet")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "lmkv_server", "127.0.0.1", str(port),
+                               "--max-memory", "256MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_port(port)
+        url = f"lm://127.0.0.1:{port}"
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        with _bundled(model_dir, remote_url=url) as llm:
+            llm.generate(prompts(N, LENGTH, 1), greedy)
+            llm.engine.kv_connector.engine.storage.io.drain()
+        loaded, stored = _Run({"model": str(model_dir), "seeds": [1, 2], "lmkv": {
+            "chunk_size": CHUNK, "remote_url": url, "max_local_cpu_size": 0.1}}).rounds()
+        assert loaded["tokens"] == runs["plain"][1] and loaded["cached"] == _full(1)
+        assert loaded["lmkv"]["lmkv_tier_hits_total[remote]"] == sum(_full(1)) // CHUNK
+        assert stored["tokens"] == runs["plain"][2]
+        with _bundled(model_dir, remote_url=url, enable_prefetch=False) as llm:
+            outs = llm.generate(prompts(N, LENGTH, 2), greedy)
+        assert [o.output_token_ids for o in outs] == runs["plain"][2]
+        assert [o.num_external_tokens for o in outs] == _full(2)
+    finally:
+        server.kill()
+        server.wait(timeout=10)
