@@ -35,6 +35,9 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     """lmkv's view of a vLLM engine. ``extra``: kv_connector_extra_config, lmkv config keys
     overriding the YAML/env settings. Raises ConfigError naming a bad key or setting."""
     config = load_config(**extra)
+    if config.enable_blending:
+        raise ConfigError("lmkv config key enable_blending is not supported inside vLLM (CacheBlend needs "
+                          "the bundled engine's blended prefill); lmkv reuses prefixes here")
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     if pc.world_size > 1:
         raise ConfigError(
