@@ -9,6 +9,7 @@ process-wide table of engines, reference-counted by the roles using them.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +93,20 @@ class SharedEngines:
         engine.close()  # the last user: finish background writes
 
     @classmethod
+    def close_all(cls) -> None:
+        """At interpreter exit: finish the background writes of engines whose roles vLLM did
+        not shut down (the I/O thread is a daemon and would be cut off)."""
+        with cls._lock:
+            engines = [engine for engine, _ in cls._engines.values()]
+            cls._engines.clear()
+        for engine in engines:
+            engine.close()
+
+    @classmethod
     def engines(cls) -> list[LMKVEngine]:
         """The live engines of this process (tests and benchmarks read their metrics)."""
         with cls._lock:
             return [engine for engine, _ in cls._engines.values()]
+
+
+atexit.register(SharedEngines.close_all)

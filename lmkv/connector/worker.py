@@ -128,6 +128,8 @@ class WorkerConnector:
         out = []
         for spec in self.meta.saves:
             for key, slots in zip(spec.keys, spec.slot_mappings, strict=True):
+                if self.engine.storage.hot.contains(key):  # stored already: skip the gather
+                    continue
                 buf = self.engine.allocate()
                 if buf is None:  # the hot cache is full of pinned chunks: skip this save
                     log.debug("lmkv: no free chunk slot; not saving %s", key)

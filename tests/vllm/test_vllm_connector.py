@@ -90,9 +90,11 @@ def runs(model_dir, tmp_path_factory) -> dict:
             out["bundled_wrote"] = [o.output_token_ids for o in llm.generate(prompts(N, LENGTH, 1), greedy)]
             llm.engine.kv_connector.engine.storage.io.drain()
         # new processes: one on redis only (killed after round 1), one on the disk only
-        remote = _Run({"model": str(model_dir), "seeds": [0, 1, 3], "kill_pid": redis.proc.pid,
-                       "kill_after": 1, "lmkv": {"chunk_size": CHUNK, "remote_url": redis.url,
-                                                 "remote_timeout": 1.0, "max_local_cpu_size": 0.1}})
+        # (with vLLM's prefix cache on: round 0 leaves it block 0 of each prompt set 0 prompt)
+        remote = _Run({"model": str(model_dir), "seeds": [[0, 150], 0, 1, 3], "prefix_caching": True,
+                       "kill_pid": redis.proc.pid, "kill_after": 2, "lmkv": {
+                           "chunk_size": CHUNK, "remote_url": redis.url, "remote_timeout": 1.0,
+                           "max_local_cpu_size": 0.1}})
         local = _Run({"model": str(model_dir), "seeds": [0, 2, 2, 2, 2], "fail": {"1": "save", "3": "load"},
                       "failure_policy": "recompute", "lmkv": {
                           "chunk_size": CHUNK, "max_local_cpu_size": 0.1, "local_disk": disk,
@@ -121,15 +123,19 @@ def test_new_process_reuses_the_disk_tier(runs):
     assert reuse["lmkv"]["lmkv_tier_hits_total[disk]"] == sum(_full(0)) // CHUNK
 
 
-def test_new_process_reuses_the_remote_tier(runs):
-    reuse = runs["remote"][0]
+def test_new_process_reuses_the_remote_tier_after_vllms_prefix_cache(runs):
+    short, reuse = runs["remote"][:2]
+    assert short["cached"] == [CHUNK] * N  # chunk 0 from redis; vLLM's prefix cache keeps it
     assert reuse["tokens"] == runs["plain"][0] and reuse["cached"] == _full(0)
+    # block 0 came from vLLM's own prefix cache, chunk 1 from redis (chunk 0 was skipped)
+    loaded = reuse["lmkv"]["lmkv_loaded_tokens_total"] - short["lmkv"]["lmkv_loaded_tokens_total"]
+    assert loaded == sum(_full(0)) - N * CHUNK
     assert reuse["lmkv"]["lmkv_tier_hits_total[remote]"] == sum(_full(0)) // CHUNK
 
 
 def test_vllm_reuses_kv_written_by_the_bundled_engine(runs):
     assert runs["bundled_wrote"] == runs["plain"][1]  # both engines compute this model alike
-    reuse = runs["remote"][1]
+    reuse = runs["remote"][2]
     assert reuse["tokens"] == runs["plain"][1] and reuse["cached"] == _full(1)
 
 
@@ -144,7 +150,7 @@ def test_bundled_engine_reuses_kv_written_by_vllm(runs, model_dir):
 
 
 def test_remote_store_dying_mid_run_costs_a_recompute(runs):
-    after = runs["remote"][2]  # redis was SIGKILLed before this round
+    after = runs["remote"][3]  # redis was SIGKILLed before this round
     assert after["tokens"] == runs["plain"][3] and after["cached"] == [0] * N
     errors = {k: v for k, v in after["lmkv"].items() if k.startswith("lmkv_errors_total[remote")}
     assert sum(errors.values()) > 0, after["lmkv"]

@@ -3,7 +3,8 @@
 round: the generated tokens, vLLM's cached-token counts and lmkv's counters.
 
 SPEC_JSON keys: model (dir), lmkv (kv_connector_extra_config, or null for plain vLLM),
-seeds (one prompt-set seed per round), n, length, max_tokens, fail ({round: "save" or
+seeds (one prompt-set seed per round, or [seed, cut]: its prompts cut to that length), n,
+length, prefix_caching (vLLM's own prefix cache), max_tokens, fail ({round: "save" or
 "load"}: every chunk copy in that direction raises during that round), failure_policy
 (vLLM's kv_load_failure_policy), kill_pid and kill_after (SIGKILL that process after that
 round: a remote store dying mid-run).
@@ -60,7 +61,9 @@ def main(spec: dict) -> None:
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     seeds = spec.get("seeds", [0])
     for r, seed in enumerate(seeds):
-        batch = [{"prompt_token_ids": p} for p in prompts(spec.get("n", 3), spec.get("length", 300), seed)]
+        seed, cut = seed if isinstance(seed, list) else (seed, None)
+        batch = [{"prompt_token_ids": p[:cut]}
+                 for p in prompts(spec.get("n", 3), spec.get("length", 300), seed)]
         fail = spec.get("fail", {}).get(str(r))
         restore = _inject_failure(fail) if fail else None
         try:
@@ -76,11 +79,7 @@ def main(spec: dict) -> None:
         }), flush=True)
         if spec.get("kill_after") == r:
             os.kill(spec["kill_pid"], signal.SIGKILL)
-    if kv is not None:  # finish lmkv's background writes before the process ends
-        from lmkv_engines.vllm.engines import SharedEngines
-
-        for engine in SharedEngines.engines():
-            engine.storage.io.drain()
+    # no explicit flush: lmkv finishes its background writes when the process exits
 
 
 def _inject_failure(direction: str):
