@@ -35,6 +35,7 @@ class LMKVConfig:
     remote_serde: str = "naive"  # naive (raw frames) | zstd
     remote_timeout: float = 2.0  # seconds for any one remote call
     save_decode_cache: bool = False  # also store chunks completed by generated tokens
+    kv_role: str = "both"  # both | producer (save only, flushed per request) | consumer (load only)
     use_layerwise: bool = False  # load/save layer by layer, overlapping the forward pass
     save_unfull_chunk: bool = False  # accepted for LMCache compatibility; must stay False
     enable_prefetch: bool = True  # pull lower-tier chunks of queued requests up early
@@ -50,6 +51,8 @@ class LMKVConfig:
         _require(self.max_local_cpu_size > 0, "max_local_cpu_size", "must be > 0 (GB)")
         _require(self.max_local_disk_size >= 0, "max_local_disk_size", "must be >= 0 (GB)")
         _require(self.io_queue_size >= 1, "io_queue_size", "must be >= 1")
+        _require(self.kv_role in ("both", "producer", "consumer"), "kv_role",
+                 "must be one of both, producer, consumer")
         _require(0 <= self.blend_recompute_ratio <= 1, "blend_recompute_ratio", "must be in [0, 1]")
         _require(self.remote_serde in ("naive", "zstd", "cachegen"), "remote_serde",
                  "must be one of naive, zstd, cachegen")

@@ -1,73 +1,180 @@
-"""Kernel entry points for moving KV between an engine's paged memory and chunk buffers.
+"""Kernel entry points: CUDA tensors go to the kernels in cuda/ (``lmkv_cuda``), everything
+else to the same-signature torch code (``lmkv.ops_torch``, and the engine's attention in
+``lmkv_engines.minimal.attention``).
 
-Paged memory (the bundled engine): kv_cache [L, 2, num_blocks, block_size, Hkv, D].
-Chunk buffer: [2, L, T, Hkv, D]. slot_mapping: [T] int64 slots of the chunk's tokens.
-Tokens [0, skip) of the chunk are left alone (the engine already has them).
-These are the torch implementations (the CPU path and the kernels' reference).
+CuPy is imported only when a CUDA tensor arrives; if it (or the driver, or NVRTC) is
+unusable, one warning is printed and the torch code runs instead. Kernel-path extras, all
+keyword-only: ``check=False`` skips the index-range checks that cost a device sync (for callers
+that validated their metadata, e.g. once per step); attention takes ``out=``.
+
+Layouts: engine ``kv_cache [L, 2, num_blocks, block_size, Hkv, D]``, one layer
+``kv_layer [2, num_blocks, block_size, Hkv, D]``; vLLM per layer
+``[num_blocks, block_size, Hkv, 2 * D]``; chunk ``[2, L, T, Hkv, D]``; ``slot_mapping [T]``
+int64 (slot = block_id * block_size + offset); tokens [0, skip) of a chunk are not copied.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
+
+from lmkv import ops_torch
+
+if TYPE_CHECKING:
+    from lmkv_cuda.launcher import Launcher
+
+
+def kernel_launcher(*tensors: torch.Tensor) -> Launcher | None:
+    """The GPU launcher when all ``tensors`` are on one CUDA device, else None (CPU tensors,
+    mixed devices such as a pinned host chunk, or unusable CUDA kernels: the torch path)."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or (device := devices.pop()).type != "cuda":
+        return None
+    from lmkv_cuda.launcher import gpu_launcher
+
+    return gpu_launcher(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# ---- KV transfer between paged memory and chunk buffers (all layers, K and V, one launch)
 
 
 def paged_to_chunk(
-    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int = 0
-) -> None:
-    """Gather tokens [skip, T) of a chunk from paged memory into ``chunk``."""
-    for rows, pages, lo in _spans(kv_cache, slot_mapping, skip):
-        for layer in range(kv_cache.shape[0]):
-            for kv in range(2):
-                out = chunk[kv, layer, lo : lo + rows.shape[0] * _per_row(pages)]
-                torch.index_select(pages[layer, kv], 0, rows, out=out.view(-1, *pages.shape[3:]))
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int = 0,
+    *, check: bool = True,
+) -> None:  # fmt: skip
+    """chunk[:, :, t] = kv_cache[:, :, slot_mapping[t]] for t in [skip, T)."""
+    if (launcher := kernel_launcher(kv_cache, chunk, slot_mapping)) is not None:
+        from lmkv_cuda import kv_copy
+
+        return kv_copy.paged_to_chunk(launcher, kv_cache, slot_mapping, chunk, skip, check=check)
+    ops_torch.paged_to_chunk(kv_cache, slot_mapping, chunk, skip)
 
 
 def chunk_to_paged(
-    chunk: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, skip: int = 0
-) -> None:
-    """Scatter tokens [skip, T) of ``chunk`` into paged memory."""
-    for rows, pages, lo in _spans(kv_cache, slot_mapping, skip):
-        for layer in range(kv_cache.shape[0]):
-            for kv in range(2):
-                src = chunk[kv, layer, lo : lo + rows.shape[0] * _per_row(pages)]
-                pages[layer, kv].index_copy_(0, rows, src.view(-1, *pages.shape[3:]))
+    chunk: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, skip: int = 0,
+    *, check: bool = True,
+) -> None:  # fmt: skip
+    """kv_cache[:, :, slot_mapping[t]] = chunk[:, :, t] for t in [skip, T)."""
+    if (launcher := kernel_launcher(kv_cache, chunk, slot_mapping)) is not None:
+        from lmkv_cuda import kv_copy
+
+        return kv_copy.chunk_to_paged(launcher, chunk, kv_cache, slot_mapping, skip, check=check)
+    ops_torch.chunk_to_paged(chunk, kv_cache, slot_mapping, skip)
 
 
-def _spans(kv_cache: torch.Tensor, slots: torch.Tensor, skip: int):
-    """Split tokens [skip, T) into copies of whole blocks where the slots allow (one row per
-    block: far fewer, larger copies) and single tokens elsewhere. Yields (row indices,
-    paged memory viewed as rows [L, 2, rows, ...], first chunk token)."""
-    bs = kv_cache.shape[3]
-    per_block = kv_cache  # rows = blocks: [L, 2, num_blocks, bs, Hkv, D]
-    per_token = kv_cache.flatten(2, 3)  # rows = slots: [L, 2, num_blocks * bs, Hkv, D]
-    t = slots.shape[0]
-    head = min(t, -(-skip // bs) * bs)  # [skip, head): up to the first block boundary
-    if head > skip:
-        yield slots[skip:head], per_token, skip
-    body = slots[head:]
-    if body.numel() == 0:
-        return
-    if body.numel() % bs == 0:
-        grid = body.view(-1, bs)
-        first = grid[:, 0]
-        if not bool((first % bs).any()) and torch.equal(grid, first[:, None] + torch.arange(bs)):
-            yield first // bs, per_block, head
-            return
-    yield body, per_token, head
+def paged_to_chunk_vllm(
+    kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, chunk: torch.Tensor,
+    skip: int = 0, *, check: bool = True,
+) -> None:  # fmt: skip
+    """chunk[0 / 1, l, t] = K / V of kv_caches[l] at slot_mapping[t], t in [skip, T)."""
+    if (launcher := kernel_launcher(*kv_caches, chunk, slot_mapping)) is not None:
+        from lmkv_cuda import kv_copy
+
+        return kv_copy.paged_to_chunk_vllm(
+            launcher, kv_caches, slot_mapping, chunk, skip, check=check
+        )
+    ops_torch.paged_to_chunk_vllm(kv_caches, slot_mapping, chunk, skip)
 
 
-def _per_row(pages: torch.Tensor) -> int:
-    """Tokens per row of ``pages``: block_size for the block view, 1 for the slot view."""
-    return pages.shape[3] if pages.dim() == 6 else 1
+def chunk_to_paged_vllm(
+    chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+    skip: int = 0, *, check: bool = True,
+) -> None:  # fmt: skip
+    """K / V of kv_caches[l] at slot_mapping[t] = chunk[0 / 1, l, t], t in [skip, T)."""
+    if (launcher := kernel_launcher(*kv_caches, chunk, slot_mapping)) is not None:
+        from lmkv_cuda import kv_copy
+
+        return kv_copy.chunk_to_paged_vllm(
+            launcher, chunk, kv_caches, slot_mapping, skip, check=check
+        )
+    ops_torch.chunk_to_paged_vllm(chunk, kv_caches, slot_mapping, skip)
+
+
+# ---- RoPE
 
 
 def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Keys [T, Hkv, D] computed with RoPE at position p, returned as if computed at p + delta.
-    delta: [T] int64; inv_freq: [D / 2] fp32 (HF Llama's rotate_half convention)."""
-    angles = delta.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :]  # [T, 1, D]
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :]
-    k = keys.float()
-    half = k.shape[-1] // 2
-    rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
-    return (k * cos + rotated * sin).to(keys.dtype)
+    """In place: keys [..., T, Hkv, D] (e.g. ``chunk[0]``, all layers at once) rotated by
+    angle delta[t] * inv_freq, moving keys cached at position p to p + delta[t] (HF Llama
+    rotate_half convention; delta [T] int64, inv_freq [D/2] fp32). Returns keys."""
+    if (launcher := kernel_launcher(keys, delta, inv_freq)) is not None:
+        from lmkv_cuda import rope
+
+        if keys.is_contiguous():
+            return rope.rerotate_keys(launcher, keys, delta, inv_freq)
+    return ops_torch.rerotate_keys(keys, delta, inv_freq)
+
+
+# ---- the engine's attention and cache writes
+
+
+def _attention_kernel(query: torch.Tensor, kv_layer: torch.Tensor) -> Launcher | None:
+    launcher = kernel_launcher(query, kv_layer)
+    if launcher is None:
+        return None
+    from lmkv_cuda.attention import HEAD_DIMS
+
+    supported = query.shape[-1] in HEAD_DIMS and kv_layer.dtype == query.dtype
+    return launcher if supported else None
+
+
+def paged_attention_decode(
+    query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, *, check: bool = True, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """query [B, Hq, D], one token per sequence at position seq_len - 1 -> [B, Hq, D]."""
+    if (launcher := _attention_kernel(query, kv_layer)) is not None:
+        from lmkv_cuda import attention
+
+        dev = query.device  # metadata may come from the host: a no-op when already there
+        return attention.paged_attention_decode(
+            launcher, query.contiguous(), kv_layer, block_tables.to(dev), seq_lens.to(dev), scale,
+            check=check, out=out,
+        )  # fmt: skip
+    from lmkv_engines.minimal import attention as reference
+
+    result = reference.paged_attention_decode(query, kv_layer, block_tables, seq_lens, scale)
+    return result if out is None else out.copy_(result)
+
+
+def paged_attention_prefill(
+    query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *, check: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Causal attention of query [T, Hq, D] (sequence i: rows [query_start_loc[i], [i + 1]))
+    over its paged KV -> [T, Hq, D]."""
+    if (launcher := _attention_kernel(query, kv_layer)) is not None:
+        from lmkv_cuda import attention
+
+        dev = query.device
+        return attention.paged_attention_prefill(
+            launcher, query.contiguous(), kv_layer, block_tables.to(dev), seq_lens.to(dev),
+            query_start_loc.to(dev), scale, check=check, out=out,
+        )  # fmt: skip
+    from lmkv_engines.minimal import attention as reference
+
+    result = reference.paged_attention_prefill(
+        query, kv_layer, block_tables, seq_lens, query_start_loc, scale
+    )
+    return result if out is None else out.copy_(result)
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+    *, check: bool = True,
+) -> None:  # fmt: skip
+    """kv_layer[0 / 1][slot_mapping[t]] = key / value[t]; slot -1 = skip the token."""
+    launcher = kernel_launcher(key, value, kv_layer, slot_mapping)
+    if launcher is not None and key.dtype == value.dtype == kv_layer.dtype:
+        from lmkv_cuda import kv_copy
+
+        rows_ok = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+        if not rows_ok or key.stride(0) != value.stride(0):  # the kernel takes [Hkv, D] rows
+            key, value = key.contiguous(), value.contiguous()
+        return kv_copy.reshape_and_cache(launcher, key, value, kv_layer, slot_mapping, check=check)
+    from lmkv_engines.minimal import attention as reference
+
+    reference.reshape_and_cache(key, value, kv_layer, slot_mapping)

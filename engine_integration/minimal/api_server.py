@@ -18,7 +18,6 @@ from starlette.exceptions import HTTPException
 
 from .async_engine import AsyncEngine, EngineError, EngineStoppedError, QueueFullError
 from .event_stream import DONE, EventStream, hold_back, sse
-from .lmkv_config import load_lmkv_config
 from .openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -111,7 +110,7 @@ class APIServer:
             prompt = body.single_prompt()
             params = body.sampling_params(body.max_tokens)
             if isinstance(prompt, str):  # off the event loop and off the engine thread
-                prompt = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+                prompt = await asyncio.to_thread(self.engine.tokenize, prompt)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         return await self._generate(request, body, prompt, params, chat=False)
@@ -135,7 +134,7 @@ class APIServer:
     def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         tok = self.engine.tokenizer
         text = tok.apply_chat_template(messages)
-        return tok.encode(text, add_special_tokens=False)  # the template places BOS
+        return self.engine.tokenize(text, add_special_tokens=False)  # the template places BOS
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -279,11 +278,15 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 def serve(config: ServerConfig) -> None:
     """Load the model and serve HTTP until interrupted. Raises StartupError."""
     try:
+        lmkv_config = None
         if config.lmkv_config_file is not None:
-            load_lmkv_config(config.lmkv_config_file)
+            from lmkv.config import load_config
+
+            lmkv_config = load_config(config.lmkv_config_file)
+            log.info("lmkv enabled from %s: %s", config.lmkv_config_file, lmkv_config)
         from .llm_engine import LLMEngine
 
-        engine = LLMEngine(config.engine)
+        engine = LLMEngine(config.engine, lmkv_config=lmkv_config)
     except (OSError, ValueError) as e:
         raise StartupError(str(e)) from e
     import uvicorn

@@ -38,9 +38,10 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[
         v = torch.zeros_like(k)
         for seg in plan.segments:
             kv = seg.kv(layer)  # [2, length, Hkv, D] at positions [0, length)
+            span = slice(seg.start, seg.start + seg.length)
+            k[span], v[span] = kv[0], kv[1]
             delta = torch.full((seg.length,), seg.start, dtype=torch.int64)
-            k[seg.start : seg.start + seg.length] = rerotate_keys(kv[0], delta, m.rope.inv_freq)
-            v[seg.start : seg.start + seg.length] = kv[1]
+            rerotate_keys(k[span], delta, m.rope.inv_freq)  # in place, to prompt positions
         return k, v
 
     ratio = plan.recompute_ratio

@@ -2,8 +2,9 @@
 
     engine serve [--model DIR] [--port 8000] ...   OpenAI-compatible HTTP API
     engine generate PROMPT [--max-tokens N] ...    one generation, printed to stdout
+    engine precompute FILE... [--split-on SEP]     store RAG chunks' KV for CacheBlend
 
-``engine serve`` reads ``LMKV_CONFIG_FILE`` when it is set.
+Every command reads ``LMKV_CONFIG_FILE`` when it is set (lmkv on); precompute needs it.
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+
+    pre = commands.add_parser("precompute", parents=[engine_args],
+                              help="compute and store the KV of RAG document chunks (lmkv)")
+    pre.add_argument("files", nargs="+", help="text files; each is one chunk unless --split-on")
+    pre.add_argument("--split-on", help="split each file into chunks at this string "
+                     "(e.g. a blank line: $'\\n\\n')")
+    pre.add_argument("--batch-size", type=int, default=8)
+    pre.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     return parser
 
 
@@ -119,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.error(str(e))
         return _serve(config)
+    if args.command == "precompute":
+        try:
+            config = engine_config(args)
+        except ValueError as e:
+            parser.error(str(e))
+        return _precompute(config, args.files, args.split_on, args.batch_size)
     try:
         config = engine_config(args)
         given = {"max_tokens": args.max_tokens, "temperature": args.temperature,
@@ -141,17 +156,54 @@ def _serve(config: ServerConfig) -> int:
     return 0
 
 
+def _lmkv_config():
+    """lmkv's config when LMKV_CONFIG_FILE is set, else None (lmkv off)."""
+    path = os.environ.get("LMKV_CONFIG_FILE")
+    if not path:
+        return None
+    from lmkv.config import load_config
+
+    return load_config(path)
+
+
 def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -> int:
     from .llm import LLM
 
     try:
-        llm = LLM(**asdict(config))
-        out = llm.generate(prompt, params)[0]
+        with LLM(lmkv_config=_lmkv_config(), **asdict(config)) as llm:
+            out = llm.generate(prompt, params)[0]
     except (OSError, ValueError) as e:
         print(f"engine generate: error: {e}", file=sys.stderr)
         return 1
     print(out.text)
     return 0
+
+
+def _precompute(config: EngineConfig, files: list[str], split_on: str | None,
+                batch_size: int) -> int:
+    from .llm import LLM
+
+    try:
+        lmkv_config = _lmkv_config()
+        if lmkv_config is None:
+            raise ValueError("precompute stores into lmkv: set LMKV_CONFIG_FILE")
+        if not (lmkv_config.local_disk or lmkv_config.remote_url):
+            print("engine precompute: warning: no disk or remote tier configured; the chunks "
+                  "live only as long as this process", file=sys.stderr)
+        chunks = []
+        for name in files:
+            with open(name, encoding="utf-8") as f:
+                text = f.read()
+            parts = text.split(split_on) if split_on else [text]
+            chunks += [p for p in parts if p.strip()]
+        with LLM(lmkv_config=lmkv_config, **asdict(config)) as llm:
+            report = llm.precompute(chunks, batch_size=batch_size)
+    except (OSError, ValueError) as e:
+        print(f"engine precompute: error: {e}", file=sys.stderr)
+        return 1
+    print(f"precompute: {report.stored} chunks stored, {report.skipped} already stored, "
+          f"{report.failed} failed, {report.tokens} tokens in {report.seconds:.1f}s")
+    return 0 if report.failed == 0 else 1
 
 
 if __name__ == "__main__":

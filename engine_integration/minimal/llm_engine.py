@@ -130,14 +130,14 @@ class LLMEngine:
         self.metrics.prompt_tokens.inc(len(ids))
         return req
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """With blending on, the parts between separators are tokenized separately (as they
-        were when precomputed) and joined with the separator's tokens."""
+        were when precomputed) and joined with the separator's tokens. Thread-safe."""
         sep = self.kv_connector.engine.config.blend_special_str if self.blend_separator else None
         if not sep or sep not in text:
-            return self.tokenizer.encode(text)
+            return self.tokenizer.encode(text, add_special_tokens)
         parts = text.split(sep)
-        ids = self.tokenizer.encode(parts[0])
+        ids = self.tokenizer.encode(parts[0], add_special_tokens)
         for part in parts[1:]:
             ids += self.blend_separator + self.tokenizer.encode(part, add_special_tokens=False)
         return ids

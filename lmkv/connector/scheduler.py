@@ -43,6 +43,9 @@ class SchedulerConnector:
         self.engine = engine
         self.block_size = block_size
         self.save_decode_cache = engine.config.save_decode_cache
+        # prefill/decode disaggregation: a producer only saves, a consumer only loads
+        self.loads = engine.config.kv_role != "producer"
+        self.saves = engine.config.kv_role != "consumer"
         self.blending = engine.config.enable_blending
         if self.blending and not blend_separator:
             raise ValueError("enable_blending needs the token ids of blend_special_str")
@@ -60,6 +63,8 @@ class SchedulerConnector:
         itself cannot fail. Never covers the last prompt token. Loads are synchronous."""
         st = self._state(request)
         self._unpin(st)
+        if not self.loads:
+            return 0, False
         usable = self._usable_chunks(request)
         chunks = self.engine.fetch(st.keys[:usable]) if usable else []
         hit = len(chunks) * self.engine.chunk_size
@@ -111,7 +116,7 @@ class SchedulerConnector:
                     skips.append(max(0, st.load_from - start))
                 meta.loads.append(LoadSpec(request.request_id, st.pinned, slots, skips))
                 st.pinned = []
-            if st.blended:
+            if st.blended or not self.saves:
                 continue
             done = request.num_computed_tokens + num_new
             if not self.save_decode_cache:
@@ -135,6 +140,9 @@ class SchedulerConnector:
         if st is not None:
             self._unpin(st)
             self._drop_plan(st)
+        if self.engine.config.kv_role == "producer":
+            # the consumer may ask as soon as this request is reported done
+            self.engine.storage.io.drain()
         return False, None
 
     def _state(self, request: Any) -> _RequestState:

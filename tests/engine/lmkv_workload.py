@@ -33,12 +33,15 @@ def metric(llm: LLM, name: str, **labels) -> float:
 
 
 if __name__ == "__main__":
-    # python -m tests.engine.lmkv_workload MODEL_DIR DISK_DIR|- [ROUNDS [REMOTE_URL]]:
-    # fill lmkv's lower tiers from a separate process, printing the tokens of each round
+    # python -m tests.engine.lmkv_workload MODEL_DIR DISK_DIR|- [ROUNDS [REMOTE_URL|- [ROLE]]]:
+    # run the prompts in a separate process (filling or reading lmkv's lower tiers),
+    # printing the tokens of each round
     model_dir, disk = sys.argv[1], (None if sys.argv[2] == "-" else sys.argv[2])
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-    remote = sys.argv[4] if len(sys.argv) > 4 else None
-    with lmkv_llm(model_dir, disk, remote_url=remote) as llm:
+    remote = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "-" else None
+    role = sys.argv[5] if len(sys.argv) > 5 else "both"
+    with lmkv_llm(model_dir, disk, remote_url=remote, kv_role=role) as llm:
         for r in range(rounds):
             outs = llm.generate(prompts(seed=r), GREEDY)
-            print(json.dumps([o.output_token_ids for o in outs]), flush=True)
+            print(json.dumps({"tokens": [o.output_token_ids for o in outs],
+                              "external": [o.num_external_tokens for o in outs]}), flush=True)

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -30,9 +29,11 @@ def engine_command(*args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory) -> str:
-    """Base URL of an `engine serve` subprocess; LMKV_CONFIG_FILE names an empty file."""
+    """Base URL of an `engine serve` subprocess with lmkv (hot cache + disk tier)."""
     tmp = tmp_path_factory.mktemp("serve")
-    (tmp / "lmkv.yaml").write_text("# lmkv disabled\n")
+    (tmp / "lmkv.yaml").write_text(
+        f"chunk_size: 32\nmax_local_cpu_size: 0.05\nlocal_disk: {tmp / 'disk'}\n"
+        "max_local_disk_size: 0.1\n")
     port = free_port()
     log = (tmp / "server.log").open("w")
     proc = subprocess.Popen(
@@ -114,6 +115,19 @@ def test_health_models_and_metrics(server):
     assert after[ok] - before.get(ok, 0) == 1
     assert after["api_generations_in_flight"] == 0
     assert after["engine_requests_running"] == 0
+
+
+def test_lmkv_stores_and_finds_prompt_chunks_over_http(server):
+    body = {"model": "tiny", "prompt": list(range(100, 180)), "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    before = metrics(server)
+    first = httpx.post(f"{server}/v1/completions", json=body).json()
+    second = httpx.post(f"{server}/v1/completions", json=body).json()
+    after = metrics(server)
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    # 80 prompt tokens: chunks [0, 32) and [32, 64) stored, then found by the second request
+    assert after["lmkv_stored_chunks_total"] - before["lmkv_stored_chunks_total"] == 2
+    assert after["lmkv_hit_tokens_total"] - before["lmkv_hit_tokens_total"] == 64
 
 
 def test_concurrent_requests_equal_sequential_ones(server):
@@ -289,39 +303,22 @@ def test_generate_command_prints_the_offline_text(tiny_model_dir):
     assert want[0].text
 
 
-@pytest.mark.parametrize("content", [None, "chunk_size: 256\nlocal_cpu: true\n"])
-def test_lmkv_config_file_that_cannot_be_used_stops_serve(tiny_model_dir, tmp_path, content):
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read lmkv config file"),
+    ("chunk_sise: 256\n", "unknown lmkv config key(s): chunk_sise"),
+    ("chunk_size: 24\n", "chunk_size 24 must be a multiple of the engine's block size 16"),
+    ("- a\n", "must be a mapping"),
+])
+def test_lmkv_config_file_that_cannot_be_used_stops_serve(tiny_model_dir, tmp_path, content,
+                                                          message):
     path = tmp_path / "lmkv.yaml"
     if content is not None:
         path.write_text(content)
     out = subprocess.run(
-        engine_command("serve", "--model", str(tiny_model_dir), "--port", str(free_port())),
+        engine_command("serve", "--model", str(tiny_model_dir), "--port", str(free_port()),
+                       "--kv-cache-memory", "32MiB"),
         env={**os.environ, "LMKV_CONFIG_FILE": str(path)},
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 1
-    if content is None:
-        assert f"LMKV_CONFIG_FILE={path}: no such file" in out.stderr
-    else:
-        assert "enables lmkv (chunk_size, local_cpu), which this build does not include yet" in (
-            out.stderr
-        )
-
-
-def test_load_lmkv_config(tmp_path: Path):
-    from lmkv_engines.minimal.lmkv_config import load_lmkv_config
-
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("")
-    assert load_lmkv_config(empty) is None
-    (tmp_path / "empty-map.yaml").write_text("{}\n")
-    assert load_lmkv_config(tmp_path / "empty-map.yaml") is None
-    (tmp_path / "list.yaml").write_text("- chunk_size\n")
-    with pytest.raises(ValueError, match="must hold a mapping"):
-        load_lmkv_config(tmp_path / "list.yaml")
-    (tmp_path / "bad.yaml").write_text("a: [\n")
-    with pytest.raises(ValueError, match="not valid YAML"):
-        load_lmkv_config(tmp_path / "bad.yaml")
-    (tmp_path / "dir.yaml").mkdir()
-    with pytest.raises(ValueError, match="cannot be read"):
-        load_lmkv_config(tmp_path / "dir.yaml")
+    assert message in out.stderr

@@ -67,7 +67,7 @@ def test_ratio_zero_is_naive_concatenation(tiny_model_dir, plain):
             delta = torch.full((seg.length,), seg.start)
             for layer in range(kv.shape[1]):
                 torch.testing.assert_close(kv[1, layer, seg.start : seg.end], doc_kv[1, layer])
-                want_k = rerotate_keys(doc_kv[0, layer], delta, inv_freq)
+                want_k = rerotate_keys(doc_kv[0, layer].clone(), delta, inv_freq)
                 torch.testing.assert_close(kv[0, layer, seg.start : seg.end], want_k)
         # a chunk at offset 0 is an exact prefix: naive reuse then equals a full prefill
         head = join_segments([docs[0], query], sep)
@@ -95,3 +95,60 @@ def test_partial_recompute_text_prompts_metrics_and_idempotent_precompute(tiny_m
         # a prompt whose chunks were never precomputed takes the normal path
         miss = llm.generate([" # # ".join(["other text", "never stored", "q"])], GREEDY)[0]
         assert miss.num_external_tokens == 0
+
+
+def test_rag_request_through_engine_serve_after_cli_precompute(tiny_model_dir, tmp_path):
+    """`engine precompute` stores two documents; `engine serve` then blends them into a RAG
+    prompt given in the other order, and exports the hit counts."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from .test_api_server import engine_command, free_port, metrics
+
+    config = tmp_path / "lmkv.yaml"
+    config.write_text(f"chunk_size: 32\nmax_local_cpu_size: 0.05\nlocal_disk: {tmp_path / 'disk'}\n"
+                      "max_local_disk_size: 0.1\nenable_blending: true\n")
+    docs = ["The river Tal flows through Zorvia and feeds its capital. " * 4,
+            "Melk is the capital of Zorvia, famous for its old bridges. " * 4]
+    (tmp_path / "docs.txt").write_text("\n\n".join(docs))
+    env = {**os.environ, "LMKV_CONFIG_FILE": str(config)}
+    common = ["--model", str(tiny_model_dir), "--kv-cache-memory", "32MiB"]
+    out = subprocess.run(engine_command("precompute", *common, str(tmp_path / "docs.txt"),
+                                        "--split-on", "\n\n"),
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "2 chunks stored" in out.stdout
+
+    port = free_port()
+    proc = subprocess.Popen(engine_command("serve", *common, "--port", str(port),
+                                           "--log-level", "warning"),
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        prompt = " # # ".join(["Answer from the documents.", docs[1], docs[0],
+                               "Q: What is the capital of Zorvia? A:"])
+        r = httpx.post(f"{url}/v1/completions", timeout=120,
+                       json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"]
+        m = metrics(url)
+        assert m["lmkv_blend_hit_tokens_total"] > 0
+        assert m["lmkv_tier_hits_total{tier=disk}"] > 0  # served from the disk tier
+        assert m["lmkv_blend_recomputed_tokens_total"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    del sys

@@ -34,14 +34,15 @@ def reference(tiny_model_dir):
     return tokens
 
 
-def _fill_disk(model_dir, disk, rounds=1, remote_url=None) -> list:
-    extra = [remote_url] if remote_url else []
+def _fill_disk(model_dir, disk, rounds=1, remote_url=None, role="both", full=False) -> list:
+    extra = [remote_url or "-", role]
     out = subprocess.run(
         [sys.executable, "-m", "tests.engine.lmkv_workload", str(model_dir), str(disk), str(rounds),
          *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
     )
-    return [json.loads(line) for line in out.stdout.splitlines()]
+    rounds = [json.loads(line) for line in out.stdout.splitlines()]
+    return [r["tokens"] for r in rounds] if not full else rounds
 
 
 def _full_chunks(p: list[int]) -> int:

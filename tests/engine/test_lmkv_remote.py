@@ -116,3 +116,21 @@ def test_store_down_at_start_is_picked_up_later(tiny_model_dir, reference, tmp_p
             assert redis.Redis(port=server.port).dbsize() > 0
         finally:
             server.kill()
+
+
+def test_prefill_decode_disaggregation_through_a_shared_store(tiny_model_dir, redis_server):
+    """A producer engine computes the prompts' KV (prefill only); a consumer engine in
+    another process loads it and decodes: the same tokens as one engine doing both."""
+    from lmkv_engines.minimal.llm import LLM
+    from lmkv_engines.minimal.sampling_params import SamplingParams
+
+    want = [o.output_token_ids for o in LLM(str(tiny_model_dir), kv_cache_memory=64 << 20)
+            .generate(prompts(), GREEDY)]
+    with lmkv_llm(tiny_model_dir, remote_url=redis_server.url, kv_role="producer") as producer:
+        producer.generate(prompts(), SamplingParams(max_tokens=1, temperature=0))
+        assert metric(producer, "lmkv_loaded_tokens_total") == 0
+    consumed = _fill_disk(tiny_model_dir, "-", 1, redis_server.url, role="consumer", full=True)
+    assert consumed[0]["tokens"] == want
+    assert consumed[0]["external"] == [_full_chunks(p) for p in prompts()]
+    stored = redis.Redis(port=redis_server.port).dbsize()
+    assert stored == sum(_full_chunks(p) // 32 for p in prompts())  # the consumer saved nothing

@@ -1,0 +1,206 @@
+"""Times lmkv's CUDA kernels against the torch path on the same GPU, in one run.
+
+    python benchmarks/kernels.py [--peak-gbps 3350] [--iters 50]
+
+For each kernel it prints the bytes the kernel must move (see docs/kernels.md), the achieved
+GB/s, the fraction of the HBM floor (bytes / peak bandwidth; default peak: H100 SXM's
+3.35 TB/s, pass --peak-gbps 4800 on an H200) and the torch path's time as a ratio. Shapes:
+Llama-3-8B (32 layers, 8 KV heads, 32 query heads, head_dim 128, bf16). Kernels run with
+check=False (no index-check sync), as a per-step caller would.
+
+Without a CUDA GPU it says so and exits 0. ``--emulate`` runs the same plumbing on tiny shapes
+under the CPU emulator (for testing this script; its timings mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lmkv import ops_torch
+from lmkv_cuda import attention, kv_copy, rope
+from lmkv_engines.minimal import attention as engine_attention
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    layers: int = 32
+    kv_heads: int = 8
+    q_heads: int = 32
+    head_dim: int = 128
+    chunk_tokens: int = 256
+    decode_batch: int = 64
+    decode_len: int = 4096
+    prefill_tokens: int = 4096
+    block_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def elem(self) -> int:
+        return torch.finfo(self.dtype).bits // 8
+
+
+TINY = Geometry(layers=2, kv_heads=2, q_heads=4, head_dim=64, chunk_tokens=24, decode_batch=2,
+                decode_len=40, prefill_tokens=24)  # fmt: skip
+
+
+REPS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    name: str
+    bytes_moved: int
+    flops: int
+    kernel: Callable[[], object]
+    torch_path: Callable[[], object]
+
+
+def _timer(device: torch.device, iters: int) -> Callable[[Callable[[], object]], float]:
+    # Each sample: flush L2 (50 MB on H100) by overwriting a larger buffer, then REPS calls back
+    # to back, so that host-side launch cost overlaps with GPU work as in a real step.
+    scratch = (
+        torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    )
+
+    def measure(fn: Callable[[], object]) -> float:  # median seconds per call
+        fn()
+        samples = []
+        for _ in range(iters):
+            if scratch is not None:
+                scratch.zero_()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(REPS):
+                    fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3 / REPS)
+            else:
+                t = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t)
+        return statistics.median(samples)
+
+    return measure
+
+
+def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Case]:
+    torch.manual_seed(0)
+    e, row = g.elem, g.kv_heads * g.head_dim * g.elem
+    new = dict(dtype=g.dtype, device=device)
+    t = g.chunk_tokens
+    pool = 16 * t // g.block_size  # blocks per layer for the transfers: slots scattered in it
+    kv_cache = torch.randn(g.layers, 2, pool, g.block_size, g.kv_heads, g.head_dim, **new)
+    chunk = torch.empty(2, g.layers, t, g.kv_heads, g.head_dim, **new)
+    slots = torch.randperm(pool * g.block_size, device=device)[:t]
+    vllm = [
+        torch.randn(pool, g.block_size, g.kv_heads, 2 * g.head_dim, **new) for _ in range(g.layers)
+    ]
+    transfer = 2 * 2 * g.layers * t * row  # K and V, read once and written once
+
+    num_blocks = max(g.decode_batch * g.decode_len, g.prefill_tokens) // g.block_size + 1
+    kv_layer = torch.randn(2, num_blocks, g.block_size, g.kv_heads, g.head_dim, **new)
+    key = torch.randn(g.prefill_tokens, g.kv_heads, g.head_dim, **new)
+    prefill_slots = torch.arange(g.prefill_tokens, device=device)
+
+    delta = torch.randint(-4096, 4096, (t,), device=device)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, g.head_dim, 2, device=device) / g.head_dim))
+    keys = chunk[0]
+
+    blocks_per_seq = -(-g.decode_len // g.block_size)
+    tables = torch.arange(g.decode_batch * blocks_per_seq, device=device, dtype=torch.int32)
+    tables = tables.view(g.decode_batch, blocks_per_seq)
+    lens = torch.full((g.decode_batch,), g.decode_len, device=device, dtype=torch.int32)
+    query = torch.randn(g.decode_batch, g.q_heads, g.head_dim, **new)
+    decode_kv = g.decode_batch * g.decode_len * row * 2
+    scale = g.head_dim**-0.5
+
+    pt = g.prefill_tokens
+    p_tables = torch.arange(-(-pt // g.block_size), device=device, dtype=torch.int32)[None]
+    p_lens = torch.tensor([pt], device=device, dtype=torch.int32)
+    p_starts = torch.tensor([0, pt], device=device, dtype=torch.int32)
+    p_query = torch.randn(pt, g.q_heads, g.head_dim, **new)
+    causal_pairs = pt * (pt + 1) // 2
+
+    return [
+        Case("paged_to_chunk", transfer, 0,
+             lambda: kv_copy.paged_to_chunk(launcher, kv_cache, slots, chunk, check=False),
+             lambda: ops_torch.paged_to_chunk(kv_cache, slots, chunk)),
+        Case("chunk_to_paged", transfer, 0,
+             lambda: kv_copy.chunk_to_paged(launcher, chunk, kv_cache, slots, check=False),
+             lambda: ops_torch.chunk_to_paged(chunk, kv_cache, slots)),
+        Case("paged_to_chunk_vllm", transfer, 0,
+             lambda: kv_copy.paged_to_chunk_vllm(launcher, vllm, slots, chunk, check=False),
+             lambda: ops_torch.paged_to_chunk_vllm(vllm, slots, chunk)),
+        Case("chunk_to_paged_vllm", transfer, 0,
+             lambda: kv_copy.chunk_to_paged_vllm(launcher, chunk, vllm, slots, check=False),
+             lambda: ops_torch.chunk_to_paged_vllm(chunk, vllm, slots)),
+        Case("reshape_and_cache", 2 * 2 * pt * row, 0,
+             lambda: kv_copy.reshape_and_cache(
+                 launcher, key, key, kv_layer, prefill_slots, check=False),
+             lambda: engine_attention.reshape_and_cache(key, key, kv_layer, prefill_slots)),
+        Case("rerotate_keys", 2 * g.layers * t * row, 0,
+             lambda: rope.rerotate_keys(launcher, keys, delta, inv_freq),
+             lambda: ops_torch.rerotate_keys(keys, delta, inv_freq)),
+        Case("paged_attention_decode", decode_kv,
+             4 * g.decode_batch * g.decode_len * g.q_heads * g.head_dim,
+             lambda: attention.paged_attention_decode(
+                 launcher, query, kv_layer, tables, lens, scale, check=False),
+             lambda: engine_attention.paged_attention_decode(query, kv_layer, tables, lens, scale)),
+        Case("paged_attention_prefill", 2 * pt * row + 2 * pt * g.q_heads * g.head_dim * e,
+             4 * causal_pairs * g.q_heads * g.head_dim,
+             lambda: attention.paged_attention_prefill(
+                 launcher, p_query, kv_layer, p_tables, p_lens, p_starts, scale, check=False),
+             lambda: engine_attention.paged_attention_prefill(
+                 p_query, kv_layer, p_tables, p_lens, p_starts, scale)),
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM bandwidth of the GPU")
+    parser.add_argument("--peak-tflops", type=float, default=67.0, help="FP32 (CUDA core) peak")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--emulate", action="store_true", help="tiny shapes on the CPU emulator")
+    args = parser.parse_args(argv)
+    if args.emulate:
+        from lmkv_cuda.emu import EmuLauncher
+
+        device, launcher, geometry, iters = torch.device("cpu"), EmuLauncher(), TINY, 2
+        print("CPU emulator: checks the plumbing only, the timings mean nothing")
+    elif not torch.cuda.is_available():
+        print("no CUDA GPU present: nothing to time (kernels are tested on CPU under tests/cuda)")
+        return 0
+    else:
+        from lmkv_cuda.launcher import gpu_launcher
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        launcher = gpu_launcher(device.index)
+        if launcher is None:
+            return 1
+        geometry, iters = Geometry(), args.iters
+        print(f"{torch.cuda.get_device_name(device)}; floor = bytes / {args.peak_gbps:.0f} GB/s")
+    measure = _timer(device, iters)
+    for case in build_cases(geometry, launcher, device):
+        k, t = measure(case.kernel), measure(case.torch_path)
+        gbps = case.bytes_moved / k / 1e9
+        line = (
+            f"{case.name:24s} {case.bytes_moved / 1e6:9.1f} MB  kernel {k * 1e6:9.1f} us "
+            f"{gbps:7.0f} GB/s {gbps / args.peak_gbps:5.2f} of HBM floor"
+        )
+        if case.flops:
+            tflops = case.flops / k / 1e12
+            line += f"  {tflops:6.1f} TFLOP/s ({tflops / args.peak_tflops:4.2f} of FP32 peak)"
+        print(f"{line}  torch {t * 1e6:9.1f} us  torch/kernel {t / k:6.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

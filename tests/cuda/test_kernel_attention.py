@@ -1,0 +1,99 @@
+"""paged_attention.cu under the CPU emulator vs the engine's torch attention (fp32 reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from emu_cases import TOLERANCE, decode, prefill
+
+from lmkv_cuda import attention
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "lens"),
+    [
+        (4, 4, [1, 16, 17, 45]),  # MHA (R = 1); lengths 1 and block boundaries
+        (8, 1, [33, 2]),  # GQA 8:1
+        (4, 2, [31]),  # GQA 2:1, rows unused in a block of 8
+        (16, 1, [9, 70]),  # GQA 16:1: two blocks of 8 heads per KV head
+    ],
+)
+def test_decode(emu, dtype, dim, hq, hkv, lens):
+    assert decode(emu, dtype, dim, hq, hkv, lens) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_split_partitions(emu, dtype):
+    """Flash-decoding: partitions of 48 keys (not a multiple of the block size) + merge."""
+    assert decode(emu, dtype, 64, 16, 2, [1, 48, 49, 150], partition_size=48) < TOLERANCE[dtype]
+
+
+def test_decode_long_context_two_tiles(emu):
+    """More keys than one shared-memory tile (256) inside one partition: online softmax."""
+    assert decode(emu, torch.float32, 64, 2, 1, [600], block_size=32) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "lens", "q_lens"),
+    [
+        (
+            2,
+            2,
+            [19, 40, 7],
+            [19, 5, 1],
+        ),  # MHA: 8 query tokens per block; prefill, extend, decode-like
+        (8, 1, [20, 33], [20, 3]),  # GQA 8:1: one token per block
+        (6, 2, [17, 9], [0, 9]),  # GQA 3:1 (2 tokens x 3 heads per block), an empty sequence
+        (16, 1, [12], [4]),  # GQA 16:1: two blocks of 8 heads per token
+    ],
+)
+def test_prefill(emu, dtype, dim, hq, hkv, lens, q_lens):
+    assert prefill(emu, dtype, dim, hq, hkv, lens, q_lens) < TOLERANCE[dtype]
+
+
+def test_prefill_long(emu):
+    assert (
+        prefill(emu, torch.float16, 64, 4, 4, [300], [280], block_size=32)
+        < TOLERANCE[torch.float16]
+    )
+
+
+def test_wrapper_rejects_bad_arguments(emu):
+    kv = torch.zeros(2, 4, 16, 2, 64)
+    q = torch.zeros(2, 4, 64)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    run = lambda **kw: attention.paged_attention_decode(
+        emu, kw.get("q", q), kw.get("kv", kv), kw.get("tables", tables),
+        kw.get("lens", torch.tensor([5, 20])), 0.125,
+    )  # fmt: skip
+    run()
+    with pytest.raises(ValueError, match="seq_lens outside"):
+        run(lens=torch.tensor([0, 20]))
+    with pytest.raises(ValueError, match="seq_lens outside"):
+        run(lens=torch.tensor([33, 20]))
+    with pytest.raises(ValueError, match="block_tables entries"):
+        run(tables=torch.tensor([[0, 9], [2, 3]]), lens=torch.tensor([17, 5]))
+    run(tables=torch.tensor([[0, 9], [2, 3]]), lens=torch.tensor([16, 5]))  # entry 9 unused
+    with pytest.raises(ValueError, match="head_dim"):
+        run(q=torch.zeros(2, 4, 32), kv=torch.zeros(2, 4, 16, 2, 32))
+    with pytest.raises(ValueError, match="multiple"):
+        run(q=torch.zeros(2, 3, 64))
+    with pytest.raises(TypeError, match="dtype"):
+        run(kv=kv.half())
+    no_lens = torch.zeros(0, dtype=torch.int32)
+    empty = attention.paged_attention_decode(emu, q[:0], kv, tables[:0], no_lens, 0.125)
+    assert empty.shape == (0, 4, 64)
+    lens, bad_starts, q3 = torch.tensor([4, 4]), torch.tensor([0, 2, 2]), torch.zeros(3, 4, 64)
+    with pytest.raises(ValueError, match="query_start_loc must run"):
+        attention.paged_attention_prefill(emu, q3, kv, tables, lens, bad_starts, 0.1)
+    starts = torch.tensor([0, 2, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q_len"):
+        attention.paged_attention_prefill(
+            emu, torch.zeros(3, 4, 64), kv, tables, torch.tensor([1, 4]), starts, 0.125
+        )

@@ -1,0 +1,77 @@
+"""kv_copy.cu under the CPU emulator vs the torch twins: bit-exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from emu_cases import copy_engine, copy_vllm, poison, reshape_and_cache
+
+from lmkv_cuda import kv_copy
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("layers", "heads", "dim", "tokens", "skip"),
+    [
+        (3, 8, 128, 33, 0),  # 16-byte units, 4 per lane
+        (2, 2, 64, 1, 0),  # one token
+        (2, 1, 64, 16, 16),  # everything skipped
+        (4, 3, 64, 40, 17),  # skip not a multiple of anything
+        (1, 3, 6, 7, 2),  # rows of 18 elements: narrow units
+    ],
+)
+def test_engine_layout(emu, dtype, layers, heads, dim, tokens, skip):
+    assert copy_engine(emu, dtype, layers, heads, dim, tokens, skip)
+
+
+@pytest.mark.parametrize("offset", [1, 2, 4])
+def test_engine_layout_unaligned_chunk(emu, offset):
+    assert copy_engine(emu, torch.float16, 2, 2, 64, 12, 1, chunk_offset=offset)
+
+
+def test_fp8_like_bytes(emu):
+    kv = torch.randint(0, 255, (2, 2, 4, 8, 1, 3), dtype=torch.uint8)
+    slots = torch.tensor([5, 0, 31, 8], dtype=torch.int64)
+    chunk = poison(torch.empty(2, 2, 4, 1, 3, dtype=torch.uint8))
+    kv_copy.paged_to_chunk(emu, kv, slots, chunk)
+    assert torch.equal(chunk, kv.flatten(2, 3)[:, :, slots].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("layers", "heads", "dim", "tokens", "skip"), [(3, 4, 128, 35, 0), (2, 3, 64, 9, 4)]
+)
+def test_vllm_layout(emu, dtype, layers, heads, dim, tokens, skip):
+    assert copy_vllm(emu, dtype, layers, heads, dim, tokens, skip)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "dim", "tokens"), [(8, 128, 20), (1, 64, 1), (3, 64, 33)])
+def test_reshape_and_cache(emu, dtype, heads, dim, tokens):
+    assert reshape_and_cache(emu, dtype, heads, dim, tokens)
+
+
+def test_wrapper_rejects_bad_arguments(emu):
+    kv = torch.zeros(2, 2, 4, 8, 2, 64, dtype=torch.float16)
+    chunk = torch.zeros(2, 2, 3, 2, 64, dtype=torch.float16)
+    slots = torch.tensor([0, 1, 32], dtype=torch.int64)  # 32 slots: [0, 32)
+    with pytest.raises(ValueError, match="out of range"):
+        kv_copy.paged_to_chunk(emu, kv, slots, chunk)
+    kv_copy.paged_to_chunk(emu, kv, slots, chunk, skip=3)  # the bad slot is skipped: not read
+    with pytest.raises(ValueError, match="negative"):
+        kv_copy.chunk_to_paged(emu, chunk, kv, torch.tensor([0, -1, 2]), skip=0)
+    with pytest.raises(TypeError, match="int64"):
+        kv_copy.paged_to_chunk(emu, kv, slots.int(), chunk)
+    with pytest.raises(ValueError, match="does not match"):
+        kv_copy.paged_to_chunk(emu, kv, slots, chunk[:, :1].contiguous())
+    with pytest.raises(ValueError, match="dtype"):
+        kv_copy.paged_to_chunk(emu, kv, slots[:2], chunk.float()[:, :, :2].contiguous())
+    with pytest.raises(ValueError, match="contiguous"):
+        kv_copy.paged_to_chunk(emu, kv, slots, chunk.transpose(0, 1))
+    with pytest.raises(ValueError, match="skip"):
+        kv_copy.paged_to_chunk(emu, kv, slots, chunk, skip=4)
+    key = torch.zeros(3, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="out of range"):
+        kv_copy.reshape_and_cache(emu, key, key, kv[0], torch.tensor([0, 99, -1]))
