@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 
+_ROLES = {"kv_producer": "producer", "kv_consumer": "consumer"}  # vLLM's kv_role -> lmkv's
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     config: LMKVConfig
@@ -34,7 +37,11 @@ class EngineSpec:
 
 def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     """lmkv's view of a vLLM engine. ``extra``: kv_connector_extra_config, lmkv config keys
-    overriding the YAML/env settings. Raises ConfigError naming a bad key or setting."""
+    overriding the YAML/env settings; vLLM's kv_role kv_producer / kv_consumer sets lmkv's
+    kv_role unless ``extra`` does. Raises ConfigError naming a bad key or setting."""
+    role = _ROLES.get(getattr(vllm_config.kv_transfer_config, "kv_role", None))
+    if role and "kv_role" not in extra:  # vLLM's producer/consumer roles carry over to lmkv
+        extra = {**extra, "kv_role": role}
     config = load_config(**extra)
     if config.enable_blending:
         raise ConfigError("lmkv config key enable_blending is not supported inside vLLM (CacheBlend needs "

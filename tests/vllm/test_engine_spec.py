@@ -13,11 +13,13 @@ from lmkv.model_id import model_fingerprint
 from lmkv_engines.vllm.engines import engine_spec
 
 
-def _vllm_config(model: str, block_size: int = 128, world_size: int = 1, cache_dtype: str = "auto"):
+def _vllm_config(model: str, block_size: int = 128, world_size: int = 1, cache_dtype: str = "auto",
+                 kv_role: str = "kv_both"):
     mc = SimpleNamespace(model=model, revision=None, dtype=torch.float32, get_num_layers=lambda pc: 2,
                          get_num_kv_heads=lambda pc: 1, get_head_size=lambda: 64)
     return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(world_size=world_size),
-                           cache_config=SimpleNamespace(block_size=block_size, cache_dtype=cache_dtype))
+                           cache_config=SimpleNamespace(block_size=block_size, cache_dtype=cache_dtype),
+                           kv_transfer_config=SimpleNamespace(kv_role=kv_role))
 
 
 def test_extra_config_overrides_yaml_and_env(tmp_path, monkeypatch, tiny_model_dir):
@@ -30,6 +32,14 @@ def test_extra_config_overrides_yaml_and_env(tmp_path, monkeypatch, tiny_model_d
     assert spec.config.cache_salt == "tenant-a"
     assert spec.layout.chunk_shape == (2, 2, 256, 1, 64) and spec.block_size == 128
     assert spec.model_id == model_fingerprint(tiny_model_dir)  # what the bundled engine uses
+
+
+def test_vllm_producer_and_consumer_roles_carry_over(monkeypatch):
+    monkeypatch.delenv("LMKV_CONFIG_FILE", raising=False)
+    assert engine_spec(_vllm_config("m"), {}).config.kv_role == "both"
+    assert engine_spec(_vllm_config("m", kv_role="kv_producer"), {}).config.kv_role == "producer"
+    assert engine_spec(_vllm_config("m", kv_role="kv_consumer"), {}).config.kv_role == "consumer"
+    assert engine_spec(_vllm_config("m", kv_role="kv_consumer"), {"kv_role": "both"}).config.kv_role == "both"
 
 
 def test_hub_names_are_keyed_by_name_and_revision():
