@@ -226,17 +226,18 @@ def main() -> None:
     print(f"measured: memcpy {hot['memcpy_gbps']:.1f} GB/s, cold disk read {disk['disk_gbps']:.2f} GB/s; "
           f"tail compute {hot['tail'] * 1e3:.0f} / {disk['tail'] * 1e3:.0f} / {ex['tail'] * 1e3:.0f} ms "
           f"(hot / disk / example processes)")
-    print(f"ExampleConnector warm from page cache: cold {ex['cold'] * 1e3:.0f} ms, warm "
-          f"{ex['warm'] * 1e3:.0f} ms (median {ex['warm_median'] * 1e3:.0f}): "
-          f"cold/warm = {ex['cold'] / ex['warm']:.1f}x")
-    print(f"ExampleConnector warm from disk: cold {ex['cold_disk'] * 1e3:.0f} ms, warm "
-          f"{ex['warm_disk'] * 1e3:.0f} ms (median {ex['warm_disk_median'] * 1e3:.0f}): "
-          f"cold/warm = {ex['cold_disk'] / ex['warm_disk']:.1f}x")
-    print(f"lmkv warm from hot cache: cold {hot['cold'] * 1e3:.0f} ms, warm {hot['warm'] * 1e3:.0f} ms "
-          f"(median {hot['warm_median'] * 1e3:.0f}): cold/warm = {hot['cold'] / hot['warm']:.1f}x")
-    print(f"lmkv warm from disk, new process: cold {disk['cold'] * 1e3:.0f} ms, warm "
-          f"{disk['warm'] * 1e3:.0f} ms (median {disk['warm_median'] * 1e3:.0f}): "
-          f"cold/warm = {disk['cold'] / disk['warm']:.1f}x")
+    # the cold prefill is the same work in every process: its best time is the common baseline
+    cold = min(hot["cold"], disk["cold"], ex["cold"], ex["cold_disk"])
+    print(f"cold TTFT (best of all processes) {cold * 1e3:.0f} ms; per process: lmkv hot "
+          f"{hot['cold'] * 1e3:.0f}, lmkv disk {disk['cold'] * 1e3:.0f}, ExampleConnector "
+          f"{ex['cold'] * 1e3:.0f} / {ex['cold_disk'] * 1e3:.0f} ms")
+    for name, warm, median in [
+        ("ExampleConnector warm from page cache", ex["warm"], ex["warm_median"]),
+        ("ExampleConnector warm from disk", ex["warm_disk"], ex["warm_disk_median"]),
+        ("lmkv warm from hot cache", hot["warm"], hot["warm_median"]),
+        ("lmkv warm from disk, new process", disk["warm"], disk["warm_median"]),
+    ]:
+        print(f"{name}: warm {warm * 1e3:.0f} ms (median {median * 1e3:.0f}): cold/warm = {cold / warm:.1f}x")
     print(f"lmkv hot: floor {floor_hot * 1e3:.0f} ms (KV / memcpy + tail), warm {hot['warm'] * 1e3:.0f} ms: "
           f"warm/floor = {hot['warm'] / floor_hot:.2f}x")
     print(f"lmkv disk: floor {floor_disk * 1e3:.0f} ms (files / disk read + tail), warm "
