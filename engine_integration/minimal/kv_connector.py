@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -13,6 +12,7 @@ from lmkv.connector import SchedulerConnector, WorkerConnector
 from lmkv.engine import LMKVEngine
 from lmkv.layout import KVLayout
 from lmkv.metrics import LMKVMetrics
+from lmkv.model_id import model_fingerprint
 from lmkv.paged import BlockPagedMemory
 
 from .model_config import ModelConfig
@@ -61,17 +61,3 @@ class _LayerHooks:
     def after_attention(self, layer: int) -> None:
         self.worker.save_kv_layer(layer)
 
-
-def model_fingerprint(model_dir: Path) -> str:
-    """Identity of a checkpoint's weights, the same wherever it is copied: its config and
-    samples of every weight file (two fine-tunes of one architecture differ in the samples)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        size = path.stat().st_size
-        h.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as f:
-            for i in range(8):
-                f.seek(size * i // 8)
-                h.update(f.read(1 << 16))
-    return h.hexdigest()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -31,6 +31,7 @@ class WorkerConnector:
         self._layer_loaded: list[threading.Event] = []
         self._save_bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
         self._save_jobs: list[Future] = []
+        self.load_job: Future | None = None  # the running layer-wise load (layer-wise mode)
 
     def register_kv_caches(self, paged: PagedMemory) -> None:
         """The engine's paged KV memory, in whatever layout ``paged`` implements."""
@@ -54,13 +55,17 @@ class WorkerConnector:
         n = sum(len(s.chunks) * self.engine.chunk_size - sum(s.skips) for s in loads)
         self.engine.metrics.loaded_tokens.inc(n)
         if not self.layerwise:
-            for spec in loads:
-                for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips, strict=True):
-                    self.paged.load(buf.kv, slots, skip)
-                    buf.release()
+            try:
+                for spec in loads:
+                    for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips, strict=True):
+                        self.paged.load(buf.kv, slots, skip)
+            finally:  # a failed load still returns its chunks to the pool
+                for spec in loads:
+                    for buf in spec.chunks:
+                        buf.release()
             return
         self._layer_loaded = [threading.Event() for _ in range(self.engine.layout.num_layers)]
-        self._executor.submit(self._load_layers, loads, self._layer_loaded)
+        self.load_job = self._executor.submit(self._load_layers, loads, self._layer_loaded)
 
     def _load_layers(self, loads, events: list[threading.Event]) -> None:
         try:
@@ -100,23 +105,31 @@ class WorkerConnector:
         background and never waited for here."""
         if not self.meta.saves:
             return
-        if self.layerwise:
-            for job in self._save_jobs:
-                job.result()
-            bufs, self._save_bufs, self._save_jobs = self._save_bufs, [], []
-        else:
-            bufs = self._allocate_saves()
-            for _, buf, slots in bufs:
-                self.paged.save(slots, buf.kv)
-        for key, buf, _ in bufs:
-            self.engine.store(key, buf)
-            buf.release()
-        self.meta = ConnectorMetadata()
+        bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
+        try:
+            if self.layerwise:
+                bufs, self._save_bufs = self._save_bufs, []
+                jobs, self._save_jobs = self._save_jobs, []
+                wait(jobs)  # all gathers have stopped touching the buffers before any raises
+                for job in jobs:
+                    job.result()
+            else:
+                bufs = self._allocate_saves()
+                for _, buf, slots in bufs:
+                    self.paged.save(slots, buf.kv)
+            for key, buf, _ in bufs:
+                self.engine.store(key, buf)
+        finally:  # a failed gather stores nothing and still returns its buffers
+            for _, buf, _ in bufs:
+                buf.release()
+            self.meta = ConnectorMetadata()
 
     def _allocate_saves(self) -> list[tuple[str, ChunkBuffer, torch.Tensor]]:
         out = []
         for spec in self.meta.saves:
             for key, slots in zip(spec.keys, spec.slot_mappings, strict=True):
+                if self.engine.storage.hot.contains(key):  # stored already: skip the gather
+                    continue
                 buf = self.engine.allocate()
                 if buf is None:  # the hot cache is full of pinned chunks: skip this save
                     log.debug("lmkv: no free chunk slot; not saving %s", key)

@@ -1,0 +1,222 @@
+"""LMKVConnector: lmkv as a vLLM V1 KV connector.
+
+    --kv-transfer-config '{"kv_connector": "LMKVConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "lmkv_engines.vllm.connector",
+        "kv_connector_extra_config": {"chunk_size": 256, "local_disk": "/tmp/lmkv"}}'
+
+Configuration: lmkv's usual sources (defaults < YAML at LMKV_CONFIG_FILE < LMKV_* env),
+then ``kv_connector_extra_config`` on top, key for key (unknown keys fail, naming the key).
+
+vLLM builds this class twice per engine process, once per role; both delegate to lmkv's
+connector roles (``lmkv.connector``) over one LMKVEngine, so the scheduler finds what the
+worker stored. Loads are synchronous (done before the forward pass, or layer by layer with
+use_layerwise); saves gather the step's new full chunks into lmkv's hot cache at the end
+of the step, and lower tiers are written in the background. Any failure inside lmkv costs
+a recompute, never a failed request: lookups that fail report no hit, loads that fail
+report their blocks through get_block_ids_with_load_errors (set vLLM's
+``kv_load_failure_policy`` to "recompute"), and saves that fail store nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from lmkv.connector import ConnectorMetadata, SchedulerConnector, WorkerConnector
+
+from .engines import SharedEngines, engine_spec
+from .paged import StridedPagedMemory, cpu_paged_memory, gpu_paged_memory
+from .requests import RequestViews
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class LMKVConnectorMetadata(KVConnectorMetadata):
+    """lmkv's per-step metadata. It holds chunk buffers of this process's hot cache, so the
+    scheduler and the worker must share a process (tensor_parallel_size 1)."""
+
+    def __init__(self, meta: ConnectorMetadata):
+        self.meta = meta
+
+
+class LMKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self.spec = engine_spec(vllm_config, extra)
+        self.engine = SharedEngines.acquire(self.spec)
+        self.block_size = self.spec.block_size
+        self.scheduler: SchedulerConnector | None = None
+        self.worker: WorkerConnector | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerConnector(self.engine, self.block_size)
+            self.views = RequestViews()
+        else:
+            self.worker = WorkerConnector(self.engine)
+            self.layer_index: dict[str, int] = {}
+            self.paged: StridedPagedMemory | None = None
+            self._load_errors: set[int] = set()
+            self._save_failed = False
+        self._closed = False
+
+    # ==== scheduler role ================================================================
+    def on_new_request(self, request: Request) -> None:
+        try:
+            self.scheduler.on_new_request(self.views.get(request))
+        except Exception:
+            log.exception("lmkv: prefetch for request %s failed", request.request_id)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        view = self.views.get(request)
+        view.num_computed_tokens = num_computed_tokens
+        try:
+            n, _ = self.scheduler.get_num_new_matched_tokens(view, num_computed_tokens)
+        except Exception:
+            log.exception("lmkv: lookup for request %s failed; computing it", request.request_id)
+            self.engine.metrics.errors.labels("connector", "lookup").inc()
+            return 0, False
+        if n:
+            log.debug("lmkv: request %s: loading tokens [%d, %d) of %d", request.request_id,
+                      num_computed_tokens, num_computed_tokens + n, len(view.prompt_token_ids))
+        return n, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        view = self.views.get(request)
+        view.block_ids = list(blocks.get_block_ids()[0])
+        # vLLM has not added the local prefix-cache hit to request.num_computed_tokens yet;
+        # the view still holds it from get_num_new_matched_tokens
+        self.scheduler.update_state_after_alloc(view, view.block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = self.scheduler.build_connector_meta(self.views.scheduled(scheduler_output))
+        return LMKVConnectorMetadata(meta)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Saves finish within the step that computes a chunk, so the blocks are free now."""
+        view = self.views.pop(request.request_id)
+        if view is not None:
+            self.scheduler.request_finished(view)
+        return False, None
+
+    # ==== worker role ===================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+        from vllm.platforms import current_platform
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        self.layer_index = {name: i for i, name in enumerate(names)}
+        layers = [kv_caches[name] for name in names]  # each [num_blocks, Hkv, block_size, 2 * D]
+        if current_platform.is_cpu():
+            self.paged = cpu_paged_memory(layers)
+            _check_cpu_layout(self.paged, layers[0])
+        else:
+            self.paged = gpu_paged_memory([t.transpose(1, 2) for t in layers])
+        if self.paged.block_size != self.block_size:
+            raise ValueError(f"vLLM's KV blocks hold {self.paged.block_size} tokens, its config says "
+                             f"{self.block_size}")
+        self.worker.register_kv_caches(self.paged)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self.worker.meta
+        try:
+            self.worker.start_load_kv()
+        except Exception:
+            log.exception("lmkv: loading KV failed; vLLM recomputes those blocks")
+            self._failed_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(self.layer_index[layer_name])
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        if self._save_failed:
+            return
+        try:
+            self.worker.save_kv_layer(self.layer_index[layer_name])
+        except Exception:
+            log.exception("lmkv: saving layer %s failed; this step's chunks are not stored", layer_name)
+            self._save_failed = True
+
+    def wait_for_save(self) -> None:
+        meta = self.worker.meta
+        job = self.worker.load_job
+        if job is not None:  # layer-wise: the load has finished (every layer was waited for)
+            self.worker.load_job = None
+            if job.exception() is not None:
+                log.error("lmkv: loading KV failed (%s); vLLM recomputes those blocks", job.exception())
+                self._failed_loads(meta)
+        try:
+            if self._save_failed:
+                raise RuntimeError("a layer failed to save")
+            self.worker.wait_for_save()
+        except Exception as e:
+            log.warning("lmkv: saving KV failed (%s); those chunks will be recomputed next time", e)
+            self.engine.metrics.errors.labels("connector", "save").inc()
+            self.worker.meta = ConnectorMetadata()
+        finally:
+            self._save_failed = False
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, LMKVConnectorMetadata)
+        self.worker.bind_connector_metadata(connector_metadata.meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _failed_loads(self, meta: ConnectorMetadata) -> None:
+        self.engine.metrics.errors.labels("connector", "load").inc()
+        bs = self.block_size
+        for spec in meta.loads:
+            for slots, skip in zip(spec.slot_mappings, spec.skips, strict=True):
+                self._load_errors.update((slots[skip:] // bs).unique().tolist())
+
+    # ==== both ==========================================================================
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.worker is not None:
+            self.worker.close()
+        SharedEngines.release(self.spec)
+
+
+def _check_cpu_layout(paged: StridedPagedMemory, like: torch.Tensor) -> None:
+    """Write known K/V with vLLM's own CPU cache kernel into a scratch block and read them
+    back through ``paged``'s layout, so a kernel that lays pages out differently (another
+    CPU ISA, another vLLM version) fails here instead of corrupting outputs."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    _, h, bs, d2 = like.shape
+    d = d2 // 2
+    scratch = torch.zeros(1, h, bs, d2, dtype=like.dtype)
+    key = torch.arange(bs * h * d, dtype=torch.float32).view(bs, h, d).to(like.dtype)
+    value = -key - 1
+    halves = scratch.view(1, h, 2 * bs, d).chunk(2, dim=2)
+    isa = _get_attn_isa(like.dtype, bs, d)
+    ops.cpu_attn_reshape_and_cache(key, value, halves[0], halves[1], torch.arange(bs), isa)
+    probe = cpu_paged_memory([scratch])
+    chunk = torch.empty(2, 1, bs, h, d, dtype=like.dtype)
+    probe.save(torch.arange(bs), chunk)
+    if not (torch.equal(chunk[0, 0], key) and torch.equal(chunk[1, 0], value)):
+        raise NotImplementedError(
+            f"lmkv does not know the page layout of vLLM's CPU attention kernels for ISA {isa!r} "
+            f"(dtype {like.dtype}, block size {bs}, head_dim {d}); supported: the 'vec' layout")

@@ -1,0 +1,119 @@
+"""Which LMKVEngine a vLLM engine uses: its config, KV layout and model id, and the one
+instance per process that both connector roles share.
+
+vLLM constructs the scheduler role and the worker role separately, with nothing but the
+process in common; they must use one hot cache (the scheduler finds what the worker
+stored, and hands the worker pinned chunks of it). That is why this module keeps a
+process-wide table of engines, reference-counted by the roles using them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from lmkv.config import ConfigError, LMKVConfig, load_config
+from lmkv.engine import LMKVEngine
+from lmkv.layout import KVLayout
+from lmkv.model_id import model_fingerprint
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+_ROLES = {"kv_producer": "producer", "kv_consumer": "consumer"}  # vLLM's kv_role -> lmkv's
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    config: LMKVConfig
+    layout: KVLayout
+    model_id: str
+    block_size: int  # vLLM's tokens per KV block
+
+
+def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
+    """lmkv's view of a vLLM engine. ``extra``: kv_connector_extra_config, lmkv config keys
+    overriding the YAML/env settings; vLLM's kv_role kv_producer / kv_consumer sets lmkv's
+    kv_role unless ``extra`` does. Raises ConfigError naming a bad key or setting."""
+    role = _ROLES.get(getattr(vllm_config.kv_transfer_config, "kv_role", None))
+    if role and "kv_role" not in extra:  # vLLM's producer/consumer roles carry over to lmkv
+        extra = {**extra, "kv_role": role}
+    config = load_config(**extra)
+    if config.enable_blending:
+        raise ConfigError("lmkv config key enable_blending is not supported inside vLLM (CacheBlend needs "
+                          "the bundled engine's blended prefill); lmkv reuses prefixes here")
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if pc.world_size > 1:
+        raise ConfigError(
+            f"lmkv's vLLM connector runs with tensor_parallel_size 1 and pipeline_parallel_size 1 "
+            f"(got world size {pc.world_size}): its scheduler and worker roles share one process")
+    if cc.cache_dtype not in ("auto", None) and str(cc.cache_dtype) != str(mc.dtype).removeprefix("torch."):
+        raise ConfigError(f"lmkv stores KV in the model dtype; vLLM kv_cache_dtype {cc.cache_dtype} "
+                          "is not supported")
+    block_size = cc.block_size
+    if config.chunk_size % block_size:
+        raise ConfigError(
+            f"lmkv config key chunk_size {config.chunk_size} must be a multiple of vLLM's block "
+            f"size {block_size} (set chunk_size, or vLLM's --block-size)")
+    layout = KVLayout(mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype,
+                      config.chunk_size)
+    return EngineSpec(config, layout, model_id(mc.model, mc.revision), block_size)
+
+
+def model_id(model: str, revision: str | None = None) -> str:
+    """A local checkpoint directory is identified by its contents (the same id the bundled
+    engine uses); a hub name by name and revision."""
+    path = Path(model)
+    if (path / "config.json").is_file():
+        return model_fingerprint(path)
+    return f"hub:{model}@{revision or 'main'}"
+
+
+class SharedEngines:
+    """spec -> the process's LMKVEngine for it, with the number of roles using it."""
+
+    _engines: ClassVar[dict[EngineSpec, tuple[LMKVEngine, int]]] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def acquire(cls, spec: EngineSpec) -> LMKVEngine:
+        with cls._lock:
+            engine, users = cls._engines.get(spec, (None, 0))
+            if engine is None:
+                engine = LMKVEngine(spec.config, spec.layout, spec.model_id)
+            cls._engines[spec] = (engine, users + 1)
+            return engine
+
+    @classmethod
+    def release(cls, spec: EngineSpec) -> None:
+        with cls._lock:
+            engine, users = cls._engines.pop(spec, (None, 0))
+            if engine is None:
+                return
+            if users > 1:
+                cls._engines[spec] = (engine, users - 1)
+                return
+        engine.close()  # the last user: finish background writes
+
+    @classmethod
+    def close_all(cls) -> None:
+        """At interpreter exit: finish the background writes of engines whose roles vLLM did
+        not shut down (the I/O thread is a daemon and would be cut off)."""
+        with cls._lock:
+            engines = [engine for engine, _ in cls._engines.values()]
+            cls._engines.clear()
+        for engine in engines:
+            engine.close()
+
+    @classmethod
+    def engines(cls) -> list[LMKVEngine]:
+        """The live engines of this process (tests and benchmarks read their metrics)."""
+        with cls._lock:
+            return [engine for engine, _ in cls._engines.values()]
+
+
+atexit.register(SharedEngines.close_all)

@@ -1,0 +1,61 @@
+"""How the vLLM connector turns vLLM's config into lmkv's (no vLLM needed: a stand-in
+config with the attributes the connector reads)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lmkv.config import ConfigError
+from lmkv.model_id import model_fingerprint
+from lmkv_engines.vllm.engines import engine_spec
+
+
+def _vllm_config(model: str, block_size: int = 128, world_size: int = 1, cache_dtype: str = "auto",
+                 kv_role: str = "kv_both"):
+    mc = SimpleNamespace(model=model, revision=None, dtype=torch.float32, get_num_layers=lambda pc: 2,
+                         get_num_kv_heads=lambda pc: 1, get_head_size=lambda: 64)
+    return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(world_size=world_size),
+                           cache_config=SimpleNamespace(block_size=block_size, cache_dtype=cache_dtype),
+                           kv_transfer_config=SimpleNamespace(kv_role=kv_role))
+
+
+def test_extra_config_overrides_yaml_and_env(tmp_path, monkeypatch, tiny_model_dir):
+    yaml = tmp_path / "lmkv.yaml"
+    yaml.write_text("chunk_size: 512\nmax_local_cpu_size: 0.5\n")
+    monkeypatch.setenv("LMKV_CONFIG_FILE", str(yaml))
+    monkeypatch.setenv("LMKV_CACHE_SALT", "tenant-a")
+    spec = engine_spec(_vllm_config(str(tiny_model_dir)), {"chunk_size": 256})
+    assert spec.config.chunk_size == 256 and spec.config.max_local_cpu_size == 0.5
+    assert spec.config.cache_salt == "tenant-a"
+    assert spec.layout.chunk_shape == (2, 2, 256, 1, 64) and spec.block_size == 128
+    assert spec.model_id == model_fingerprint(tiny_model_dir)  # what the bundled engine uses
+
+
+def test_vllm_producer_and_consumer_roles_carry_over(monkeypatch):
+    monkeypatch.delenv("LMKV_CONFIG_FILE", raising=False)
+    assert engine_spec(_vllm_config("m"), {}).config.kv_role == "both"
+    assert engine_spec(_vllm_config("m", kv_role="kv_producer"), {}).config.kv_role == "producer"
+    assert engine_spec(_vllm_config("m", kv_role="kv_consumer"), {}).config.kv_role == "consumer"
+    assert engine_spec(_vllm_config("m", kv_role="kv_consumer"), {"kv_role": "both"}).config.kv_role == "both"
+
+
+def test_hub_names_are_keyed_by_name_and_revision():
+    spec = engine_spec(_vllm_config("org/model"), {})
+    assert spec.model_id == "hub:org/model@main"
+
+
+@pytest.mark.parametrize("extra, vllm, message", [
+    ({"chunk_sise": 256}, {}, "chunk_sise"),
+    ({"chunk_size": 192}, {}, "chunk_size 192 must be a multiple of vLLM's block size 128"),
+    ({}, {"world_size": 2}, "tensor_parallel_size 1"),
+    ({}, {"cache_dtype": "fp8"}, "kv_cache_dtype fp8"),
+    ({"enable_blending": True}, {}, "enable_blending"),
+    ({"remote_url": "nope://x"}, {}, "remote_url"),
+])
+def test_bad_settings_fail_naming_the_key(monkeypatch, extra, vllm, message):
+    monkeypatch.delenv("LMKV_CONFIG_FILE", raising=False)
+    with pytest.raises(ConfigError, match=message):
+        engine_spec(_vllm_config("org/model", **vllm), extra)

