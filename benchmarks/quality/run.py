@@ -1,6 +1,6 @@
 """Quality of a model directory, one line per metric:
 
-    python -m benchmarks.quality.run [--model DIR] [--model-b DIR] [--dtype-b bfloat16]
+    python -m benchmarks.quality.run --model DIR [--model-b DIR] [--dtype-b bfloat16]
 
 - perplexity (and bits per byte) on the held-out Python documentation topics;
 - QA accuracy on held-out multi-document prompts, single- and two-document questions
@@ -56,7 +56,7 @@ def qa_line(llm, name: str, n: int, docs: int, answer_docs: int, filler: tuple[i
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.quality.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="model directory (default: the engine's default model)")
+    p.add_argument("--model", required=True, help="a Hugging Face Llama directory")
     p.add_argument("--model-b", help="run B's model directory (default: --model)")
     p.add_argument("--dtype-b", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--qa-prompts", type=int, default=100, help="prompts per QA setting")
@@ -68,10 +68,6 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model is None:
-        from lmkv_engines.minimal.trained_model import trained_model_dir
-
-        args.model = str(trained_model_dir())
     start = time.perf_counter()
     llm = open_llm(args.model)
     print(f"model {args.model}", flush=True)
