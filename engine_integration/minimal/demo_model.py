@@ -1,8 +1,9 @@
-"""The out-of-the-box model: a small Llama with random weights and a BPE tokenizer trained
-on Python's bundled documentation, built deterministically offline and cached on disk.
+"""Random-weight Llamas with a BPE tokenizer trained on Python's bundled documentation,
+built deterministically offline and cached on disk (tests and shape benchmarks).
 
-It is a demo: its text is gibberish, but it exercises every code path of a real
-checkpoint (safetensors, config.json, tokenizer.json). Serve a real model with --model.
+Their text is gibberish, but they exercise every code path of a real checkpoint
+(safetensors, config.json, tokenizer.json) at any geometry. The engine's default model is
+the trained one (trained_model.py).
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ def random_weights(g: DemoGeometry) -> dict[str, torch.Tensor]:
     return w
 
 
-def train_tokenizer(vocab_size: int):
-    """Byte-level BPE trained on the documentation topics shipped with Python."""
+def train_tokenizer(vocab_size: int, texts: list[str] | None = None):
+    """Byte-level BPE trained on ``texts``, by default the documentation topics shipped
+    with Python."""
     import pydoc_data.topics
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -142,8 +144,10 @@ def train_tokenizer(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    topics = pydoc_data.topics.topics
-    tok.train_from_iterator((topics[k] for k in sorted(topics)), trainer=trainer)
+    if texts is None:
+        topics = pydoc_data.topics.topics
+        texts = [topics[k] for k in sorted(topics)]
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 

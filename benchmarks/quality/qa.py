@@ -1,0 +1,37 @@
+"""Held-out multi-document QA prompts: one question each, from a generator seeded apart from
+training's (training draws from seeds 0-3 of qa_data; these start at 1000)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from lmkv_engines.minimal import qa_data
+
+HELDOUT_SEED = 1000
+# ~500 tokens per document: 7 facts, each followed by 3 filler sentences (~21 tokens each)
+LONG_FILLER = (3, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class QAPrompt:
+    text: str  # documents, then "Q: ...? A:"
+    answer: str
+    num_documents: int  # how many documents the answer needs (1 or 2)
+
+
+def heldout_prompts(n: int, num_documents: int, answer_documents: int,
+                    filler_per_fact: tuple[int, int] = (0, 0), seed: int = HELDOUT_SEED) -> list[QAPrompt]:
+    """``n`` prompts of ``num_documents`` documents whose question needs ``answer_documents``
+    (1 or 2) of them. Filler is the training split's prose (the facts are what is held out)."""
+    if answer_documents not in (1, 2):
+        raise ValueError("answer_documents must be 1 or 2")
+    rng = random.Random(seed * 10 + answer_documents)
+    filler = qa_data.filler_sentences("train") if filler_per_fact[1] else None
+    out = []
+    for _ in range(n):
+        ex = qa_data.make_example(rng, num_documents, 1, filler, filler_per_fact,
+                                  two_doc_fraction=1.0 if answer_documents == 2 else 0.0)
+        q = ex.questions[0]
+        out.append(QAPrompt(ex.context() + q.text, q.answer, q.num_documents))
+    return out

@@ -1,0 +1,167 @@
+"""A synthetic multi-document question-answering task, and the English text beside it.
+
+Each document is an entity card about a made-up country: its capital, river, language,
+animal, export, and its neighbor (another country, described in another document):
+
+    Document 3: Zorvia. The capital of Zorvia is Melk. <filler> The river of Zorvia is Tal. ...
+
+A question asks for one attribute of one country (the answer is a word copied from that
+country's document), or for an attribute of a country's neighbor (the answer needs two
+documents: the first names the neighbor, the second holds the attribute):
+
+    Q: What is the capital of Zorvia? A: Melk
+    Q: What is the river of the neighbor of Zorvia? A: Dun
+
+Names and values are drawn from closed vocabularies of made-up words, fixed for all seeds,
+so that a model trained on one seed's examples is tested on another seed's examples with
+the same words but new facts. Filler sentences come from the documentation topics shipped
+with Python (``pydoc_data``), split by topic into a training and a held-out part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+from functools import cache
+
+ATTRIBUTES = ("capital", "river", "language", "animal", "export")
+NUM_COUNTRIES = 240
+NUM_VALUES = 80  # per attribute
+
+_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr",
+           "kr", "tr", "sh", "th", "pl", "st", "qu")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ou", "ea")
+_CODAS = ("", "n", "r", "l", "s", "th", "x", "m", "nd", "rk")
+
+
+@dataclass(frozen=True, slots=True)
+class Vocabulary:
+    countries: tuple[str, ...]
+    values: dict[str, tuple[str, ...]]  # attribute -> its closed set of words
+
+
+@dataclass(frozen=True, slots=True)
+class Country:
+    name: str
+    facts: dict[str, str]  # attribute -> value, plus "neighbor" -> another country's name
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    text: str  # "Q: What is the capital of Zorvia? A:"
+    answer: str  # "Melk"
+    num_documents: int  # 1 or 2: how many documents the answer needs
+
+
+@dataclass(frozen=True, slots=True)
+class QAExample:
+    documents: list[str]  # "Document i: ..." paragraphs, in prompt order
+    questions: list[Question]
+
+    def context(self) -> str:
+        return "\n\n".join(self.documents) + "\n\n"
+
+
+@cache
+def vocabulary() -> Vocabulary:
+    """The closed word lists (the same for every seed): distinct capitalized made-up words."""
+    rng = random.Random(1234)
+    seen: set[str] = set()
+
+    def words(n: int, syllables: tuple[int, ...], ending: str = "") -> tuple[str, ...]:
+        out = []
+        while len(out) < n:
+            w = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(rng.choice(syllables)))
+            w = (w + rng.choice(_CODAS) + ending).capitalize()
+            if w not in seen and len(w) <= 10:
+                seen.add(w)
+                out.append(w)
+        return tuple(out)
+
+    countries = words(NUM_COUNTRIES, (2,), ending="ia")
+    values = {a: words(NUM_VALUES, (1, 2)) for a in ATTRIBUTES}
+    return Vocabulary(countries, values)
+
+
+def make_example(
+    rng: random.Random,
+    num_documents: int,
+    num_questions: int,
+    filler: list[str] | None = None,
+    filler_per_fact: tuple[int, int] = (0, 0),
+    two_doc_fraction: float = 0.3,
+) -> QAExample:
+    """One prompt's documents and questions. Countries, facts and neighbors are random; each
+    fact may be followed by ``filler_per_fact`` = [lo, hi] filler sentences."""
+    vocab = vocabulary()
+    names = rng.sample(vocab.countries, num_documents)
+    countries = []
+    for i, name in enumerate(names):
+        facts = {a: rng.choice(vocab.values[a]) for a in ATTRIBUTES}
+        if num_documents > 1:
+            facts["neighbor"] = names[(i + rng.randrange(1, num_documents)) % num_documents]
+        countries.append(Country(name, facts))
+    by_name = {c.name: c for c in countries}
+    documents = [
+        _document(i + 1, c, rng, filler, filler_per_fact) for i, c in enumerate(countries)
+    ]
+    questions = []
+    for _ in range(num_questions):
+        c = rng.choice(countries)
+        attr = rng.choice(ATTRIBUTES)
+        if num_documents > 1 and rng.random() < two_doc_fraction:
+            other = by_name[c.facts["neighbor"]]
+            questions.append(Question(f"Q: What is the {attr} of the neighbor of {c.name}? A:",
+                                      other.facts[attr], 2))
+        else:
+            questions.append(Question(f"Q: What is the {attr} of {c.name}? A:", c.facts[attr], 1))
+    return QAExample(documents, questions)
+
+
+def _document(index: int, c: Country, rng: random.Random, filler: list[str] | None,
+              filler_per_fact: tuple[int, int]) -> str:
+    facts = [f"The {a} of {c.name} is {v}." for a, v in c.facts.items()]
+    rng.shuffle(facts)
+    parts = [f"Document {index}: {c.name}."]
+    for fact in facts:
+        parts.append(fact)
+        if filler:
+            parts.extend(rng.choice(filler) for _ in range(rng.randint(*filler_per_fact)))
+    return " ".join(parts)
+
+
+def training_text(example: QAExample) -> str:
+    """Documents, then every question with its answer, one per line."""
+    qa = "\n".join(f"{q.text} {q.answer}" for q in example.questions)
+    return example.context() + qa + "\n"
+
+
+# ---- English text: Python's documentation topics ------------------------------------------
+def pydoc_topics(split: str) -> list[str]:
+    """The documentation topics of one split: "train" (~90%) or "heldout" (~10%, by topic
+    name hash, so the split does not depend on the Python version's set of topics)."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    keep = []
+    for name in sorted(topics):
+        heldout = hashlib.sha256(name.encode()).digest()[0] < 26  # ~10%
+        if heldout == (split == "heldout"):
+            keep.append(topics[name])
+    return keep
+
+
+def filler_sentences(split: str) -> list[str]:
+    """Prose sentences (no code) of 40-200 characters from one split of the topics."""
+    out = []
+    for text in pydoc_topics(split):
+        for para in text.split("\n\n"):
+            if para.startswith((" ", "\t")) or ">>>" in para:
+                continue  # code and examples
+            flat = " ".join(para.split())
+            for s in re.split(r"(?<=[.!?])\s+", flat):
+                if 40 <= len(s) <= 200 and s[0].isupper() and s.endswith("."):
+                    out.append(s)
+    return out

@@ -1,0 +1,76 @@
+"""The training script (a few steps): its directory loads in the engine and in transformers
+with the same logits and token ids; the quality probe on the engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.quality import metrics
+from benchmarks.quality.probe import greedy, open_llm, prefill
+from benchmarks.quality.qa import heldout_prompts
+from lmkv_engines.minimal.llm import LLM
+from lmkv_engines.minimal.trained_model import TrainConfig, train
+
+TINY = TrainConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                   num_kv_heads=1, max_position_embeddings=512, seq_len=64, batch_size=2, steps=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    train(TINY, out, log_every=1)
+    return out
+
+
+def _hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_training_writes_a_hugging_face_llama_directory(tiny_trained, capsys):
+    config = json.loads((tiny_trained / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["hidden_size"], config["num_key_value_heads"], config["head_dim"]) == (64, 1, 32)
+    info = json.loads((tiny_trained / "training.json").read_text())
+    assert info["steps"] == 2 and info["final_loss"] > 0
+    names = {p.name for p in tiny_trained.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+
+
+def test_engine_and_transformers_load_it_with_the_same_logits_and_tokens(tiny_trained):
+    from transformers import AutoTokenizer
+
+    text = heldout_prompts(1, 3, 2, seed=3)[0].text
+    with LLM(str(tiny_trained), kv_cache_memory=4 << 20, max_model_len=512) as llm:
+        ids = llm.tokenizer.encode(text)
+        assert AutoTokenizer.from_pretrained(tiny_trained)(text)["input_ids"] == ids
+        got = prefill(llm, ids).logits
+    torch.testing.assert_close(got, _hf_logits(tiny_trained, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_training_goes_on_from_a_saved_model(tiny_trained, tmp_path):
+    train(TINY, tmp_path, log_every=1, init=tiny_trained)
+    a = json.loads((tiny_trained / "tokenizer.json").read_text())
+    b = json.loads((tmp_path / "tokenizer.json").read_text())
+    assert a["model"]["vocab"] == b["model"]["vocab"]  # the tokenizer is kept
+
+
+def test_two_identical_runs_measure_as_identical(tiny_model_dir):
+    with open_llm(str(tiny_model_dir), max_len=1024, kv_cache_memory=16 << 20) as llm:
+        mc = llm.engine.model_config
+        ids = llm.tokenizer.encode(heldout_prompts(1, 3, 1, seed=9)[0].text)
+        a, b = prefill(llm, ids), prefill(llm, ids)
+        assert a.logits.shape == (len(ids), mc.vocab_size)
+        assert a.kv[0].shape == (2, len(ids), mc.num_kv_heads, mc.head_dim)
+        assert metrics.kl_divergence(a.logits, b.logits) == 0.0
+        assert metrics.layer_relative_error(a.kv, b.kv) == [0.0] * mc.num_layers
+        first, second = greedy(llm, [ids], 8), greedy(llm, [ids], 8)
+        assert metrics.agreement(first[0], second[0]) == metrics.Agreement(1.0, None, 8)
+        # causal: the KV of a prompt's first T-1 tokens does not depend on the T-th
+        assert torch.equal(prefill(llm, ids[:-1]).kv[0], a.kv[0][:, :-1])

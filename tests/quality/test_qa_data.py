@@ -1,0 +1,47 @@
+"""The synthetic QA task: answers sit in the documents a question names."""
+
+from __future__ import annotations
+
+import random
+import re
+
+from benchmarks.quality.qa import heldout_prompts
+from lmkv_engines.minimal import qa_data
+
+
+def _documents(text: str) -> dict[str, str]:
+    """country -> its document, from a prompt's text."""
+    docs = re.findall(r"Document \d+: (\w+)\.(.*?)(?=\n\nDocument|\n\nQ:|\n\n$)", text, re.S)
+    return dict(docs)
+
+
+def test_single_and_two_document_answers_come_from_the_right_documents():
+    for p in heldout_prompts(30, 5, 1):
+        country = re.search(r"What is the (\w+) of (\w+)\? A:$", p.text)
+        attr, name = country.groups()
+        assert f"The {attr} of {name} is {p.answer}." in _documents(p.text)[name]
+    for p in heldout_prompts(30, 5, 2):
+        attr, name = re.search(r"What is the (\w+) of the neighbor of (\w+)\? A:$", p.text).groups()
+        docs = _documents(p.text)
+        neighbor = re.search(rf"The neighbor of {name} is (\w+)\.", docs[name]).group(1)
+        assert neighbor != name
+        assert f"The {attr} of {neighbor} is {p.answer}." in docs[neighbor]
+        assert p.num_documents == 2
+
+
+def test_vocabularies_are_closed_distinct_and_seed_independent():
+    v = qa_data.vocabulary()
+    words = list(v.countries) + [w for ws in v.values.values() for w in ws]
+    want = qa_data.NUM_COUNTRIES + len(qa_data.ATTRIBUTES) * qa_data.NUM_VALUES
+    assert len(words) == len(set(words)) == want
+    a = qa_data.make_example(random.Random(1), 4, 3)
+    b = qa_data.make_example(random.Random(1), 4, 3)
+    assert a == b
+    assert heldout_prompts(3, 4, 1) == heldout_prompts(3, 4, 1)
+    assert heldout_prompts(3, 4, 1) != heldout_prompts(3, 4, 1, seed=7)
+
+
+def test_text_splits_are_disjoint():
+    train, heldout = qa_data.pydoc_topics("train"), qa_data.pydoc_topics("heldout")
+    assert heldout and len(train) > 5 * len(heldout)
+    assert not set(train) & set(heldout)
