@@ -7,18 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+from .model import RMSNorm
 
 
 class Attention(nn.Module):
@@ -57,8 +46,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(hidden, heads, kv_heads)
         self.mlp = MLP(hidden, intermediate)
-        self.input_layernorm = RMSNorm(hidden)
-        self.post_attention_layernorm = RMSNorm(hidden)
+        self.input_layernorm = RMSNorm(hidden, 1e-5)
+        self.post_attention_layernorm = RMSNorm(hidden, 1e-5)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -73,7 +62,7 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(hidden, intermediate, heads, kv_heads) for _ in range(layers)
         )
-        self.norm = RMSNorm(hidden)
+        self.norm = RMSNorm(hidden, 1e-5)
 
 
 class TrainLlama(nn.Module):

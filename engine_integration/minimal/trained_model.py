@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from . import qa_data
+from .demo_model import default_cache_dir
 from .train_llama import TrainLlama, pose_positions
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,7 @@ def ensure_trained_model(cache_dir: Path | None = None, cfg: TrainConfig | None 
     """The trained model's directory under ``cache_dir`` (default $LMKV_CACHE_DIR/models or
     ~/.cache/lmkv/models), training it on first use: tens of minutes."""
     cfg = cfg or TrainConfig()
-    root = os.environ.get("LMKV_CACHE_DIR") or Path.home() / ".cache" / "lmkv"
-    cache_dir = cache_dir or Path(root) / "models"
+    cache_dir = cache_dir or default_cache_dir()
     tag = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:10]
     path = cache_dir / f"lmkv-tiny-qa-{tag}"
     if (path / "model.safetensors").is_file():
