@@ -21,25 +21,37 @@ def paged_to_chunk(
     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int = 0
 ) -> None:
     for rows, pages, lo in _spans(kv_cache, _slots(kv_cache, slot_mapping, 0), skip):
-        n = rows.shape[0] * _per_row(pages)
+        if pages.dim() == 6:  # whole blocks: one strided copy per block, all layers at once
+            bs = pages.shape[3]
+            for i, block in enumerate(rows.tolist()):
+                span = slice(lo + i * bs, lo + (i + 1) * bs)
+                chunk[:, :, span].copy_(pages[:, :, block].transpose(0, 1))
+            continue
+        n = rows.shape[0]
         for layer in range(kv_cache.shape[0]):
             for kv in range(2):
                 out = chunk[kv, layer, lo : lo + n]
                 if out.is_contiguous() and out.dtype == pages.dtype:
-                    torch.index_select(pages[layer, kv], 0, rows, out=out.view(-1, *pages.shape[3:]))
+                    torch.index_select(pages[layer, kv], 0, rows, out=out)
                 else:
-                    out.copy_(pages[layer, kv].index_select(0, rows).view(out.shape))
+                    out.copy_(pages[layer, kv].index_select(0, rows))
 
 
 def chunk_to_paged(
     chunk: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, skip: int = 0
 ) -> None:
     for rows, pages, lo in _spans(kv_cache, _slots(kv_cache, slot_mapping, 0), skip):
-        n = rows.shape[0] * _per_row(pages)
+        if pages.dim() == 6:  # whole blocks: one strided copy per block, all layers at once
+            bs = pages.shape[3]
+            for i, block in enumerate(rows.tolist()):
+                span = slice(lo + i * bs, lo + (i + 1) * bs)
+                pages[:, :, block].copy_(chunk[:, :, span].transpose(0, 1))
+            continue
+        n = rows.shape[0]
         for layer in range(kv_cache.shape[0]):
             for kv in range(2):
                 src = chunk[kv, layer, lo : lo + n].to(kv_cache.dtype)
-                pages[layer, kv].index_copy_(0, rows, src.reshape(-1, *pages.shape[3:]))
+                pages[layer, kv].index_copy_(0, rows, src)
 
 
 def _spans(kv_cache: torch.Tensor, slots: torch.Tensor, skip: int):
@@ -66,9 +78,6 @@ def _spans(kv_cache: torch.Tensor, slots: torch.Tensor, skip: int):
     yield body, per_token, head
 
 
-def _per_row(pages: torch.Tensor) -> int:
-    """Tokens per row of ``pages``: block_size for the block view, 1 for the slot view."""
-    return pages.shape[3] if pages.dim() == 6 else 1
 
 
 def paged_to_chunk_vllm(
