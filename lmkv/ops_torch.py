@@ -20,38 +20,36 @@ def _slots(kv_cache_like: torch.Tensor, slot_mapping: torch.Tensor, skip: int) -
 def paged_to_chunk(
     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int = 0
 ) -> None:
-    for rows, pages, lo in _spans(kv_cache, _slots(kv_cache, slot_mapping, 0), skip):
-        if pages.dim() == 6:  # whole blocks: one strided copy per block, all layers at once
-            bs = pages.shape[3]
-            for i, block in enumerate(rows.tolist()):
-                span = slice(lo + i * bs, lo + (i + 1) * bs)
-                chunk[:, :, span].copy_(pages[:, :, block].transpose(0, 1))
-            continue
-        n = rows.shape[0]
-        for layer in range(kv_cache.shape[0]):
-            for kv in range(2):
-                out = chunk[kv, layer, lo : lo + n]
-                if out.is_contiguous() and out.dtype == pages.dtype:
-                    torch.index_select(pages[layer, kv], 0, rows, out=out)
-                else:
-                    out.copy_(pages[layer, kv].index_select(0, rows))
+    _transfer(kv_cache, slot_mapping, chunk, skip, to_paged=False)
 
 
 def chunk_to_paged(
     chunk: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, skip: int = 0
 ) -> None:
+    _transfer(kv_cache, slot_mapping, chunk, skip, to_paged=True)
+
+
+def _transfer(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int,
+              to_paged: bool) -> None:
+    """Copy tokens [skip, T) between the chunk and paged memory, in either direction."""
     for rows, pages, lo in _spans(kv_cache, _slots(kv_cache, slot_mapping, 0), skip):
         if pages.dim() == 6:  # whole blocks: one strided copy per block, all layers at once
             bs = pages.shape[3]
             for i, block in enumerate(rows.tolist()):
-                span = slice(lo + i * bs, lo + (i + 1) * bs)
-                pages[:, :, block].copy_(chunk[:, :, span].transpose(0, 1))
+                paged = pages[:, :, block]  # [L, 2, bs, Hkv, D]
+                mine = chunk[:, :, lo + i * bs : lo + (i + 1) * bs].transpose(0, 1)
+                (paged if to_paged else mine).copy_(mine if to_paged else paged)
             continue
         n = rows.shape[0]
         for layer in range(kv_cache.shape[0]):
             for kv in range(2):
-                src = chunk[kv, layer, lo : lo + n].to(kv_cache.dtype)
-                pages[layer, kv].index_copy_(0, rows, src)
+                mine = chunk[kv, layer, lo : lo + n]
+                if to_paged:
+                    pages[layer, kv].index_copy_(0, rows, mine.to(kv_cache.dtype))
+                elif mine.is_contiguous() and mine.dtype == pages.dtype:
+                    torch.index_select(pages[layer, kv], 0, rows, out=mine)
+                else:
+                    mine.copy_(pages[layer, kv].index_select(0, rows))
 
 
 def _spans(kv_cache: torch.Tensor, slots: torch.Tensor, skip: int):

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,11 +54,17 @@ def ensure_demo_model(geometry: DemoGeometry | None = None, cache_dir: Path | No
     if (path / "model.safetensors").is_file():
         return path
     log.info("building the demo model in %s (first use only)", path)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".building-"))
+    return build_atomically(path, lambda out: build_demo_model(out, geometry))
+
+
+def build_atomically(path: Path, build: Callable[[Path], None]) -> Path:
+    """Run ``build`` into a temporary directory beside ``path`` and rename it into place, so
+    a crash or a concurrent builder never leaves a half-written model at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".building-"))
     tmp.chmod(0o755)
     try:
-        build_demo_model(tmp, geometry)
+        build(tmp)
         try:
             tmp.rename(path)
         except OSError:  # another process finished first

@@ -23,8 +23,6 @@ import json
 import logging
 import math
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import qa_data
-from .demo_model import default_cache_dir
+from .demo_model import build_atomically, default_cache_dir
 from .train_llama import TrainLlama, pose_positions
 
 log = logging.getLogger(__name__)
@@ -48,18 +46,7 @@ def ensure_trained_model(cache_dir: Path | None = None, cfg: TrainConfig | None 
     if (path / "model.safetensors").is_file():
         return path
     log.warning("training the small QA model in %s (first use only; tens of minutes)", path)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".training-"))
-    try:
-        train(cfg, tmp)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process finished first
-            if not (path / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return build_atomically(path, lambda out: train(cfg, out))
 
 
 @dataclass(frozen=True)
