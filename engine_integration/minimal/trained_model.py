@@ -65,7 +65,8 @@ class TrainConfig:
     lr: float = 3e-3
     warmup: int = 40
     weight_decay: float = 0.1
-    text_fraction: float = 0.2  # sequences of documentation text; the rest are QA prompts
+    text_fraction: float = 0.2  # sequences of documentation text
+    recall_fraction: float = 0.0  # key-value recall drills (teach copying from context)
     question_tokens: int = 96  # QA sequences keep at least this much room for questions
     qa_filler: tuple[int, ...] = (0, 0, 1)  # most filler sentences per fact, drawn per sequence
     context_weight: float = 0.1  # loss weight of QA tokens other than answers (answers: 1)
@@ -104,13 +105,39 @@ class Batches:
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B, T] and the loss weight of each token [B, T]."""
-        rows = [self._text() if self.rng.random() < self.cfg.text_fraction else self._qa()
-                for _ in range(self.cfg.batch_size)]
+        rows = []
+        for _ in range(self.cfg.batch_size):
+            r = self.rng.random()
+            if r < self.cfg.text_fraction:
+                rows.append(self._text())
+            elif r < self.cfg.text_fraction + self.cfg.recall_fraction:
+                rows.append(self._recall())
+            else:
+                rows.append(self._qa())
         return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
 
     def _text(self) -> tuple[list[int], list[float]]:
         start = self.rng.randrange(len(self.text) - self.cfg.seq_len)
         return self.text[start : start + self.cfg.seq_len], [1.0] * self.cfg.seq_len
+
+    def _recall(self) -> tuple[list[int], list[float]]:
+        """"Zorvia: Melk. Tarnia: Dun. ..." then the same keys, in another order, each
+        followed by its value: the plainest form of copying an answer from the context."""
+        vocab = qa_data.vocabulary()
+        n = self.cfg.seq_len
+        pairs = []
+        ids: list[int] = []
+        while len(ids) < n // 2:
+            key = self.rng.choice(vocab.countries)
+            value = self.rng.choice(vocab.values[self.rng.choice(qa_data.ATTRIBUTES)])
+            pairs.append((self.tok.encode(f" {key}:").ids, self.tok.encode(f" {value}.").ids))
+            ids += pairs[-1][0] + pairs[-1][1]
+        weights = [self.cfg.context_weight] * len(ids)
+        while len(ids) < n:
+            key, value = self.rng.choice(pairs)
+            ids += key + value
+            weights += [self.cfg.context_weight] * len(key) + [1.0] * (len(value) - 1) + [0.1]
+        return ids[:n], weights[:n]
 
     def _qa(self) -> tuple[list[int], list[float]]:
         n = self.cfg.seq_len
@@ -182,15 +209,19 @@ def train(cfg: TrainConfig, out_dir: Path, log_every: int = 25, save_every: int 
                                                 reduction="none")
         w = weights[:, 1:].flatten()
         loss = (nll * w).sum() / w.sum()
+        answers = w == 1.0
+        hits = (logits.detach().argmax(-1).flatten() == ids[:, 1:].flatten())[answers]
+        acc = hits.float().mean().item() if hits.numel() else 0.0
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         smooth = loss.item() if smooth is None else 0.9 * smooth + 0.1 * loss.item()
+        smooth_acc = acc if step == 1 else 0.9 * smooth_acc + 0.1 * acc
         if step % log_every == 0 or step == cfg.steps:
             took = time.perf_counter() - start
             rate = step * cfg.batch_size * cfg.seq_len / took
-            print(f"step {step}/{cfg.steps} loss {smooth:.3f} lr {lr:.2e} {rate:.0f} tok/s "
+            print(f"step {step}/{cfg.steps} loss {smooth:.3f} answer acc {smooth_acc:.2f} lr {lr:.2e} {rate:.0f} tok/s "
                   f"{took / 60:.1f} min", flush=True)
         if save_every and step % save_every == 0 and step < cfg.steps:
             save(model, tok, cfg, out_dir, {"step": step, "final_loss": round(smooth, 4)})

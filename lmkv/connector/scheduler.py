@@ -66,16 +66,20 @@ class SchedulerConnector:
         self._unpin(st)
         if not self.loads:
             return 0, False
+        c = self.engine.chunk_size
         usable = self._usable_chunks(request)
-        chunks = self.engine.fetch(st.keys[:usable]) if usable else []
-        hit = len(chunks) * self.engine.chunk_size
-        self.engine.metrics.record_lookup(len(request.prompt_token_ids), hit)
-        st.saved_chunks = max(st.saved_chunks, len(chunks))
-        st.lossy = st.lossy or any(b.lossy for b in chunks[num_computed_tokens // self.engine.chunk_size:])
-        first = num_computed_tokens // self.engine.chunk_size  # chunks below are all local
-        for buf in chunks[:first]:
-            buf.release()
-        st.pinned, st.pinned_from = chunks[first:], first
+        # Chunks wholly below num_computed_tokens are in the engine's own prefix cache: only
+        # ask whether lmkv has them (for the hit metric and to skip re-saving them); fetch
+        # from the first chunk the engine lacks.
+        first = min(num_computed_tokens // c, usable)
+        below = self.engine.lookup(st.keys[:first]) if first else 0
+        chunks = self.engine.fetch(st.keys[first:usable]) if usable > first else []
+        found = first + len(chunks) if chunks else below
+        self.engine.metrics.record_lookup(len(request.prompt_token_ids), found * c)
+        st.saved_chunks = max(st.saved_chunks, found)
+        st.lossy = st.lossy or any(b.lossy for b in chunks)
+        st.pinned, st.pinned_from = chunks, first
+        hit = (first + len(chunks)) * c
         if hit <= num_computed_tokens:
             self._unpin(st)
             return 0, False

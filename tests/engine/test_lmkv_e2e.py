@@ -107,6 +107,29 @@ def test_partial_prefix_hits_and_engine_prefix_cache_together(tiny_model_dir, tm
         assert out.num_cached_tokens == 48 and out.num_external_tokens == 192 - 48
 
 
+def test_chunks_the_engine_has_are_not_fetched_again(tiny_model_dir, tmp_path):
+    """With the engine's prefix cache holding the first chunks, lmkv fetches only the chunks
+    beyond them from its tiers (and still counts the ones below as stored)."""
+    base = prompts(n=1, length=200, seed=7)[0]
+    _fill = lmkv_llm(tiny_model_dir, tmp_path / "disk")
+    want = _fill.generate([base], GREEDY)[0].output_token_ids
+    _fill.close()
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", prefix_caching=True) as llm:
+        lmkv = llm.engine.kv_connector.engine
+        fetched: list[str] = []
+        real_fetch = lmkv.fetch
+        lmkv.fetch = lambda keys: fetched.extend(keys) or real_fetch(keys)
+        llm.generate([base[: 2 * CHUNK + 1]], GREEDY)  # chunks 0, 1 now in the engine's cache
+        lmkv.storage.hot.clear()
+        fetched.clear()
+        out = llm.generate([base], GREEDY)[0]
+        assert out.output_token_ids == want
+        assert out.num_cached_tokens == 2 * CHUNK
+        assert out.num_external_tokens == _full_chunks(base) - 2 * CHUNK
+        stored = lmkv.keys(base[: _full_chunks(base)])
+        assert fetched == stored[2:], "chunks below the engine's prefix hit were fetched again"
+
+
 def test_many_concurrent_requests_under_memory_pressure(tiny_model_dir, reference):
     # 4 chunks of hot cache for 6 prompts of 6-7 chunks: constant eviction
     chunk_bytes = 2 * 2 * CHUNK * 1 * 64 * 4
