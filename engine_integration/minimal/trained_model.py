@@ -67,6 +67,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     text_fraction: float = 0.2  # sequences of documentation text
     recall_fraction: float = 0.0  # key-value recall drills (teach copying from context)
+    copy_fraction: float = 0.0  # repeated random spans (every repeated token supervised)
     question_tokens: int = 96  # QA sequences keep at least this much room for questions
     qa_filler: tuple[int, ...] = (0, 0, 1)  # most filler sentences per fact, drawn per sequence
     context_weight: float = 0.1  # loss weight of QA tokens other than answers (answers: 1)
@@ -105,20 +106,24 @@ class Batches:
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B, T] and the loss weight of each token [B, T]."""
-        rows = []
-        for _ in range(self.cfg.batch_size):
-            r = self.rng.random()
-            if r < self.cfg.text_fraction:
-                rows.append(self._text())
-            elif r < self.cfg.text_fraction + self.cfg.recall_fraction:
-                rows.append(self._recall())
-            else:
-                rows.append(self._qa())
+        cfg = self.cfg
+        mix = {"text": cfg.text_fraction, "recall": cfg.recall_fraction, "copy": cfg.copy_fraction}
+        mix["qa"] = 1.0 - sum(mix.values())
+        self.kinds = self.rng.choices(list(mix), weights=list(mix.values()), k=cfg.batch_size)
+        rows = [getattr(self, f"_{kind}")() for kind in self.kinds]
         return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
 
     def _text(self) -> tuple[list[int], list[float]]:
         start = self.rng.randrange(len(self.text) - self.cfg.seq_len)
         return self.text[start : start + self.cfg.seq_len], [1.0] * self.cfg.seq_len
+
+    def _copy(self) -> tuple[list[int], list[float]]:
+        """A span of random tokens, then the same span again: the repeat is predictable only
+        by looking back for the current token and copying what followed it."""
+        n = self.cfg.seq_len
+        span = [self.rng.randrange(256, self.cfg.vocab_size) for _ in range(n // 2)]
+        ids = (span * 2 + span[:1])[:n]
+        return ids, [0.0] * (len(span) + 1) + [1.0] * (n - len(span) - 1)
 
     def _recall(self) -> tuple[list[int], list[float]]:
         """"Zorvia: Melk. Tarnia: Dun. ..." then the same keys, in another order, each
@@ -195,7 +200,7 @@ def train(cfg: TrainConfig, out_dir: Path, log_every: int = 25, save_every: int 
     print(f"training {nparams / 1e6:.2f}M parameters for {cfg.steps} steps of "
           f"{cfg.batch_size}x{cfg.seq_len} tokens", flush=True)
     start = time.perf_counter()
-    smooth = None
+    smooth = smooth_acc = None
     for step in range(1, cfg.steps + 1):
         lr = cfg.lr * min(1.0, step / cfg.warmup)
         lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
@@ -209,7 +214,8 @@ def train(cfg: TrainConfig, out_dir: Path, log_every: int = 25, save_every: int 
                                                 reduction="none")
         w = weights[:, 1:].flatten()
         loss = (nll * w).sum() / w.sum()
-        answers = w == 1.0
+        qa_rows = torch.tensor([k == "qa" for k in batches.kinds])[:, None].expand_as(weights[:, 1:])
+        answers = (w == 1.0) & qa_rows.flatten()
         hits = (logits.detach().argmax(-1).flatten() == ids[:, 1:].flatten())[answers]
         acc = hits.float().mean().item() if hits.numel() else 0.0
         opt.zero_grad(set_to_none=True)
@@ -217,12 +223,12 @@ def train(cfg: TrainConfig, out_dir: Path, log_every: int = 25, save_every: int 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         smooth = loss.item() if smooth is None else 0.9 * smooth + 0.1 * loss.item()
-        smooth_acc = acc if step == 1 else 0.9 * smooth_acc + 0.1 * acc
+        smooth_acc = acc if smooth_acc is None else 0.9 * smooth_acc + 0.1 * acc
         if step % log_every == 0 or step == cfg.steps:
             took = time.perf_counter() - start
             rate = step * cfg.batch_size * cfg.seq_len / took
-            print(f"step {step}/{cfg.steps} loss {smooth:.3f} answer acc {smooth_acc:.2f} lr {lr:.2e} {rate:.0f} tok/s "
-                  f"{took / 60:.1f} min", flush=True)
+            print(f"step {step}/{cfg.steps} loss {smooth:.3f} QA answer-token acc {smooth_acc:.2f} "
+                  f"lr {lr:.2e} {rate:.0f} tok/s {took / 60:.1f} min", flush=True)
         if save_every and step % save_every == 0 and step < cfg.steps:
             save(model, tok, cfg, out_dir, {"step": step, "final_loss": round(smooth, 4)})
     seconds = time.perf_counter() - start
