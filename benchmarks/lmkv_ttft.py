@@ -41,10 +41,22 @@ def ttft(llm: LLM, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def lmkv_llm(model_dir: Path, disk: Path, chunk: int) -> LLM:
-    cfg = load_config(env={}, chunk_size=chunk, max_local_cpu_size=2.0, local_disk=str(disk),
-                      max_local_disk_size=4.0)
+def tail_ttft(engine: LLM, prompt: list[int], hit: int) -> float:
+    """TTFT with exactly tokens [0, hit) in the engine's own prefix cache (it must have
+    prefix caching on): the compute part of a load's floor."""
+    engine.engine.block_manager.reset_prefix_cache()
+    engine.generate([prompt[: hit + 1]], FIRST_TOKEN)
+    return ttft(engine, prompt)
+
+
+def lmkv_llm(model_dir: Path, chunk: int, cpu_gb: float = 2.0, **lmkv) -> LLM:
+    """The engine with lmkv (``lmkv``: more config keys) and no prefix cache of its own."""
+    cfg = load_config(env={}, chunk_size=chunk, max_local_cpu_size=cpu_gb, **lmkv)
     return LLM(str(model_dir), lmkv_config=cfg, kv_cache_memory=1 << 30, enable_prefix_caching=False)
+
+
+def disk_llm(model_dir: Path, disk: Path, chunk: int) -> LLM:
+    return lmkv_llm(model_dir, chunk, local_disk=str(disk), max_local_disk_size=4.0)
 
 
 def drop_page_cache(paths: list[Path]) -> None:
@@ -82,7 +94,7 @@ def memcpy_gbps(nbytes: int) -> float:
 
 def child(args) -> None:
     """A fresh process: TTFT of the prompt with only the disk tier holding its chunks."""
-    llm = lmkv_llm(args.model_dir, args.disk, args.chunk)
+    llm = disk_llm(args.model_dir, args.disk, args.chunk)
     prompt = random_prompt(args.prompt_len, 32000, seed=0)
     drop_page_cache(sorted(args.disk.glob("*.kv")))
     t = ttft(llm, prompt)
@@ -111,7 +123,7 @@ def main() -> None:
     disk = tmp / "disk"
 
     plain = LLM(str(model_dir), kv_cache_memory=1 << 30, enable_prefix_caching=False)
-    llm = lmkv_llm(model_dir, disk, args.chunk)
+    llm = disk_llm(model_dir, disk, args.chunk)
     lay = llm.engine.kv_connector.engine.layout
     print(f"prompt {n} tokens, chunk {args.chunk}, KV {lay.bytes_per_token * n / 1e6:.1f} MB "
           f"({lay.num_layers} layers, {lay.num_kv_heads} KV heads, {lay.dtype}); "
@@ -137,14 +149,7 @@ def main() -> None:
 
     # the floor's compute part: the uncached tail over a cached prefix (engine prefix cache)
     tail_engine = LLM(str(model_dir), kv_cache_memory=1 << 30)
-
-    def tail() -> float:
-        """TTFT with exactly tokens [0, hit) in the engine's own prefix cache."""
-        tail_engine.engine.block_manager.reset_prefix_cache()
-        tail_engine.generate([prompt[: hit + 1]], FIRST_TOKEN)
-        return ttft(tail_engine, prompt)
-
-    t_tail = statistics.median([tail() for _ in range(reps)])
+    t_tail = statistics.median([tail_ttft(tail_engine, prompt, hit) for _ in range(reps)])
     kv_bytes = hit * lay.bytes_per_token
     bw_mem = memcpy_gbps(kv_bytes)
     floor_hot = kv_bytes / (bw_mem * 1e9) + t_tail
