@@ -76,7 +76,9 @@ class SchedulerConnector:
         chunks = self.engine.fetch(st.keys[first:usable]) if usable > first else []
         found = first + len(chunks) if chunks else below
         self.engine.metrics.record_lookup(len(request.prompt_token_ids), found * c)
-        st.saved_chunks = max(st.saved_chunks, found)
+        if found == usable < len(st.keys):  # a full last chunk, stored but never loaded
+            found += self.engine.lookup(st.keys[usable:])
+        st.saved_chunks = max(st.saved_chunks, found)  # not saved again
         st.lossy = st.lossy or any(b.lossy for b in chunks)
         st.pinned, st.pinned_from = chunks, first
         hit = (first + len(chunks)) * c

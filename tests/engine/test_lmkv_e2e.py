@@ -130,6 +130,19 @@ def test_chunks_the_engine_has_are_not_fetched_again(tiny_model_dir, tmp_path):
         assert fetched == stored[2:], "chunks below the engine's prefix hit were fetched again"
 
 
+def test_a_stored_full_last_chunk_is_not_stored_again(tiny_model_dir, tmp_path):
+    """A prompt of whole chunks: its last chunk is stored but never loaded (the last token is
+    always computed); a second run finds it stored and does not write it again."""
+    exact = prompts(n=1, length=4 * CHUNK, seed=8)[0]
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk") as llm:
+        first = llm.generate([exact], GREEDY)[0].output_token_ids
+        assert metric(llm, "lmkv_stored_chunks_total") == 4
+        llm.engine.kv_connector.engine.storage.hot.clear()
+        out = llm.generate([exact], GREEDY)[0]
+        assert out.output_token_ids == first and out.num_external_tokens == 3 * CHUNK
+        assert metric(llm, "lmkv_stored_chunks_total") == 4
+
+
 def test_many_concurrent_requests_under_memory_pressure(tiny_model_dir, reference):
     # 4 chunks of hot cache for 6 prompts of 6-7 chunks: constant eviction
     chunk_bytes = 2 * 2 * CHUNK * 1 * 64 * 4
