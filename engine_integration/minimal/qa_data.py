@@ -9,8 +9,12 @@ A question asks for one attribute of one country (the answer is a word copied fr
 country's document), or for an attribute of a country's neighbor (the answer needs two
 documents: the first names the neighbor, the second holds the attribute):
 
-    Q: What is the capital of Zorvia? A: Melk
-    Q: What is the river of the neighbor of Zorvia? A: Dun
+    Q: The capital of Zorvia is Melk
+    Q: The river of the neighbor of Zorvia is Dun
+
+A question ends the way its fact's sentence does up to the answer, so that a model answers
+by finding the matching sentence and copying the word after it (or, for the neighbor, by
+first finding the neighbor's name).
 
 Names and values are drawn from closed vocabularies of made-up words, fixed for all seeds,
 so that a model trained on one seed's examples is tested on another seed's examples with
@@ -50,7 +54,7 @@ class Country:
 
 @dataclass(frozen=True, slots=True)
 class Question:
-    text: str  # "Q: What is the capital of Zorvia? A:"
+    text: str  # "Q: The capital of Zorvia is"
     answer: str  # "Melk"
     num_documents: int  # 1 or 2: how many documents the answer needs
 
@@ -113,10 +117,10 @@ def make_example(
         attr = rng.choice(ATTRIBUTES)
         if num_documents > 1 and rng.random() < two_doc_fraction:
             other = by_name[c.facts["neighbor"]]
-            questions.append(Question(f"Q: What is the {attr} of the neighbor of {c.name}? A:",
+            questions.append(Question(f"Q: The {attr} of the neighbor of {c.name} is",
                                       other.facts[attr], 2))
         else:
-            questions.append(Question(f"Q: What is the {attr} of {c.name}? A:", c.facts[attr], 1))
+            questions.append(Question(f"Q: The {attr} of {c.name} is", c.facts[attr], 1))
     return QAExample(documents, questions)
 
 

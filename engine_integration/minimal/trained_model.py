@@ -118,15 +118,20 @@ class Batches:
         return self.text[start : start + self.cfg.seq_len], [1.0] * self.cfg.seq_len
 
     def _copy(self) -> tuple[list[int], list[float]]:
-        """A span of random tokens, then the same span again: the repeat is predictable only
-        by looking back for the current token and copying what followed it."""
+        """Random tokens with one span of them repeated, at a random distance: the repeat is
+        predictable only by looking back for the current token and copying what followed."""
         n = self.cfg.seq_len
-        span = [self.rng.randrange(256, self.cfg.vocab_size) for _ in range(n // 2)]
-        ids = (span * 2 + span[:1])[:n]
-        return ids, [0.0] * (len(span) + 1) + [1.0] * (n - len(span) - 1)
+        ids = [self.rng.randrange(256, self.cfg.vocab_size) for _ in range(n)]
+        length = self.rng.randint(8, n // 3)
+        src = self.rng.randrange(0, n - 2 * length)
+        dst = self.rng.randrange(src + length, n - length)
+        ids[dst : dst + length] = ids[src : src + length]
+        weights = [0.0] * n
+        weights[dst + 1 : dst + length] = [1.0] * (length - 1)
+        return ids, weights
 
     def _recall(self) -> tuple[list[int], list[float]]:
-        """"Zorvia: Melk. Tarnia: Dun. ..." then the same keys, in another order, each
+        """"Zorvia Melk. Tarnia Dun. ..." then the same keys, in another order, each
         followed by its value: the plainest form of copying an answer from the context."""
         vocab = qa_data.vocabulary()
         n = self.cfg.seq_len
@@ -135,7 +140,7 @@ class Batches:
         while len(ids) < n // 2:
             key = self.rng.choice(vocab.countries)
             value = self.rng.choice(vocab.values[self.rng.choice(qa_data.ATTRIBUTES)])
-            pairs.append((self.tok.encode(f" {key}:").ids, self.tok.encode(f" {value}.").ids))
+            pairs.append((self.tok.encode(f" {key}").ids, self.tok.encode(f" {value}.").ids))
             ids += pairs[-1][0] + pairs[-1][1]
         weights = [self.cfg.context_weight] * len(ids)
         while len(ids) < n:

@@ -17,11 +17,11 @@ def _documents(text: str) -> dict[str, str]:
 
 def test_single_and_two_document_answers_come_from_the_right_documents():
     for p in heldout_prompts(30, 5, 1):
-        country = re.search(r"What is the (\w+) of (\w+)\? A:$", p.text)
+        country = re.search(r"Q: The (\w+) of (\w+) is$", p.text)
         attr, name = country.groups()
         assert f"The {attr} of {name} is {p.answer}." in _documents(p.text)[name]
     for p in heldout_prompts(30, 5, 2):
-        attr, name = re.search(r"What is the (\w+) of the neighbor of (\w+)\? A:$", p.text).groups()
+        attr, name = re.search(r"Q: The (\w+) of the neighbor of (\w+) is$", p.text).groups()
         docs = _documents(p.text)
         neighbor = re.search(rf"The neighbor of {name} is (\w+)\.", docs[name]).group(1)
         assert neighbor != name
