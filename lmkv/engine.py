@@ -7,7 +7,7 @@ import logging
 import torch
 
 from .backends.base import BackendError, StorageBackend
-from .blend.plan import BlendPlan, CachedSegment
+from .blend.plan import BlendPlan, PendingSegment
 from .blend.segments import split_segments
 from .codec.calibration import CacheGenTable
 from .codec.gate import QualityGate
@@ -110,7 +110,8 @@ class LMKVEngine:
 
     # ---- RAG chunks (CacheBlend): keyed by content, reusable anywhere in a prompt ----------
     def content_keys(self, tokens: list[int]) -> list[str]:
-        return [self.scope.key(h) for h in content_hashes(tokens, self.chunk_size)]
+        pre_rope = self.config.blend_store_pre_rope
+        return [self.scope.key(h) for h in content_hashes(tokens, self.chunk_size, pre_rope)]
 
     def has_chunk(self, tokens: list[int]) -> bool:
         keys = self.content_keys(tokens)
@@ -118,7 +119,8 @@ class LMKVEngine:
 
     def store_chunk(self, tokens: list[int], kv: torch.Tensor) -> bool:
         """Store a RAG chunk's KV, kv: [2, L, len(tokens), Hkv, D] computed at positions
-        [0, len(tokens)). Returns False if the hot cache had no room."""
+        [0, len(tokens)), keys before RoPE with blend_store_pre_rope. Returns False if the
+        hot cache had no room."""
         c = self.chunk_size
         for i, key in enumerate(self.content_keys(tokens)):
             buf = self.allocate()
@@ -133,21 +135,30 @@ class LMKVEngine:
 
     def blend_plan(self, tokens: list[int], separator: list[int]) -> BlendPlan | None:
         """Stored KV for the segments of a prompt split at ``separator``. The last segment
-        (the query) is never looked up. None if no segment is stored."""
+        (the query) is never looked up. Segments wholly in the hot cache are taken now; the
+        others, if some tier has them, are fetched on the I/O worker while the engine
+        computes (the plan's ``pending``). None if no segment is stored."""
         plan = BlendPlan(recompute_ratio=self.config.blend_recompute_ratio,
-                         check_layer=self.config.blend_check_layer)
+                         check_layer=self.config.blend_check_layer,
+                         pre_rope=self.config.blend_store_pre_rope)
         for seg in split_segments(tokens, separator)[:-1]:
             if seg.length == 0:
                 continue
             keys = self.content_keys(tokens[seg.start : seg.end])
-            pieces = self.fetch(keys)
-            if len(pieces) < len(keys):
-                for buf in pieces:
+            if self.lookup(keys) < len(keys):
+                continue
+            fetch = self.storage.fetch_async(keys)
+            if fetch.done() and len(fetch.result()) < len(keys):  # evicted since the check
+                for buf in fetch.result():
                     buf.release()
                 continue
-            plan.segments.append(CachedSegment(seg.start, seg.length, pieces, self.chunk_size))
+            plan.pending.append(PendingSegment(seg.start, seg.length, len(keys), fetch))
         self.metrics.record_blend(len(tokens), plan.num_cached_tokens)
-        return plan if plan.segments else None
+        if not plan.pending:
+            return None
+        if all(p.pieces.done() for p in plan.pending):
+            plan.resolve()
+        return plan
 
     def close(self) -> None:
         self.storage.close()
