@@ -7,7 +7,7 @@ import logging
 import torch
 
 from .backends.base import BackendError, StorageBackend
-from .blend.plan import BlendPlan, PendingSegment
+from .blend.plan import BlendPlan, CachedSegment
 from .blend.segments import split_segments
 from .codec.calibration import CacheGenTable
 from .codec.gate import QualityGate
@@ -135,9 +135,7 @@ class LMKVEngine:
 
     def blend_plan(self, tokens: list[int], separator: list[int]) -> BlendPlan | None:
         """Stored KV for the segments of a prompt split at ``separator``. The last segment
-        (the query) is never looked up. Segments wholly in the hot cache are taken now; the
-        others, if some tier has them, are fetched on the I/O worker while the engine
-        computes (the plan's ``pending``). None if no segment is stored."""
+        (the query) is never looked up. None if no segment is stored."""
         plan = BlendPlan(recompute_ratio=self.config.blend_recompute_ratio,
                          check_layer=self.config.blend_check_layer,
                          pre_rope=self.config.blend_store_pre_rope)
@@ -145,20 +143,14 @@ class LMKVEngine:
             if seg.length == 0:
                 continue
             keys = self.content_keys(tokens[seg.start : seg.end])
-            if self.lookup(keys) < len(keys):
-                continue
-            fetch = self.storage.fetch_async(keys)
-            if fetch.done() and len(fetch.result()) < len(keys):  # evicted since the check
-                for buf in fetch.result():
+            pieces = self.fetch(keys)
+            if len(pieces) < len(keys):
+                for buf in pieces:
                     buf.release()
                 continue
-            plan.pending.append(PendingSegment(seg.start, seg.length, len(keys), fetch))
+            plan.segments.append(CachedSegment(seg.start, seg.length, pieces))
         self.metrics.record_blend(len(tokens), plan.num_cached_tokens)
-        if not plan.pending:
-            return None
-        if all(p.pieces.done() for p in plan.pending):
-            plan.resolve()
-        return plan
+        return plan if plan.segments else None
 
     def close(self) -> None:
         self.storage.close()

@@ -2,11 +2,11 @@
 
 Stored chunks were computed alone, at positions [0, len), or stored before RoPE
 (blend_store_pre_rope); their keys are rotated to where the chunk sits in this prompt.
-Layers before the check layer run for every token, while chunks below lmkv's hot cache
-still arrive on its I/O worker. At the check layer the tokens whose fresh KV deviates most
-from the stored KV are selected, and from then on only they (and every token without
-stored KV: prefix, separators, query) are recomputed, attending to the stored KV of the
-rest. Ratio 1 is a full prefill; ratio 0 uses the stored KV as is (naive concatenation).
+Layers before the check layer run for every token; at the check layer the tokens whose
+fresh KV deviates most from the stored KV are selected, and from then on only they (and
+every token without stored KV: prefix, separators, query) are recomputed, attending to
+the stored KV of the rest. Ratio 1 is a full prefill; ratio 0 uses the stored KV as is
+(naive concatenation).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ ATTENTION_GROUPS = 4
 def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[int],
                   slots: torch.Tensor, plan: BlendPlan) -> tuple[torch.Tensor, int]:
     """Fill the KV of all prompt tokens at ``slots`` ([n] int64). Returns the last token's
-    logits [vocab] and how many tokens with stored KV were recomputed. Resolves ``plan``."""
+    logits [vocab] and how many tokens with stored KV were recomputed."""
     m = model.model
     n = len(tokens)
     positions = torch.arange(n)
@@ -37,11 +37,11 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[
     active: torch.Tensor | None = None  # [n] bool: the tokens computed; None = every token
     recomputed = 0
     h = m.embed_tokens(torch.tensor(tokens))  # [t, hidden], rows of the active tokens
+    cached = plan.cached_mask(n)
     if ratio == 0:
-        stored, cached = _stored_kv(m.rope, plan, n, kv_cache.dtype)
-        if stored is not None:
-            active = ~cached
-            h = h[active]
+        stored = _stored_kv(m.rope, plan, n, kv_cache.dtype)
+        active = ~cached
+        h = h[active]
     for i, layer in enumerate(m.layers):
         attn = layer.self_attn
         rows = positions if active is None else positions[active]
@@ -50,17 +50,16 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[
         k = m.rope.rotate(attn.k_proj(x).view(t, attn.num_kv_heads, attn.head_dim), rows)
         v = attn.v_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
         if i == plan.check_layer and active is None and ratio > 0:
-            stored, cached = _stored_kv(m.rope, plan, n, kv_cache.dtype)
-            if stored is not None:
-                deviation = ((k - stored[0, i]).pow(2).sum((1, 2))
-                             + (v - stored[1, i]).pow(2).sum((1, 2)))  # [n]
-                chosen = select_recompute(deviation, cached, ratio)
-                recomputed = int((chosen & cached).sum())
-                if not bool(chosen.all()):
-                    active = chosen
-                    rows = positions[active]
-                    h, x, k, v = h[active], x[active], k[active], v[active]
-                    t = x.shape[0]
+            stored = _stored_kv(m.rope, plan, n, kv_cache.dtype)
+            deviation = ((k - stored[0, i]).pow(2).sum((1, 2))
+                         + (v - stored[1, i]).pow(2).sum((1, 2)))  # [n]
+            chosen = select_recompute(deviation, cached, ratio)
+            recomputed = int((chosen & cached).sum())
+            if not bool(chosen.all()):
+                active = chosen
+                rows = positions[active]
+                h, x, k, v = h[active], x[active], k[active], v[active]
+                t = x.shape[0]
         q = m.rope.rotate(attn.q_proj(x).view(t, attn.num_heads, attn.head_dim), rows)
         if active is None:
             k_all, v_all = k, v
@@ -73,20 +72,13 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[
         h = h + attn.o_proj(o.reshape(t, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     if active is None:  # every token computed, the cached ones included
-        plan.resolve()
         recomputed = plan.num_cached_tokens
     last = m.norm(h[-1:])  # the last prompt token is always computed: it is never stored
     return model.compute_logits(last)[0], recomputed
 
 
-def _stored_kv(rope: RotaryEmbedding, plan: BlendPlan, n: int,
-               dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The plan's stored KV [2, L, n, Hkv, D], keys rotated to their prompt positions (None
-    if no segment arrived), and the [n] bool mask of the tokens it covers."""
-    plan.resolve()
-    cached = plan.cached_mask(n)
-    if not plan.segments:
-        return None, cached
+def _stored_kv(rope: RotaryEmbedding, plan: BlendPlan, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The plan's stored KV [2, L, n, Hkv, D], keys rotated to their prompt positions."""
     kv = plan.stored_kv(n, dtype)
     if plan.pre_rope:
         kv[0] = rope.rotate(kv[0], torch.arange(n))
@@ -95,7 +87,7 @@ def _stored_kv(rope: RotaryEmbedding, plan: BlendPlan, n: int,
         for seg in plan.segments:
             delta[seg.start : seg.start + seg.length] = seg.start
         rerotate_keys(kv[0], delta, rope.inv_freq)  # all layers at once
-    return kv, cached
+    return kv
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None,

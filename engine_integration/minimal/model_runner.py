@@ -45,10 +45,10 @@ class ModelRunner:
     def _blend(self, req: Request) -> int:
         """A blended prefill of the whole prompt (see blend.py); returns the sampled token."""
         plan, req.blend = req.blend, None
+        cached = plan.num_cached_tokens
         try:
             logits, recomputed = blend_prefill(self.model, self.kv_cache, req.prompt_token_ids,
                                                self.slots(req, 0, req.num_tokens), plan)
-            cached = plan.num_cached_tokens  # the segments that arrived
         finally:
             plan.release()
         req.num_blend_recomputed = recomputed

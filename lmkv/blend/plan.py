@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -26,55 +25,30 @@ class CachedSegment:
 
 
 @dataclass(slots=True)
-class PendingSegment:
-    start: int
-    length: int
-    num_pieces: int
-    pieces: Future[list[ChunkBuffer]]  # a fetch on lmkv's I/O worker: the pieces it got, retained
-
-
-@dataclass(slots=True)
 class BlendPlan:
-    """Stored KV of a prompt's segments. Keys are stored either at positions [0, length) of
-    the segment alone, or before RoPE (``pre_rope``); the engine rotates them into place.
-    Segments below the hot cache may still be arriving (``pending``): ``resolve`` waits."""
+    """Stored KV of a prompt's segments, fetched into the hot cache and retained. Keys are
+    stored either at positions [0, length) of the segment alone, or before RoPE
+    (``pre_rope``); the engine rotates them into place."""
 
     segments: list[CachedSegment] = field(default_factory=list)
-    pending: list[PendingSegment] = field(default_factory=list)
     recompute_ratio: float = 0.15
     check_layer: int = 1
     pre_rope: bool = False
 
     @property
     def num_cached_tokens(self) -> int:
-        """Tokens with stored KV, counting pending segments as if they arrive."""
-        return sum(s.length for s in self.segments) + sum(p.length for p in self.pending)
-
-    def resolve(self) -> None:
-        """Wait for pending fetches. A segment that did not arrive whole (a lower tier failed
-        since the lookup) is dropped: its tokens are computed like any other."""
-        for p in self.pending:
-            pieces = p.pieces.result()
-            if len(pieces) == p.num_pieces:
-                self.segments.append(CachedSegment(p.start, p.length, pieces))
-            else:
-                for buf in pieces:
-                    buf.release()
-        self.pending = []
-        self.segments.sort(key=lambda s: s.start)
+        return sum(s.length for s in self.segments)
 
     def cached_mask(self, n: int) -> torch.Tensor:
-        """[n] bool: the prompt tokens with stored KV (after ``resolve``)."""
+        """[n] bool: the prompt tokens with stored KV."""
         cached = torch.zeros(n, dtype=torch.bool)
         for seg in self.segments:
             cached[seg.start : seg.start + seg.length] = True
         return cached
 
     def stored_kv(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """The stored KV of all segments as one [2, L, n, Hkv, D] tensor (after ``resolve``),
-        keys not yet rotated. Rows without stored KV are left uninitialized."""
-        if not self.segments:
-            raise ValueError("the plan has no resolved segments")
+        """The stored KV of all segments as one [2, L, n, Hkv, D] tensor, keys not yet
+        rotated. Rows without stored KV are left uninitialized."""
         shape = self.segments[0].pieces[0].kv.shape  # [2, L, C, Hkv, D]
         out = torch.empty(2, shape[1], n, *shape[3:], dtype=dtype)
         for seg in self.segments:
@@ -82,7 +56,6 @@ class BlendPlan:
         return out
 
     def release(self) -> None:
-        self.resolve()
         for seg in self.segments:
             for buf in seg.pieces:
                 buf.release()

@@ -129,11 +129,6 @@ class StorageManager:
         """The longest prefix of ``keys`` that can be had, as chunks in the hot cache with a
         reference for the caller each. Chunks below the hot cache are read in one job on
         the I/O worker, ahead of background work."""
-        return self.fetch_async(keys).result()
-
-    def fetch_async(self, keys: list[str]) -> Future[list[ChunkBuffer]]:
-        """``fetch`` without waiting for the lower tiers: the hot prefix is taken now, the
-        rest is read on the I/O worker; the future's result is what ``fetch`` returns."""
         out: list[ChunkBuffer] = []
         for key in keys:
             buf = self.hot.get(key)
@@ -143,10 +138,8 @@ class StorageManager:
             out.append(buf)
         rest = keys[len(out):]
         if rest and self.tiers:
-            return self.io.submit(lambda: out + self._load_run(rest), urgent=True)
-        done: Future[list[ChunkBuffer]] = Future()
-        done.set_result(out)
-        return done
+            out += self.io.submit(lambda: self._load_run(rest), urgent=True).result()
+        return out
 
     def _load_run(self, keys: list[str]) -> list[ChunkBuffer]:
         """On the I/O thread: the leading ``keys`` that some tier has, each retained."""

@@ -37,8 +37,7 @@ def test_content_keys_ignore_position_and_differ_from_prefix_keys():
 
 def test_pre_rope_chunks_are_never_read_as_post_rope_and_arrive_from_disk(tmp_path):
     """blend_store_pre_rope is part of a chunk's key: a chunk stored one way is invisible to
-    an engine reading the other way. A chunk found only on disk is fetched on the I/O worker
-    (pending in the plan) and arrives whole."""
+    an engine reading the other way (here: another process's chunks on the disk tier)."""
     layout = KVLayout(2, 1, 8, torch.float32, 16)
 
     def engine(pre_rope: bool) -> LMKVEngine:
@@ -56,7 +55,6 @@ def test_pre_rope_chunks_are_never_read_as_post_rope_and_arrive_from_disk(tmp_pa
     assert not post.has_chunk(doc) and post.blend_plan(prompt, sep) is None
     plan = pre.blend_plan(prompt, sep)
     assert plan is not None and plan.pre_rope and plan.num_cached_tokens == len(doc)
-    plan.resolve()
     assert [(s.start, s.length) for s in plan.segments] == [(3, len(doc))]
     stored = plan.stored_kv(len(prompt), torch.float32)
     torch.testing.assert_close(stored[:, :, 3 : 3 + len(doc)], kv, atol=0, rtol=0)
