@@ -49,6 +49,7 @@ class LMKVConfig:
     blend_recompute_ratio: float = 0.15
     blend_special_str: str = " # # "
     blend_check_layer: int = 1  # layer whose KV deviation picks the tokens to recompute
+    blend_store_pre_rope: bool = False  # RAG chunks store keys before RoPE (CachedAttention)
 
     def __post_init__(self) -> None:
         _require(self.chunk_size >= 1, "chunk_size", "must be >= 1")

@@ -110,7 +110,8 @@ class LMKVEngine:
 
     # ---- RAG chunks (CacheBlend): keyed by content, reusable anywhere in a prompt ----------
     def content_keys(self, tokens: list[int]) -> list[str]:
-        return [self.scope.key(h) for h in content_hashes(tokens, self.chunk_size)]
+        pre_rope = self.config.blend_store_pre_rope
+        return [self.scope.key(h) for h in content_hashes(tokens, self.chunk_size, pre_rope)]
 
     def has_chunk(self, tokens: list[int]) -> bool:
         keys = self.content_keys(tokens)
@@ -118,7 +119,8 @@ class LMKVEngine:
 
     def store_chunk(self, tokens: list[int], kv: torch.Tensor) -> bool:
         """Store a RAG chunk's KV, kv: [2, L, len(tokens), Hkv, D] computed at positions
-        [0, len(tokens)). Returns False if the hot cache had no room."""
+        [0, len(tokens)), keys before RoPE with blend_store_pre_rope. Returns False if the
+        hot cache had no room."""
         c = self.chunk_size
         for i, key in enumerate(self.content_keys(tokens)):
             buf = self.allocate()
@@ -135,7 +137,8 @@ class LMKVEngine:
         """Stored KV for the segments of a prompt split at ``separator``. The last segment
         (the query) is never looked up. None if no segment is stored."""
         plan = BlendPlan(recompute_ratio=self.config.blend_recompute_ratio,
-                         check_layer=self.config.blend_check_layer)
+                         check_layer=self.config.blend_check_layer,
+                         pre_rope=self.config.blend_store_pre_rope)
         for seg in split_segments(tokens, separator)[:-1]:
             if seg.length == 0:
                 continue
@@ -145,7 +148,7 @@ class LMKVEngine:
                 for buf in pieces:
                     buf.release()
                 continue
-            plan.segments.append(CachedSegment(seg.start, seg.length, pieces, self.chunk_size))
+            plan.segments.append(CachedSegment(seg.start, seg.length, pieces))
         self.metrics.record_blend(len(tokens), plan.num_cached_tokens)
         return plan if plan.segments else None
 

@@ -34,14 +34,16 @@ def prefix_hashes(tokens: list[int], chunk_size: int, start: int = 0) -> list[by
 
 
 BLEND_ROOT = b"\x01" * 16  # content keys never collide with prefix keys
+BLEND_PRE_ROPE_ROOT = b"\x02" * 16  # nor keys of chunks stored before RoPE with those after
 
 
-def content_hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
+def content_hashes(tokens: list[int], chunk_size: int, pre_rope: bool = False) -> list[bytes]:
     """Keys of a RAG chunk's pieces, by content alone: piece i holds tokens
     [i * chunk_size, (i + 1) * chunk_size), the last one possibly partial. Every piece's hash
-    covers the whole chunk (and its length), so a piece is only ever found with its siblings."""
+    covers the whole chunk (and its length), so a piece is only ever found with its siblings.
+    ``pre_rope``: the chunk's keys are stored before RoPE (a disjoint key space)."""
     arr = np.asarray(tokens, dtype=np.int64)
-    whole = chunk_hash(BLEND_ROOT, arr)
+    whole = chunk_hash(BLEND_PRE_ROPE_ROOT if pre_rope else BLEND_ROOT, arr)
     n = -(-len(arr) // chunk_size)
     return [chunk_hash(whole, np.asarray([i, n], dtype=np.int64)) for i in range(n)]
 

@@ -20,10 +20,10 @@ class Prefill:
 
 def open_llm(model_dir: str, max_len: int = 4096, **engine_args) -> LLM:
     """An engine that computes a prompt of up to ``max_len`` tokens in one prefill step,
-    without prefix caching (each probe computes every token itself)."""
+    by default without prefix caching (each probe computes every token itself)."""
     engine_args.setdefault("kv_cache_memory", 256 << 20)
-    return LLM(model_dir, max_model_len=max_len, max_num_batched_tokens=max_len,
-               enable_prefix_caching=False, **engine_args)
+    engine_args.setdefault("enable_prefix_caching", False)
+    return LLM(model_dir, max_model_len=max_len, max_num_batched_tokens=max_len, **engine_args)
 
 
 def prefill(llm: LLM, ids: Sequence[int]) -> Prefill:

@@ -15,9 +15,15 @@ LONG_FILLER = (3, 3)
 
 @dataclass(frozen=True, slots=True)
 class QAPrompt:
-    text: str  # documents, then "Q: ...? A:"
+    documents: tuple[str, ...]  # "Document i: ..." paragraphs, in prompt order
+    question: str  # "Q: ...? A:"
     answer: str
     num_documents: int  # how many documents the answer needs (1 or 2)
+
+    @property
+    def text(self) -> str:
+        """The prompt as in training: documents, then the question."""
+        return qa_data.QAExample(list(self.documents), []).context() + self.question
 
 
 def heldout_prompts(n: int, num_documents: int, answer_documents: int,
@@ -33,5 +39,5 @@ def heldout_prompts(n: int, num_documents: int, answer_documents: int,
         ex = qa_data.make_example(rng, num_documents, 1, filler, filler_per_fact,
                                   two_doc_fraction=1.0 if answer_documents == 2 else 0.0)
         q = ex.questions[0]
-        out.append(QAPrompt(ex.context() + q.text, q.answer, q.num_documents))
+        out.append(QAPrompt(tuple(ex.documents), q.text, q.answer, q.num_documents))
     return out

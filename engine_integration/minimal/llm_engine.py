@@ -143,9 +143,9 @@ class LLMEngine:
             ids += self.blend_separator + self.tokenizer.encode(part, add_special_tokens=False)
         return ids
 
-    def compute_kv(self, token_lists: list[list[int]]) -> list[torch.Tensor]:
-        """KV of each token list computed alone at positions [0, n): [2, L, n, Hkv, D] each
-        (lmkv.blend.precompute's KVComputer)."""
+    def compute_kv(self, token_lists: list[list[int]], pre_rope: bool = False) -> list[torch.Tensor]:
+        """KV of each token list computed alone at positions [0, n): [2, L, n, Hkv, D] each,
+        with ``pre_rope`` the keys before RoPE (lmkv.blend.precompute's KVComputer)."""
         reqs = []
         for i, ids in enumerate(token_lists):
             req = self.add_request(f"kv-{id(token_lists)}-{i}", ids, SamplingParams(max_tokens=1))
@@ -153,7 +153,12 @@ class LLMEngine:
             reqs.append(req)
         while any(not r.is_finished for r in reqs):
             self.step()
-        return [r.captured_kv for r in reqs]
+        kvs = [r.captured_kv for r in reqs]
+        if pre_rope:  # rotated back from [0, n) in fp32: exact up to one rounding to the dtype
+            rope = self.model.model.rope
+            for kv in kvs:
+                kv[0] = rope.rotate(kv[0], torch.arange(kv.shape[2]), inverse=True)
+        return kvs
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

@@ -50,11 +50,13 @@ class RotaryEmbedding:
         k_out = k.float() * cos + rotate_half(k.float()) * sin
         return q_out.to(q.dtype), k_out.to(k.dtype)
 
-
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D] rotated to ``positions`` [T]."""
-        cos = self.cos[positions].unsqueeze(1)
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x: [..., T, H, D] rotated to ``positions`` [T] (``inverse``: rotated back from
+        them to position 0, recovering the keys before RoPE)."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
+        if inverse:
+            sin = -sin
         return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
 
 

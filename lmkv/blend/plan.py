@@ -14,24 +14,46 @@ class CachedSegment:
     start: int  # prompt tokens [start, start + length) have stored KV
     length: int
     pieces: list[ChunkBuffer]  # retained; piece i holds tokens [i * C, (i + 1) * C) of the segment
-    chunk_size: int
 
-    def kv(self, layer: int) -> torch.Tensor:
-        """This segment's stored KV of one layer, [2, length, Hkv, D], computed at positions
-        [0, length) (the segment alone); re-rotate keys before use at ``start``."""
-        parts = [p.kv[:, layer] for p in self.pieces]  # [2, C, Hkv, D] each
-        return torch.cat(parts, dim=1)[:, : self.length]
+    def copy_into(self, out: torch.Tensor) -> None:
+        """Write the stored KV into ``out`` [2, L, n, Hkv, D] at rows [start, start + length)."""
+        for i, buf in enumerate(self.pieces):
+            c = buf.kv.shape[2]
+            lo = i * c
+            hi = min(lo + c, self.length)
+            out[:, :, self.start + lo : self.start + hi] = buf.kv[:, :, : hi - lo]
 
 
 @dataclass(slots=True)
 class BlendPlan:
+    """Stored KV of a prompt's segments, fetched into the hot cache and retained. Keys are
+    stored either at positions [0, length) of the segment alone, or before RoPE
+    (``pre_rope``); the engine rotates them into place."""
+
     segments: list[CachedSegment] = field(default_factory=list)
     recompute_ratio: float = 0.15
     check_layer: int = 1
+    pre_rope: bool = False
 
     @property
     def num_cached_tokens(self) -> int:
         return sum(s.length for s in self.segments)
+
+    def cached_mask(self, n: int) -> torch.Tensor:
+        """[n] bool: the prompt tokens with stored KV."""
+        cached = torch.zeros(n, dtype=torch.bool)
+        for seg in self.segments:
+            cached[seg.start : seg.start + seg.length] = True
+        return cached
+
+    def stored_kv(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The stored KV of all segments as one [2, L, n, Hkv, D] tensor, keys not yet
+        rotated. Rows without stored KV are left uninitialized."""
+        shape = self.segments[0].pieces[0].kv.shape  # [2, L, C, Hkv, D]
+        out = torch.empty(2, shape[1], n, *shape[3:], dtype=dtype)
+        for seg in self.segments:
+            seg.copy_into(out)
+        return out
 
     def release(self) -> None:
         for seg in self.segments:

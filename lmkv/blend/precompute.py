@@ -21,8 +21,9 @@ class KVComputer(Protocol):
 
     def tokenize(self, text: str) -> list[int]: ...
 
-    def compute_kv(self, token_lists: list[list[int]]) -> list[torch.Tensor]:
-        """KV of each sequence computed alone at positions [0, n): [2, L, n, Hkv, D] each."""
+    def compute_kv(self, token_lists: list[list[int]], pre_rope: bool = False) -> list[torch.Tensor]:
+        """KV of each sequence computed alone at positions [0, n): [2, L, n, Hkv, D] each;
+        with ``pre_rope`` the keys as projected, before RoPE."""
         ...
 
 
@@ -44,7 +45,7 @@ def precompute(engine: KVComputer, lmkv: LMKVEngine, documents: Sequence[str | l
     report = PrecomputeReport(0, len(token_lists) - len(todo), 0, 0, 0.0)
     for i in range(0, len(todo), batch_size):
         batch = todo[i : i + batch_size]
-        for tokens, kv in zip(batch, engine.compute_kv(batch), strict=True):
+        for tokens, kv in zip(batch, engine.compute_kv(batch, lmkv.config.blend_store_pre_rope), strict=True):
             if lmkv.store_chunk(tokens, kv):
                 report.stored += 1
             else:

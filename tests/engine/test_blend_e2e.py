@@ -3,6 +3,9 @@ in any order. Ratio 1 reproduces a full prefill; ratio 0 is naive concatenation.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -73,6 +76,62 @@ def test_ratio_zero_is_naive_concatenation(tiny_model_dir, plain):
         head = join_segments([docs[0], query], sep)
         assert (llm.generate([head], GREEDY)[0].output_token_ids
                 == plain.generate([head], GREEDY)[0].output_token_ids)
+
+
+@pytest.fixture(scope="module")
+def llama3_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with Llama-3 RoPE scaling (another config: another model for lmkv)."""
+    out = tmp_path_factory.mktemp("llama3") / "model"
+    shutil.copytree(tiny_model_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256})
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["rope", "llama3_rope"])
+def test_pre_rope_chunks_are_rotated_to_wherever_they_appear(tiny_model_dir, llama3_model_dir,
+                                                              scaled):
+    """With blend_store_pre_rope, chunks are reused after prefixes of any length: their keys
+    (ratio 0: loaded as stored) equal the chunk's own keys rotated to the new positions, and
+    at layer 0 (where a key depends on its token alone) the keys a full prefill computes."""
+    model_dir = llama3_model_dir if scaled else tiny_model_dir
+    docs, query = _docs(2)
+    plain = LLM(str(model_dir), kv_cache_memory=64 << 20, enable_prefix_caching=False)
+    alone = [plain.engine.compute_kv([d], pre_rope=True)[0] for d in docs[:2]]
+    rope = plain.engine.model.model.rope
+    with _blend_llm(model_dir, 0.0, blend_store_pre_rope=True) as llm:
+        sep = llm.engine.blend_separator
+        llm.precompute(docs, progress=False)
+        for prefix_len in (3, 250):
+            prompt = join_segments([list(range(10, 10 + prefix_len)), docs[1], docs[0], query], sep)
+            kv = _prompt_kv(llm, prompt)  # [2, L, n, H, D]
+            full = _prompt_kv(plain, prompt)
+            segs = split_segments(prompt, sep)
+            for seg, raw in zip(segs[1:3], [alone[1], alone[0]], strict=True):
+                rows = slice(seg.start, seg.end)
+                at = torch.arange(seg.start, seg.end)
+                torch.testing.assert_close(kv[1, :, rows], raw[1])
+                torch.testing.assert_close(kv[0, :, rows], rope.rotate(raw[0], at))
+                torch.testing.assert_close(kv[:, 0, rows], full[:, 0, rows], atol=1e-5, rtol=1e-5)
+        reg = llm.engine.metrics.registry
+        # both prompts reused both chunks
+        assert reg.get_sample_value("lmkv_blend_hit_tokens_total") == 2 * (70 + 40)
+    plain.close()
+
+
+def test_pre_rope_blend_at_ratio_one_reproduces_full_prefill(tiny_model_dir, plain):
+    docs, query = _docs(3)
+    with _blend_llm(tiny_model_dir, 1.0, blend_store_pre_rope=True) as llm:
+        llm.precompute(docs, progress=False)
+        prompt = join_segments([[5, 6, 7], docs[2], docs[0], query], llm.engine.blend_separator)
+        out = llm.generate([prompt], GREEDY)[0]
+        assert out.num_external_tokens == 170
+        assert out.output_token_ids == plain.generate([prompt], GREEDY)[0].output_token_ids
+        torch.testing.assert_close(_prompt_kv(llm, prompt), _prompt_kv(plain, prompt),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_partial_recompute_text_prompts_metrics_and_idempotent_precompute(tiny_model_dir):

@@ -7,7 +7,10 @@ import torch
 
 from lmkv.blend.plan import select_recompute
 from lmkv.blend.segments import Segment, join_segments, split_segments
+from lmkv.config import load_config
+from lmkv.engine import LMKVEngine
 from lmkv.keys import content_hashes, prefix_hashes
+from lmkv.layout import KVLayout
 from lmkv.ops import rerotate_keys
 from lmkv_engines.minimal.model_config import RopeScaling
 from lmkv_engines.minimal.rope import RotaryEmbedding
@@ -29,6 +32,36 @@ def test_content_keys_ignore_position_and_differ_from_prefix_keys():
     assert len(content_hashes(doc, 32)) == 3  # 32 + 32 + 6
     assert content_hashes(doc, 32)[0] != content_hashes(doc[:64], 32)[0]  # length is part of it
     assert not set(content_hashes(doc[:64], 32)) & set(prefix_hashes(doc[:64], 32))
+    assert not set(content_hashes(doc, 32)) & set(content_hashes(doc, 32, pre_rope=True))
+
+
+def test_pre_rope_chunks_are_never_read_as_post_rope_and_arrive_from_disk(tmp_path):
+    """blend_store_pre_rope is part of a chunk's key: a chunk stored one way is invisible to
+    an engine reading the other way (here: another process's chunks on the disk tier)."""
+    layout = KVLayout(2, 1, 8, torch.float32, 16)
+
+    def engine(pre_rope: bool) -> LMKVEngine:
+        cfg = load_config(env={}, chunk_size=16, max_local_cpu_size=0.01, local_disk=str(tmp_path),
+                          max_local_disk_size=0.01, blend_store_pre_rope=pre_rope)
+        return LMKVEngine(cfg, layout, "model")
+
+    doc, sep = list(range(100, 140)), [7]
+    kv = torch.randn(2, 2, len(doc), 1, 8)
+    writer = engine(True)
+    assert writer.store_chunk(doc, kv)
+    writer.close()  # written to disk
+    post, pre = engine(False), engine(True)
+    prompt = [1, 2] + sep + doc + sep + [3, 4]
+    assert not post.has_chunk(doc) and post.blend_plan(prompt, sep) is None
+    plan = pre.blend_plan(prompt, sep)
+    assert plan is not None and plan.pre_rope and plan.num_cached_tokens == len(doc)
+    assert [(s.start, s.length) for s in plan.segments] == [(3, len(doc))]
+    stored = plan.stored_kv(len(prompt), torch.float32)
+    torch.testing.assert_close(stored[:, :, 3 : 3 + len(doc)], kv, atol=0, rtol=0)
+    plan.release()
+    pre.pool.check_integrity()
+    post.close()
+    pre.close()
 
 
 @pytest.mark.parametrize("scaling", [None, RopeScaling("llama3", 8.0, 1.0, 4.0, 256)])
@@ -45,6 +78,12 @@ def test_rerotated_keys_equal_keys_computed_at_the_new_position(scaling):
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     back = rerotate_keys(rope.rotate(raw, p + 500), torch.full((50,), -500), rope.inv_freq)
     torch.testing.assert_close(back, rope.rotate(raw, p), atol=2e-4, rtol=1e-4)
+    # pre-RoPE storage: keys captured at [0, 50), rotated back, then rotated to p + shift
+    stored = rope.rotate(rope.rotate(raw, p), p, inverse=True)
+    torch.testing.assert_close(stored, raw, atol=1e-5, rtol=1e-5)
+    for shift in (1, 17, 3000):
+        torch.testing.assert_close(rope.rotate(stored, p + shift), rope.rotate(raw, p + shift),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_select_recompute_takes_uncached_and_the_most_deviating():

@@ -1,0 +1,175 @@
+"""CacheBlend on RAG prompts: answer quality and time to first token, one line per result.
+
+    python -m benchmarks.blend_rag [--model DIR] [--qa-prompts N] [--ttft-prompts N]
+
+A prompt is a held-out QA example (benchmarks/quality/qa.py): 6 documents of ~512 tokens
+(LONG_FILLER) in a shuffled order, then the question, separated by the blend separator
+(default "\\n\\n": then the text is exactly the QA format, only the order is new). Each
+document's KV is precomputed alone (``LLM.precompute``), so in a prompt it sits at another
+position and never saw the documents before it.
+
+- QA accuracy (first generated word == the answer, benchmarks/quality/metrics.py): full
+  prefill vs naive reuse (ratio 0: no recompute) vs blending at 5, 15 and 30%. Meaningful
+  on a trained model only: off by default on the default (random) model.
+- TTFT over one document set in --ttft-prompts distinct orders: blending at 15% with the
+  chunks in the hot cache vs full prefill (target >= 3x), and vs prefix caching alone (the
+  engine's prefix cache plus lmkv's prefix chunks, warmed with each document as a prompt).
+
+Default model: the realistic-shape random Llama of benchmarks/common.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+import time
+
+import torch
+
+from lmkv.blend.segments import split_segments
+from lmkv.config import load_config
+from lmkv_engines.minimal.llm import LLM
+
+from .common import realistic_model_dir
+from .quality import metrics
+from .quality.probe import greedy, open_llm
+from .quality.qa import LONG_FILLER, QAPrompt, heldout_prompts
+
+RATIOS = (0.05, 0.15, 0.30)
+NUM_DOCUMENTS = 6
+
+
+def blend_llm(model: str, args: argparse.Namespace, ratio: float) -> LLM:
+    cfg = load_config(env={}, chunk_size=args.chunk_size, max_local_cpu_size=args.hot_cache_gb,
+                      enable_blending=True, blend_recompute_ratio=ratio,
+                      blend_special_str=args.separator)
+    return open_llm(model, lmkv_config=cfg)
+
+
+def set_ratio(llm: LLM, ratio: float) -> None:
+    """The recompute ratio of the next prompts (lmkv reads it per prompt)."""
+    lmkv = llm.engine.kv_connector.engine
+    lmkv.config = dataclasses.replace(lmkv.config, blend_recompute_ratio=ratio)
+
+
+def rag_ids(llm: LLM, prompt: QAPrompt, separator: str) -> tuple[list[int], list[list[int]]]:
+    """The prompt's token ids (as the blending engine tokenizes it: part by part) and the ids
+    of its stored segments (the documents; the first carries the prompt's special tokens)."""
+    ids = llm.engine.tokenize(separator.join([*prompt.documents, prompt.question]))
+    segs = split_segments(ids, llm.engine.blend_separator)[:-1]
+    return ids, [ids[s.start : s.end] for s in segs]
+
+
+def shuffled(prompt: QAPrompt, rng: random.Random) -> QAPrompt:
+    docs = list(prompt.documents)
+    rng.shuffle(docs)
+    return dataclasses.replace(prompt, documents=tuple(docs))
+
+
+def qa_accuracy(model: str, args: argparse.Namespace) -> str:
+    rng = random.Random(args.seed)
+    prompts = [shuffled(p, rng) for p in heldout_prompts(args.qa_prompts, NUM_DOCUMENTS, 1,
+                                                         LONG_FILLER)]
+    full = open_llm(model)
+    blend = blend_llm(model, args, 0.0)
+    names = ["full", "naive"] + [f"blend{round(r * 100)}" for r in RATIOS]
+    outputs: dict[str, list[str]] = {name: [] for name in names}
+    for p in prompts:  # one prompt at a time: the hot cache only needs its documents
+        ids, docs = rag_ids(blend, p, args.separator)
+        blend.precompute(docs, progress=False)
+        outputs["full"].append(full.tokenizer.decode(greedy(full, [ids], 4)[0]))
+        for name, ratio in zip(names[1:], (0.0, *RATIOS), strict=True):
+            set_ratio(blend, ratio)
+            outputs[name].append(blend.tokenizer.decode(greedy(blend, [ids], 4)[0]))
+    answers = [p.answer for p in prompts]
+    acc = {name: 100 * metrics.qa_accuracy(out, answers).accuracy for name, out in outputs.items()}
+    full.close()
+    blend.close()
+    scores = ", ".join(f"{name} {a:.1f}%" for name, a in acc.items())
+    return (f"QA accuracy over {len(prompts)} prompts: {scores}: "
+            f"blend15 - full = {acc['blend15'] - acc['full']:+.1f} points")
+
+
+def ttft_ms(llm: LLM, ids: list[int], clock: str) -> float:
+    """Time to the first token; the "cpu" clock counts this process's CPU time instead of
+    wall time, which a machine shared with other jobs inflates far less."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    start = now()
+    greedy(llm, [ids], 1)
+    return (now() - start) * 1e3
+
+
+def ttft(model: str, args: argparse.Namespace) -> list[str]:
+    rng = random.Random(args.seed)
+    base = heldout_prompts(1, NUM_DOCUMENTS, 1, LONG_FILLER, seed=args.seed)[0]
+    orders: list[QAPrompt] = []
+    while len(orders) < args.ttft_prompts:
+        p = shuffled(base, rng)
+        if p not in orders:
+            orders.append(p)
+    full = open_llm(model)
+    blend = blend_llm(model, args, 0.15)
+    prefix = open_llm(model, enable_prefix_caching=True, lmkv_config=load_config(
+        env={}, chunk_size=args.chunk_size, max_local_cpu_size=args.hot_cache_gb))
+    prompts = [rag_ids(blend, p, args.separator) for p in orders]
+    blend.precompute([d for _, docs in prompts for d in docs], progress=False)
+    for doc in base.documents:  # warm prefix caching: each document as a prompt's start
+        greedy(prefix, [prefix.engine.tokenize(doc)], 1)
+    greedy(full, [prompts[0][1][1]], 1)  # warm-up
+    times: dict[str, list[float]] = {"full": [], "blend15": [], "prefix": []}
+    for ids, _ in prompts:  # interleaved: a busy machine slows all three alike
+        times["full"].append(ttft_ms(full, ids, args.clock))
+        times["blend15"].append(ttft_ms(blend, ids, args.clock))
+        times["prefix"].append(ttft_ms(prefix, ids, args.clock))
+    reg = blend.engine.metrics.registry
+    hits = reg.get_sample_value("lmkv_blend_hit_tokens_total")
+    recomputed = reg.get_sample_value("lmkv_blend_recomputed_tokens_total")
+    for llm in (full, blend, prefix):
+        llm.close()
+    med = {name: statistics.median(t) for name, t in times.items()}
+    n = statistics.mean(len(ids) for ids, _ in prompts)
+    clock = "" if args.clock == "wall" else ", CPU time"
+    return [
+        f"TTFT prompts: {len(prompts)} orders of {NUM_DOCUMENTS} documents, {n:.0f} tokens on "
+        f"average{clock}; blend15 reused {hits:.0f} tokens, recomputed {recomputed:.0f}: "
+        f"recomputed/reused = {recomputed / hits:.3f}",
+        f"TTFT full {med['full']:.0f} ms vs blend15 {med['blend15']:.0f} ms: "
+        f"full/blend15 = {med['full'] / med['blend15']:.1f}x",
+        f"TTFT prefix caching alone {med['prefix']:.0f} ms vs blend15 {med['blend15']:.0f} ms: "
+        f"prefix/blend15 = {med['prefix'] / med['blend15']:.1f}x",
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.blend_rag", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="a Hugging Face Llama directory (default: the realistic-shape "
+                   "random model, TTFT only)")
+    p.add_argument("--qa-prompts", type=int, help="QA prompts (default 40 with --model, else 0)")
+    p.add_argument("--ttft-prompts", type=int, default=4, help="orders timed (default 4)")
+    p.add_argument("--separator", default="\n\n", help="blend_special_str (default: blank line)")
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--hot-cache-gb", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=3000)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="TTFT clock: wall time, or this process's CPU time (on a busy machine; "
+                   "use with --threads 1)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.qa_prompts is None:
+        args.qa_prompts = 40 if args.model else 0
+    model = args.model or str(realistic_model_dir())
+    print(f"model {model}", flush=True)
+    if args.qa_prompts:
+        print(qa_accuracy(model, args), flush=True)
+    if args.ttft_prompts:
+        for line in ttft(model, args):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
