@@ -16,7 +16,7 @@ LONG_FILLER = (3, 3)
 @dataclass(frozen=True, slots=True)
 class QAPrompt:
     documents: tuple[str, ...]  # "Document i: ..." paragraphs, in prompt order
-    question: str  # "Q: ...? A:"
+    question: str  # "Q: The capital of Zorvia is"
     answer: str
     num_documents: int  # how many documents the answer needs (1 or 2)
 
