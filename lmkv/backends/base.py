@@ -43,6 +43,11 @@ class StorageBackend(ABC):
         out[: len(value)] = value
         return len(value)
 
+    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
+        """get_into for several keys in one batch (lengths, None for misses). Remote
+        backends override it to pipeline the requests: one round trip, not one per key."""
+        return [self.get_into(key, out) for key, out in zip(keys, outs, strict=True)]
+
     def register_memory(self, region: memoryview) -> None:  # noqa: B027 - optional hook
         """``region`` (lmkv's chunk pool) will be the source and target of puts and
         get_into; backends with zero-copy transfers register it."""

@@ -145,6 +145,26 @@ class LMBackend(StorageBackend):
         except OSError as exc:
             self._fail("get from", exc)
 
+    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
+        """All GETs sent at once, the replies read in order into ``outs``."""
+        requests = [wire.pack_request(wire.Command.GET, self._key(k)) for k in keys]
+        views = [memoryview(out).cast("B") for out in outs]
+        sock = self._connection()
+        lengths: list[int | None] = []
+        try:
+            self._send(sock, requests)
+            for key, view in zip(keys, views, strict=True):
+                deadline = time.monotonic() + self.timeout
+                length = self._read_value_header(sock, deadline)
+                if length is not None and length > view.nbytes:
+                    self._fail_with(f"value of {key!r} is {length} bytes, buffer {view.nbytes}")
+                if length is not None:
+                    self._recv_exactly(sock, view[:length], deadline)
+                lengths.append(length)
+        except OSError as exc:
+            self._fail("get from", exc)
+        return lengths
+
     def contains(self, keys: Sequence[str]) -> list[bool]:
         requests = [wire.pack_request(wire.Command.EXIST, self._key(k)) for k in keys]
         sock = self._connection()

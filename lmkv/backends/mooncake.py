@@ -126,6 +126,22 @@ class MooncakeBackend(StorageBackend):
             raise BackendError(f"Mooncake get_into failed (code {n})")
         return n
 
+    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
+        """One batch_get_into when every target is in the registered pool."""
+        addrs = [self._registered(out) for out in outs]
+        if len(keys) < 2 or None in addrs:
+            return super().get_into_many(keys, outs)
+        codes = self.store.batch_get_into(list(keys), addrs, [len(out) for out in outs])
+        lengths: list[int | None] = []
+        for n in codes:
+            if n in (NOT_FOUND, TOO_SMALL):
+                lengths.append(None)
+            elif n < 0:
+                raise BackendError(f"Mooncake batch_get_into failed (code {n})")
+            else:
+                lengths.append(n)
+        return lengths
+
     def contains(self, keys: Sequence[str]) -> list[bool]:
         codes = self.store.batch_is_exist(list(keys))
         if any(c < 0 for c in codes):

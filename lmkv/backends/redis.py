@@ -66,6 +66,17 @@ class RedisBackend(StorageBackend):
                 raise BackendError(f"redis returned a {len(v)}-byte value (limit {self.max_value_size})")
         return values
 
+    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
+        """One pipelined batch of GETs, each value copied into its ``out``."""
+        lengths: list[int | None] = []
+        for value, out in zip(self.get(keys), outs, strict=True):
+            if value is None or len(value) > len(out):
+                lengths.append(None)
+                continue
+            out[: len(value)] = value
+            lengths.append(len(value))
+        return lengths
+
     def contains(self, keys: Sequence[str]) -> list[bool]:
         try:
             pipe = self.client.pipeline(transaction=False)

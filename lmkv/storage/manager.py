@@ -29,6 +29,9 @@ from .io import IOWorker
 log = logging.getLogger(__name__)
 
 
+LOAD_BATCH = 8  # chunks asked of a tier at once when loading a run of them
+
+
 @dataclass
 class Tier:
     name: str
@@ -142,13 +145,21 @@ class StorageManager:
         return out
 
     def _load_run(self, keys: list[str]) -> list[ChunkBuffer]:
-        """On the I/O thread: the leading ``keys`` that some tier has, each retained."""
+        """On the I/O thread: the leading ``keys`` that some tier has, each retained. Each
+        tier is asked for a batch of chunks at once (one pipelined round trip)."""
         out: list[ChunkBuffer] = []
-        for key in keys:
-            buf = self.hot.get(key) if self._load(key, prefetch=False) else None
-            if buf is None:
+        for start in range(0, len(keys), LOAD_BATCH):
+            batch = keys[start : start + LOAD_BATCH]
+            loaded = self._load_batch(batch, prefetch=False)
+            for key in batch:
+                buf = loaded.pop(key, None) or self.hot.get(key)
+                if buf is None:
+                    break
+                out.append(buf)
+            for buf in loaded.values():  # loaded beyond a missing chunk
+                buf.release()
+            if len(out) < start + len(batch):
                 break
-            out.append(buf)
         return out
 
     def prefetch(self, keys: list[str]) -> None:
@@ -174,49 +185,78 @@ class StorageManager:
         """On the I/O thread: read ``key`` from the first tier that has it into the hot cache."""
         if self.hot.contains(key):
             return True
+        loaded = self._load_batch([key], prefetch)
+        for buf in loaded.values():
+            buf.release()
+        return bool(loaded)
+
+    def _load_batch(self, keys: list[str], prefetch: bool) -> dict[str, ChunkBuffer]:
+        """On the I/O thread: read those of ``keys`` missing from the hot cache, each from
+        the first tier that has it, one batch per tier. Returns the chunks read, put in the
+        hot cache and retained for the caller."""
+        loaded: dict[str, ChunkBuffer] = {}
+        missing = [k for k in keys if not self.hot.contains(k)]
         for tier in self.tiers:
-            if not tier.breaker.closed:
-                continue
+            if not missing:
+                break
+            if tier.breaker.closed:
+                missing = self._read_tier(tier, missing, prefetch, loaded)
+        return loaded
+
+    def _read_tier(self, tier: Tier, keys: list[str], prefetch: bool,
+                   loaded: dict[str, ChunkBuffer]) -> list[str]:
+        """Read ``keys`` from one tier into hot-cache chunks (added to ``loaded``); returns
+        the keys it did not have or could not deliver intact."""
+        bufs = []
+        for _ in keys:
             buf = self.hot.allocate()
             if buf is None:
                 self.metrics.dropped.labels("no_memory").inc()
-                return False
-            try:
-                start = time.perf_counter()
-                if tier.codec == "raw":
-                    frame = memoryview(buf.frame.numpy())
-                    n = tier.backend.get_into(key, frame)
-                    data = None if n is None else frame[:n]
-                else:
-                    data = tier.backend.get([key])[0]
-                if data is None:
-                    buf.release()
-                    continue
-                tier.breaker.success()
-                decode_into(data, buf, key, tier.table)
-                buf.lossy = data[CODEC_BYTE] == CODECS["cachegen"]
-                self.metrics.tier_seconds.labels(tier.name, "get").observe(time.perf_counter() - start)
-                self.metrics.tier_bytes.labels(tier.name, "get").inc(len(data))
-            except BackendError as e:
+                break
+            bufs.append(buf)
+        batch, missing = keys[: len(bufs)], keys[len(bufs) :]
+        if not batch:
+            return missing
+        start = time.perf_counter()
+        try:
+            if tier.codec == "raw":
+                frames = [memoryview(buf.frame.numpy()) for buf in bufs]
+                lengths = tier.backend.get_into_many(batch, frames)
+                values = [None if n is None else f[:n] for f, n in zip(frames, lengths, strict=True)]
+            else:
+                values = tier.backend.get(batch)
+        except BackendError as e:
+            for buf in bufs:
                 buf.release()
-                self._failed(tier, "get", e)
+            self._failed(tier, "get", e)
+            return keys
+        tier.breaker.success()
+        self.metrics.tier_seconds.labels(tier.name, "get").observe(time.perf_counter() - start)
+        for key, buf, data in zip(batch, bufs, values, strict=True):
+            if data is None:
+                buf.release()
+                missing.append(key)
                 continue
+            try:
+                decode_into(data, buf, key, tier.table)
             except FrameError as e:
                 buf.release()
+                missing.append(key)
                 log.warning("lmkv: a chunk from %s is corrupt (%s); it will be recomputed",
                             tier.name, e)
                 self.metrics.errors.labels(tier.name, "corrupt").inc()
                 if hasattr(tier.backend, "remove"):
                     tier.backend.remove(key)
                 continue
+            buf.lossy = data[CODEC_BYTE] == CODECS["cachegen"]
+            self.metrics.tier_bytes.labels(tier.name, "get").inc(len(data))
             self.hot.put(key, buf)
-            buf.release()
+            loaded[key] = buf
             self.metrics.tier_hits.labels(tier.name).inc()
             if prefetch:
                 self.metrics.prefetched_chunks.inc()
-            self.metrics.hot_chunks.set(len(self.hot))
-            return True
-        return False
+        self.metrics.hot_chunks.set(len(self.hot))
+        return missing
 
     def _failed(self, tier: Tier, op: str, error: BackendError) -> None:
         pause = tier.breaker.failure()

@@ -34,6 +34,13 @@ def test_put_get_contains(spawn_server):
     backend.close()
 
 
+def test_batched_reads_are_pipelined(spawn_server):
+    from tests.backend_checks import check_batched_reads
+
+    server = spawn_server("--max-memory", "4MiB")
+    check_batched_reads(LMBackend(server.url), [memoryview(bytearray(8192)) for _ in range(3)])
+
+
 def test_invalid_keys_and_sizes_raise_backend_error(spawn_server):
     server = spawn_server("--max-memory", "4MiB")
     backend = LMBackend(server.url, max_value_size=1000)

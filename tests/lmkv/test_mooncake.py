@@ -42,6 +42,18 @@ def test_put_get_zero_copy_and_plain(store):
     backend.close()
 
 
+def test_batched_reads_into_the_registered_pool(store):
+    from lmkv.backends.mooncake import MooncakeBackend
+
+    from ..backend_checks import check_batched_reads
+
+    backend = MooncakeBackend(store.url)
+    pool = torch.zeros(3, 8192, dtype=torch.uint8)
+    backend.register_memory(memoryview(pool.numpy()).cast("B"))
+    check_batched_reads(backend, [memoryview(row.numpy()) for row in pool])
+    backend.close()
+
+
 def test_dead_master_fails_fast():
     from lmkv.backends.mooncake import MooncakeBackend
 

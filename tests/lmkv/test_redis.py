@@ -7,6 +7,7 @@ import pytest
 from lmkv.backends.base import BackendError
 from lmkv.backends.redis import RedisBackend
 
+from ..backend_checks import check_batched_reads
 from ..redis_server import RedisServer, start_cluster
 
 
@@ -25,6 +26,10 @@ def test_put_get_contains_with_prefix(redis_server):
     assert a.get(["k1", "k2", "k3"]) == [value, b"x" * 10, None]
     assert a.contains(["k1", "k3"]) == [True, False]
     assert b.get(["k1"]) == [None]  # prefixes are namespaces
+
+
+def test_batched_reads(redis_server):
+    check_batched_reads(RedisBackend(redis_server.url), [memoryview(bytearray(8192)) for _ in range(3)])
 
 
 def test_dead_server_raises_backend_error_quickly(redis_server):

@@ -109,3 +109,45 @@ def test_disk_tier_survives_restart_and_respects_its_cap(tmp_path):
         again.put([("big", b"0" * 400)])
     smaller = DiskBackend(tmp_path, capacity_bytes=160)  # restart with a lower cap evicts
     assert smaller.used <= 160
+
+
+def test_batched_loads_stop_at_the_first_missing_or_corrupt_chunk(tmp_path):
+    """A run of chunks is read from a tier in batches; the hit ends at the first chunk no
+    tier has or that arrives corrupt, chunks read beyond it are not handed out, and every
+    reference is given back."""
+    from lmkv.metrics import LMKVMetrics
+    from lmkv.storage.manager import LOAD_BATCH, StorageManager, Tier
+
+    n = 2 * LOAD_BATCH + 3
+    pool = MemoryPool(LAYOUT, (n + 2) * (64 + LAYOUT.chunk_bytes))
+    manager = StorageManager(pool, [Tier("disk", DiskBackend(tmp_path / "disk", 1 << 30))],
+                             LMKVMetrics())
+    keys = [f"k{i}" for i in range(n)]
+    for key in keys:
+        buf = manager.allocate()
+        buf.kv.copy_(torch.randn(buf.kv.shape))
+        manager.put(key, buf)
+        buf.release()
+    manager.io.drain()
+    want = {}
+    for key in keys:
+        buf = manager.hot.get(key)
+        want[key] = buf.kv.clone()
+        buf.release()
+    disk = manager.tiers[0].backend
+    for missing, cut in ((n, None), (LOAD_BATCH + 2, "remove"), (3, "corrupt")):
+        manager.hot.clear()
+        if cut == "remove":
+            disk.remove(keys[missing])
+        elif cut == "corrupt":
+            data = bytearray(disk.get([keys[missing]])[0])
+            data[-1] ^= 0xFF
+            disk.put([(keys[missing], bytes(data))])
+        bufs = manager.fetch(keys)
+        assert len(bufs) == missing
+        for key, buf in zip(keys[:missing], bufs, strict=True):
+            assert torch.equal(buf.kv, want[key])
+            buf.release()
+    manager.close()
+    pool.check_integrity()
+    assert pool.num_free == pool.num_slots

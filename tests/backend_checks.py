@@ -1,0 +1,16 @@
+"""Checks every storage backend must pass, shared by the per-backend test files."""
+
+from __future__ import annotations
+
+import os
+
+
+def check_batched_reads(backend, outs: list[memoryview]) -> None:
+    """get_into_many over hits and a miss, in order, into the caller's buffers (``outs``:
+    three buffers of at least 8 KiB)."""
+    a, b = os.urandom(1000), os.urandom(8192)
+    backend.put([("batch-a", a), ("batch-b", b)])
+    assert backend.get_into_many(["batch-a", "batch-none", "batch-b"], outs) == [1000, None, 8192]
+    assert bytes(outs[0][:1000]) == a and bytes(outs[2][:8192]) == b
+    assert backend.get_into_many(["batch-b"], outs[1:2]) == [8192]  # a batch of one
+    assert bytes(outs[1][:8192]) == b
