@@ -36,7 +36,9 @@ class StridedPagedMemory(PagedMemory):
         for i in self._layers(layer):
             for kv, pages in ((0, self.k[i]), (1, self.v[i])):
                 src = chunk[kv, i, skip:]  # [T - skip, Hkv, D]
-                if offsets is None:  # whole blocks
+                if isinstance(blocks, slice):  # a run of consecutive whole blocks
+                    pages[blocks].copy_(src.view(-1, *pages.shape[1:]))
+                elif offsets is None:  # whole blocks
                     pages.index_copy_(0, blocks, src.view(-1, *pages.shape[1:]))
                 else:
                     pages.index_put_((blocks, offsets), src)
@@ -46,7 +48,9 @@ class StridedPagedMemory(PagedMemory):
         for i in self._layers(layer):
             for kv, pages in ((0, self.k[i]), (1, self.v[i])):
                 dst = chunk[kv, i, skip:]  # [T - skip, Hkv, D]
-                if offsets is None:
+                if isinstance(blocks, slice):
+                    dst.view(-1, *pages.shape[1:]).copy_(pages[blocks])
+                elif offsets is None:
                     dst.view(-1, *pages.shape[1:]).copy_(pages.index_select(0, blocks))
                 else:
                     dst.copy_(pages[blocks, offsets])
@@ -54,8 +58,9 @@ class StridedPagedMemory(PagedMemory):
     def _layers(self, layer: int | None) -> range:
         return range(self.num_layers) if layer is None else range(layer, layer + 1)
 
-    def _index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(block ids [n], None) when ``slots`` are whole aligned blocks in order, else
+    def _index(self, slots: torch.Tensor) -> tuple[torch.Tensor | slice, torch.Tensor | None]:
+        """(a slice of blocks, None) when ``slots`` are consecutive whole blocks (one strided
+        copy), (block ids [n], None) when they are whole aligned blocks in order, else
         (block id, offset in block) per token, [T] each."""
         bs = self.block_size
         n = slots.shape[0]
@@ -63,7 +68,11 @@ class StridedPagedMemory(PagedMemory):
             grid = slots.view(-1, bs)
             first = grid[:, 0]
             if not bool((first % bs).any()) and torch.equal(grid, first[:, None] + torch.arange(bs)):
-                return first // bs, None
+                blocks = first // bs
+                start = int(blocks[0])
+                if torch.equal(blocks, torch.arange(start, start + blocks.shape[0])):
+                    return slice(start, start + blocks.shape[0]), None
+                return blocks, None
         return slots // bs, slots % bs
 
 

@@ -41,14 +41,16 @@ def _memories(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["cpu", "gpu"])
-@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("aligned", ["blocks", "consecutive", "tokens"])
 @pytest.mark.parametrize("skip", [0, 16])
 def test_load_then_save_round_trip(kind, aligned, skip):
     raw, paged, reference = _memories(kind)
     g = torch.Generator().manual_seed(1)
     chunk = torch.randn(2, L, T, H, D, generator=g)
-    if aligned:  # blocks 4 and 1, whole
+    if aligned == "blocks":  # blocks 4 and 1, whole
         slots = torch.cat([torch.arange(4 * BS, 5 * BS), torch.arange(BS, 2 * BS)])
+    elif aligned == "consecutive":  # blocks 2 and 3, whole: one slice
+        slots = torch.arange(2 * BS, 2 * BS + T)
     else:  # scattered single tokens
         slots = torch.randperm(NB * BS, generator=g)[:T]
     paged.load(chunk, slots, skip)
