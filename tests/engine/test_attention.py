@@ -58,8 +58,8 @@ def test_decode_matches_dense(hq, hkv, block_size):
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
 def test_prefill_and_extend_match_dense(hq, hkv):
     gen = torch.Generator().manual_seed(1)
-    seq_lens = [5, 33, 64, 70]
-    q_lens = [5, 1, 20, 70]  # full prefill, single token, extend, full prefill
+    seq_lens = [5, 33, 64, 70, 80]
+    q_lens = [5, 1, 20, 70, 50]  # full prefill, single token, short extend, full, long extend
     kv_layer, tables, kvs = _scatter_sequences(seq_lens, hkv, 64, 16, 64, gen)
     q = torch.randn(sum(q_lens), hq, 64, generator=gen)
     loc = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist())
