@@ -75,6 +75,7 @@ class TrainConfig:
     text_fraction: float = 0.1  # sequences of documentation text
     recall_fraction: float = 0.2  # key-value recall drills (teach copying from context)
     copy_fraction: float = 0.2  # a random span repeated at a random distance
+    copy_vocab: int = 512  # distinct tokens the copy drill draws from (without repeats)
     question_tokens: int = 96  # QA sequences keep at least this much room for questions
     qa_filler: tuple[int, ...] = (0, 0, 1)  # most filler sentences per fact, drawn per sequence
     context_weight: float = 0.1  # loss weight of QA tokens other than answers (answers: 1)
@@ -128,7 +129,8 @@ class Batches:
         """Random tokens with one span of them repeated, at a random distance: the repeat is
         predictable only by looking back for the current token and copying what followed."""
         n = self.cfg.seq_len
-        ids = [self.rng.randrange(256, self.cfg.vocab_size) for _ in range(n)]
+        pool = range(256, min(256 + self.cfg.copy_vocab, self.cfg.vocab_size))
+        ids = self.rng.sample(pool, n) if len(pool) >= n else self.rng.choices(pool, k=n)
         length = self.rng.randint(8, n // 3)
         src = self.rng.randrange(0, n - 2 * length)
         dst = self.rng.randrange(src + length, n - length)

@@ -74,3 +74,24 @@ def test_two_identical_runs_measure_as_identical(tiny_model_dir):
         assert metrics.agreement(first[0], second[0]) == metrics.Agreement(1.0, None, 8)
         # causal: the KV of a prompt's first T-1 tokens does not depend on the T-th
         assert torch.equal(prefill(llm, ids[:-1]).kv[0], a.kv[0][:, :-1])
+
+
+def test_copy_drill_supervises_only_a_repeat_found_by_content(tiny_trained):
+    """Every supervised token of a copy row repeats the token that followed the same token
+    earlier in the row (so only looking back by content predicts it); ids stay in the vocab."""
+    from tokenizers import Tokenizer
+
+    from lmkv_engines.minimal.trained_model import Batches
+
+    batches = Batches(TINY, Tokenizer.from_file(str(tiny_trained / "tokenizer.json")), seed=0)
+    distances = set()
+    for _ in range(50):
+        ids, weights = batches._copy()
+        assert len(ids) == len(weights) == TINY.seq_len and max(ids) < TINY.vocab_size
+        supervised = [t for t, w in enumerate(weights) if w == 1.0]
+        assert supervised
+        for t in supervised:
+            earlier = ids.index(ids[t - 1])
+            assert earlier < t - 1 and ids[earlier + 1] == ids[t]
+            distances.add(t - 1 - earlier)
+    assert len(distances) > 5  # not a fixed offset a positional shortcut could learn
