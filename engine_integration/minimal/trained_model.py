@@ -23,6 +23,9 @@ engine's default: measured on CPU (session 2), the model learns text (held-out p
   circuit is specific to the tokens it was drilled on: the recall drill and QA answers (other
   tokens) stayed at chance; drilling on the QA words too then restarts the climb slowly
   (copy 0.33, QA answer tokens 0.07 after 600 more steps).
+  Holding the learning rate at 2e-3 with recall and copy at 0.3 each then broke through:
+  recall 0.91 and QA answer tokens 0.75 by 1800 more steps; after 5600, held-out QA 7/20
+  single-document and 4/20 two-document (chance ~1/80).
 So: drill copying on the QA vocabulary from the start, and expect thousands of steps;
 ``--device cuda`` trains the same recipe on a GPU where one exists.
 """
