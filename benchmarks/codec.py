@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lmkv_ttft import drop_page_cache, raw_read_seconds  # noqa: E402
+from common import best, drop_page_cache  # noqa: E402
+from lmkv_ttft import raw_read_seconds  # noqa: E402
 
 from lmkv.codec import cachegen  # noqa: E402
 from lmkv.codec.calibrate import calibration_prompts  # noqa: E402
@@ -83,16 +84,6 @@ def int8_roundtrip(kv: torch.Tensor) -> torch.Tensor:
 
 def int8_bytes(kv: torch.Tensor) -> int:
     return kv.numel() + 2 * kv.shape[0] * kv.shape[1] * kv.shape[2]
-
-
-def best(fn: Callable[[], object], repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def default_model() -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import statistics
 import time
@@ -44,15 +45,36 @@ def realistic_model_dir(root: Path | None = None, **overrides) -> Path:
     return path
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``repeats`` calls, after one warm-up call."""
+def _times(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Wall times of ``repeats`` calls, after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls, after one warm-up call."""
+    return statistics.median(_times(fn, repeats))
+
+
+def best(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Lowest wall time of ``repeats`` calls, after one warm-up call."""
+    return min(_times(fn, repeats))
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    """Flush ``paths`` and drop them from the page cache, so the next read hits the disk."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import random_prompt, realistic_model_dir  # noqa: E402
+from common import drop_page_cache, random_prompt, realistic_model_dir  # noqa: E402
 
 from lmkv import ops  # noqa: E402
 from lmkv.config import load_config  # noqa: E402
@@ -57,16 +56,6 @@ def lmkv_llm(model_dir: Path, chunk: int, cpu_gb: float = 2.0, **lmkv) -> LLM:
 
 def disk_llm(model_dir: Path, disk: Path, chunk: int) -> LLM:
     return lmkv_llm(model_dir, chunk, local_disk=str(disk), max_local_disk_size=4.0)
-
-
-def drop_page_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def raw_read_seconds(paths: list[Path]) -> tuple[float, int]:

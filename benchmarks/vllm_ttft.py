@@ -40,6 +40,9 @@ SHAPE = dict(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidde
 LMKV_PATH = "lmkv_engines.vllm.connector"
 
 
+from common import drop_page_cache  # noqa: E402
+
+
 def prompt(n: int, seed: int) -> list[int]:
     from common import random_prompt
 
@@ -69,16 +72,6 @@ def ttft(llm, ids: list[int]) -> tuple[float, int]:
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0),
                        use_tqdm=False)[0]
     return time.perf_counter() - start, out.num_cached_tokens or 0
-
-
-def drop_page_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def memcpy_gbps(nbytes: int) -> float:
