@@ -1,7 +1,8 @@
 """KV codecs side by side, in one run: size, agreement, speed, TTFT from disk.
 
-On a model directory (--model; default: the engine's shipped trained model when present,
-else the random-weight demo model) and long prompts (--text FILE for real text):
+On a model directory (--model; default: the trained QA model shipped in
+benchmarks/quality/models when present, else the random-weight demo model) and long prompts
+(--text FILE; default with a model: long multi-document QA examples, cut into windows):
 - cachegen bytes vs fp16 bytes of the same KV (target >= 4x) at greedy-token agreement
   >= 99% over 64 generated tokens, with the stored KV replaced by its decoded copy;
 - vs per-token int8 (one fp16 scale per token, layer, K/V; target: >= 2x smaller at equal or
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import best, drop_page_cache  # noqa: E402
+from common import best, drop_page_cache, trained_model_dir  # noqa: E402
 from lmkv_ttft import raw_read_seconds  # noqa: E402
 
 from lmkv.codec import cachegen  # noqa: E402
@@ -86,18 +87,6 @@ def int8_bytes(kv: torch.Tensor) -> int:
     return kv.numel() + 2 * kv.shape[0] * kv.shape[1] * kv.shape[2]
 
 
-def default_model() -> str | None:
-    """The engine's shipped trained model if this checkout has it, else None (the demo)."""
-    try:
-        from lmkv_engines.minimal.trained_model import trained_model_dir
-    except ImportError:
-        return None
-    try:
-        return str(trained_model_dir())
-    except FileNotFoundError:
-        return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="HF model directory (default: the shipped trained model if "
@@ -110,9 +99,11 @@ def main() -> None:
     ap.add_argument("--also-error", type=float, nargs="*", default=[0.002],
                     help="further calibration error targets to report size and agreement for")
     ap.add_argument("--repeats", type=int, default=3, help="TTFT measurements per codec")
-    ap.add_argument("--text", help="text file for prompts (default: random tokens)")
+    ap.add_argument("--text", help="text file for prompts (default: long QA examples with the "
+                    "trained model, random tokens with the demo model)")
     args = ap.parse_args()
-    args.model = args.model or default_model()
+    if args.model is None and (shipped := trained_model_dir()) is not None:
+        args.model = str(shipped)
     torch.manual_seed(0)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,6 +111,10 @@ def main() -> None:
         llm = hot_llm(args.model, args.chunk)
         vocab = llm.engine.model_config.vocab_size
         text = Path(args.text).read_text() if args.text else None
+        if text is None and args.model:  # a trained model: prompts like the QA benchmark's
+            from quality.qa import qa_text
+
+            text = qa_text(40)
         tok = llm.engine.tokenizer.encode
         half = len(text) // 2 if text else 0  # text: measure on the first half, calibrate on the rest
         calib_p = calibration_prompts(vocab, 4, args.length, seed=1000,

@@ -21,6 +21,15 @@ REALISTIC = dict(
 )
 
 
+TRAINED_MODEL = Path(__file__).resolve().parent / "quality" / "models" / "qa-2layer"
+
+
+def trained_model_dir() -> Path | None:
+    """The QA model shipped with the benchmarks (trained by lmkv_engines.minimal.trained_model),
+    or None when this checkout lacks it."""
+    return TRAINED_MODEL if (TRAINED_MODEL / "model.safetensors").is_file() else None
+
+
 def realistic_model_dir(root: Path | None = None, **overrides) -> Path:
     """A random-weight Llama of realistic shape saved by transformers (cached on disk)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -41,3 +41,15 @@ def heldout_prompts(n: int, num_documents: int, answer_documents: int,
         q = ex.questions[0]
         out.append(QAPrompt(tuple(ex.documents), q.text, q.answer, q.num_documents))
     return out
+
+
+def qa_text(n: int, num_documents: int = 6, filler_per_fact: tuple[int, int] = LONG_FILLER,
+            seed: int = 4000) -> str:
+    """``n`` long QA examples (documents, then their questions and answers) as one text, for
+    tools that cut prompts out of text (codec calibration and measurement). Filler is the
+    held-out split's prose, the facts come from their own seed."""
+    rng = random.Random(seed)
+    filler = qa_data.filler_sentences("heldout")
+    return "\n".join(qa_data.training_text(qa_data.make_example(rng, num_documents, num_documents,
+                                                                filler, filler_per_fact))
+                     for _ in range(n))

@@ -96,9 +96,12 @@ def make_example(
     filler: list[str] | None = None,
     filler_per_fact: tuple[int, int] = (0, 0),
     two_doc_fraction: float = 0.3,
+    distinct: bool = False,
 ) -> QAExample:
     """One prompt's documents and questions. Countries, facts and neighbors are random; each
-    fact may be followed by ``filler_per_fact`` = [lo, hi] filler sentences."""
+    fact may be followed by ``filler_per_fact`` = [lo, hi] filler sentences. ``distinct``:
+    no (country, attribute) is asked twice (at most ``num_documents * 5`` questions), so a
+    later question cannot be answered by copying an earlier question's line."""
     vocab = vocabulary()
     names = rng.sample(vocab.countries, num_documents)
     countries = []
@@ -112,9 +115,11 @@ def make_example(
         _document(i + 1, c, rng, filler, filler_per_fact) for i, c in enumerate(countries)
     ]
     questions = []
-    for _ in range(num_questions):
-        c = rng.choice(countries)
-        attr = rng.choice(ATTRIBUTES)
+    asks = [(c, a) for c in countries for a in ATTRIBUTES]
+    if distinct:
+        rng.shuffle(asks)
+    for i in range(min(num_questions, len(asks)) if distinct else num_questions):
+        c, attr = asks[i] if distinct else (rng.choice(countries), rng.choice(ATTRIBUTES))
         if num_documents > 1 and rng.random() < two_doc_fraction:
             other = by_name[c.facts["neighbor"]]
             questions.append(Question(f"Q: The {attr} of the neighbor of {c.name} is",

@@ -2,31 +2,35 @@
 meant to mean something, on which lossy KV paths (codecs, CacheBlend) can be measured
 (benchmarks/quality).
 
-It is trained (plain PyTorch) on a mix of Python's documentation topics and a synthetic
-multi-document question-answering task (qa_data.py), and saved as a Hugging Face Llama
-directory (fp16 safetensors, config.json, tokenizer.json, tokenizer_config.json):
+It is trained (plain PyTorch) on a mix of Python's documentation topics, a synthetic
+multi-document question-answering task (qa_data.py) and two drills that teach copying
+from the context, and saved as a Hugging Face Llama directory (fp16 safetensors,
+config.json, tokenizer.json, tokenizer_config.json):
 
-    python -m lmkv_engines.minimal.trained_model --out DIR [--steps N] [--seed S] [--init DIR]
+    python -m lmkv_engines.minimal.trained_model --out DIR [--seed S] [--scale F]
+        [--init DIR --phases NAME ...]
 
-The default recipe (TrainConfig: 4.2M parameters, 1500 steps of 16x256 tokens, ~4.5k
-tokens/s on two idle cores, ~25 minutes) mixes documentation text, QA prompts and two
-drills meant to teach copying from the context. It is not enough, and the model is not the
-engine's default: measured on CPU (session 2), the model learns text (held-out perplexity
-~57, random ~4000) but not to answer (0/20 single-document questions). What was found:
-- a copy drill whose repeat sits at a fixed distance is learned in ~500 steps, but as a
-  positional shortcut ("copy from 128 tokens back"), useless for retrieval;
-- with the repeat at a random distance (content-based induction), neither this model nor
-  a 4-layer 128-wide one learned it in 400-2500 steps on CPU (cosine-decayed learning rate);
-- a 2-layer 128-wide model on the copy drill alone (64-token rows, distinct tokens from a
-  512-token pool, learning rate held at 3e-3) did: loss at chance until step ~2000, then
-  copying by content at 0.97-0.99 by step 3000 (~6 minutes), also on 256-token rows. The
-  circuit is specific to the tokens it was drilled on: the recall drill and QA answers (other
-  tokens) stayed at chance; drilling on the QA words too then restarts the climb slowly
-  (copy 0.33, QA answer tokens 0.07 after 600 more steps).
-  Holding the learning rate at 2e-3 with recall and copy at 0.3 each then broke through:
-  recall 0.91 and QA answer tokens 0.75 by 1800 more steps; after 5600, held-out QA 7/20
-  single-document and 4/20 two-document (chance ~1/80).
-So: drill copying on the QA vocabulary from the start, and expect thousands of steps;
+Training runs in phases (RECIPE): "induction" (the copy drill alone, 64-token rows),
+"mix" (all four row kinds, 256 tokens), "long-qa" (1024-token rows, QA with filler
+between facts, distinct questions). Held-out QA accuracy is printed as it goes.
+A 2-layer, 128-wide model (0.8M parameters) at ~16k tokens/s on two idle cores.
+
+What was measured (sessions 2-3), so the next attempt starts from it:
+- A copy drill whose repeat sits at a fixed distance is learned as a positional shortcut;
+  at a random distance (content-based induction) the loss stays at chance for ~2000 steps
+  with the learning rate held at 3e-3, then drops (phase "induction", ~6 minutes). With a
+  cosine-decayed rate, or 4 layers, it did not appear within 400-2500 steps.
+- The circuit is specific to the tokens it was drilled on; drilling the QA words too and
+  then thousands of steps of QA, recall and copy rows with the rate held is what made the
+  model answer: session 2's checkpoint (benchmarks/quality/models/qa-2layer-s2: induction
+  3000 steps, then ~8000 steps of 16x256 mixed rows) answered 7/20 held-out single-document
+  questions, always with the asked attribute but often another country's.
+- The full recipe from scratch (7500 steps, ~25 minutes) reached the drills but not yet
+  the QA task (held-out 0/40 after long-qa step 1500, loss still falling): the time budget
+  of ~30 minutes on two cores is not enough for this model to learn it from scratch.
+- Going on from the session-2 checkpoint with the "long-qa" phase alone
+  (``--init .../qa-2layer-s2 --phases long-qa --seed 11``, 3000 steps, ~13 minutes) is what
+  produced benchmarks/quality/models/qa-2layer; see its README for its accuracy.
 ``--device cuda`` trains the same recipe on a GPU where one exists.
 """
 
@@ -39,7 +43,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -65,27 +69,66 @@ def ensure_trained_model(cache_dir: Path | None = None, cfg: TrainConfig | None 
 
 
 @dataclass(frozen=True)
+class Phase:
+    """A stretch of training with one batch shape, learning rate and mix of row kinds."""
+
+    name: str
+    steps: int
+    seq_len: int
+    batch_size: int
+    lr: float
+    mix: tuple[tuple[str, float], ...]  # (kind, fraction): "text", "recall", "copy", "qa"
+    decay: float = 0.0  # cosine decay to lr/10 over this last fraction of the steps (0: held)
+    copy_qa_words: bool = True  # the copy drill also draws the QA task's words
+
+    def __post_init__(self) -> None:
+        kinds = {k for k, _ in self.mix}
+        if not kinds <= {"text", "recall", "copy", "qa"} or abs(sum(f for _, f in self.mix) - 1) > 1e-6:
+            raise ValueError(f"phase {self.name}: mix {self.mix} must be fractions of text, recall, "
+                             "copy, qa summing to 1")
+        if self.steps < 1 or self.seq_len < 16 or self.batch_size < 1 or not 0 <= self.decay <= 1:
+            raise ValueError(f"bad phase {self}")
+
+    def lr_at(self, step: int, warmup: int) -> float:
+        """Learning rate at ``step`` (1-based) of this phase."""
+        lr = self.lr * min(1.0, step / warmup) if warmup else self.lr
+        held = self.steps * (1 - self.decay)
+        if step > held:
+            frac = (step - held) / (self.steps - held)
+            lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+        return lr
+
+
+# The recipe that makes a 2-layer model answer (measured on CPU, session 3; see the module
+# docstring): first the copy drill alone until content-based induction appears (loss at
+# chance for ~2000 steps, then a drop), then everything at 256 tokens, then long QA rows
+# with filler so that retrieval works across thousands of tokens of distractors.
+RECIPE = (
+    Phase("induction", steps=3000, seq_len=64, batch_size=32, lr=3e-3, mix=(("copy", 1.0),),
+          copy_qa_words=False),
+    Phase("mix", steps=1500, seq_len=256, batch_size=16, lr=2e-3,
+          mix=(("text", 0.1), ("recall", 0.2), ("copy", 0.3), ("qa", 0.4))),
+    Phase("long-qa", steps=3000, seq_len=1024, batch_size=4, lr=2e-3, decay=0.2,
+          mix=(("text", 0.05), ("recall", 0.1), ("copy", 0.15), ("qa", 0.7))),
+)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     vocab_size: int = 4096
-    hidden_size: int = 256
-    intermediate_size: int = 768
-    num_layers: int = 4
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
     max_position_embeddings: int = 4096  # RoPE positions seen in training (skips, see pose_positions)
     rope_theta: float = 10000.0
-    seq_len: int = 256
-    batch_size: int = 16
-    steps: int = 1500
-    lr: float = 2e-3
-    warmup: int = 40
+    phases: tuple[Phase, ...] = RECIPE
+    warmup: int = 20  # steps of linear warm-up at the start of each phase
     weight_decay: float = 0.1
-    text_fraction: float = 0.1  # sequences of documentation text
-    recall_fraction: float = 0.2  # key-value recall drills (teach copying from context)
-    copy_fraction: float = 0.2  # a random span repeated at a random distance
     copy_vocab: int = 512  # distinct tokens the copy drill draws from (without repeats)
-    question_tokens: int = 96  # QA sequences keep at least this much room for questions
-    qa_filler: tuple[int, ...] = (0, 0, 1)  # most filler sentences per fact, drawn per sequence
+    qa_docs: tuple[int, int] = (2, 8)  # documents per QA row (fewer when they do not fit)
+    qa_filler: tuple[int, ...] = (0, 0, 1, 2, 3)  # most filler sentences per fact, drawn per row
     context_weight: float = 0.1  # loss weight of QA tokens other than answers (answers: 1)
     seed: int = 0
     threads: int = 2
@@ -93,6 +136,15 @@ class TrainConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def steps(self) -> int:
+        return sum(p.steps for p in self.phases)
+
+    def scaled(self, factor: float) -> TrainConfig:
+        """The same recipe with every phase's steps times ``factor`` (quick trial runs)."""
+        return replace(self, phases=tuple(replace(p, steps=max(1, round(p.steps * factor)))
+                                          for p in self.phases))
 
 
 def train_tokenizer(cfg: TrainConfig):
@@ -107,46 +159,49 @@ def train_tokenizer(cfg: TrainConfig):
 
 
 class Batches:
-    """Training sequences of exactly ``seq_len`` tokens: documentation text windows, and QA
-    prompts (as many documents as fit, then question/answer lines up to the length)."""
+    """Training rows of exactly ``phase.seq_len`` tokens with a loss weight per token, of four
+    kinds: documentation text windows; copy drills; key-value recall drills; QA rows (as many
+    documents as fit, then distinct question/answer lines)."""
 
     def __init__(self, cfg: TrainConfig, tokenizer, seed: int):
         self.cfg = cfg
         self.tok = tokenizer
         self.rng = random.Random(seed)
         self.filler = qa_data.filler_sentences("train")
+        self.phase = cfg.phases[0]
         eos = tokenizer.token_to_id("<|eos|>")
-        # the copy drill's tokens: the QA task's words (the circuit learned on some tokens
-        # does not carry over to tokens it never copied) and a block of other ids
+        # the copy drill's tokens: a block of ids and, after the first phase, the QA task's
+        # words too (the circuit learned on some tokens does not carry over to others)
         vocab = qa_data.vocabulary()
         words = [*vocab.countries, *(w for ws in vocab.values.values() for w in ws)]
-        pool = {t for w in words for t in tokenizer.encode(f" {w}").ids}
-        pool |= set(range(256, min(256 + cfg.copy_vocab, cfg.vocab_size)))
-        self.copy_pool = sorted(pool)
+        self.qa_words = sorted({t for w in words for t in tokenizer.encode(f" {w}").ids})
+        self.id_block = list(range(256, min(256 + cfg.copy_vocab, cfg.vocab_size)))
         self.text: list[int] = []
         for topic in qa_data.pydoc_topics("train"):
             self.text += tokenizer.encode(topic).ids + [eos]
 
+    @property
+    def seq_len(self) -> int:
+        return self.phase.seq_len
+
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B, T] and the loss weight of each token [B, T]."""
-        cfg = self.cfg
-        mix = {"text": cfg.text_fraction, "recall": cfg.recall_fraction, "copy": cfg.copy_fraction}
-        mix["qa"] = 1.0 - sum(mix.values())
-        self.kinds = self.rng.choices(list(mix), weights=list(mix.values()), k=cfg.batch_size)
+        kinds, weights = zip(*self.phase.mix, strict=True)
+        self.kinds = self.rng.choices(kinds, weights=weights, k=self.phase.batch_size)
         rows = [getattr(self, f"_{kind}")() for kind in self.kinds]
         return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
 
     def _text(self) -> tuple[list[int], list[float]]:
-        start = self.rng.randrange(len(self.text) - self.cfg.seq_len)
-        return self.text[start : start + self.cfg.seq_len], [1.0] * self.cfg.seq_len
+        start = self.rng.randrange(len(self.text) - self.seq_len)
+        return self.text[start : start + self.seq_len], [1.0] * self.seq_len
 
     def _copy(self) -> tuple[list[int], list[float]]:
         """Random tokens with one span of them repeated, at a random distance: the repeat is
         predictable only by looking back for the current token and copying what followed."""
-        n = self.cfg.seq_len
-        pool = self.copy_pool
+        n = self.seq_len
+        pool = sorted({*self.id_block, *self.qa_words}) if self.phase.copy_qa_words else self.id_block
         ids = self.rng.sample(pool, n) if len(pool) >= n else self.rng.choices(pool, k=n)
-        length = self.rng.randint(8, n // 3)
+        length = self.rng.randint(8, max(8, min(n // 3, 128)))
         src = self.rng.randrange(0, n - 2 * length)
         dst = self.rng.randrange(src + length, n - length)
         ids[dst : dst + length] = ids[src : src + length]
@@ -158,7 +213,7 @@ class Batches:
         """"Zorvia Melk. Tarnia Dun. ..." then the same keys, in another order, each
         followed by its value: the plainest form of copying an answer from the context."""
         vocab = qa_data.vocabulary()
-        n = self.cfg.seq_len
+        n = self.seq_len
         pairs = []
         ids: list[int] = []
         while len(ids) < n // 2:
@@ -174,19 +229,21 @@ class Batches:
         return ids[:n], weights[:n]
 
     def _qa(self) -> tuple[list[int], list[float]]:
-        n = self.cfg.seq_len
+        """Documents, then distinct questions each followed by its answer; the rest of the
+        row (when the questions run out) is documentation text that carries no loss."""
+        n = self.seq_len
+        docs = self.rng.randint(*self.cfg.qa_docs)
         filler_hi = self.rng.choice(self.cfg.qa_filler)
-        num_docs = self.rng.randint(2, 10)
-        budget = max(n // 4, n - self.cfg.question_tokens)  # the rest is for questions
         while True:
-            ex = qa_data.make_example(self.rng, num_docs, 40, self.filler, (0, filler_hi))
+            ex = qa_data.make_example(self.rng, docs, 5 * docs, self.filler, (0, filler_hi),
+                                      distinct=True)
             ids = self.tok.encode(ex.context()).ids
-            if len(ids) <= budget or (num_docs == 2 and filler_hi == 0):
+            if len(ids) <= n - 48 or (docs == 2 and filler_hi == 0):
                 break
-            if num_docs > 2:
-                num_docs -= 1
+            if docs > 2:
+                docs -= 1
             else:
-                filler_hi = 0
+                filler_hi -= 1
         weights = [self.cfg.context_weight] * len(ids)
         newline = self.tok.encode("\n").ids
         for q in ex.questions:
@@ -197,13 +254,42 @@ class Batches:
             weights += [self.cfg.context_weight] * len(newline)
             if len(ids) >= n:
                 break
+        if len(ids) < n:
+            start = self.rng.randrange(len(self.text) - n)
+            ids += self.text[start : start + n - len(ids)]
+            weights += [0.0] * (n - len(weights))
         return ids[:n], weights[:n]
 
 
+EVAL_SEED = 500  # held-out prompts watched during training (benchmarks.quality uses 1000+)
+
+
+def qa_accuracy(model: TrainLlama, tok, n: int, num_documents: int,
+                filler_per_fact: tuple[int, int], device: torch.device | None = None) -> float:
+    """Fraction of ``n`` held-out single-document questions whose answer's first token is the
+    model's top prediction after the prompt (no sampling, no engine: a quick check)."""
+    rng = random.Random(EVAL_SEED * 10 + num_documents)
+    filler = qa_data.filler_sentences("train") if filler_per_fact[1] else None
+    was_training = model.training
+    model.eval()
+    hits = 0
+    with torch.no_grad():
+        for _ in range(n):
+            ex = qa_data.make_example(rng, num_documents, 1, filler, filler_per_fact, two_doc_fraction=0.0)
+            q = ex.questions[0]
+            ids = torch.tensor([tok.encode(ex.context() + q.text).ids], device=device)
+            logits = model(ids, torch.arange(ids.shape[1], device=device)[None])
+            hits += int(logits[0, -1].argmax().item() == tok.encode(f" {q.answer}").ids[0])
+    model.train(was_training)
+    return hits / n
+
+
 def train(cfg: TrainConfig, out_dir: Path, log_every: int = 25, save_every: int = 0,
-          init: Path | None = None, device: str = "cpu") -> dict:
+          init: Path | None = None, device: str = "cpu", eval_every: int = 500) -> dict:
     """Train from scratch, or go on from the model saved in ``init`` (same geometry; its
-    tokenizer is kept). ``device``: "cpu" or a CUDA device (same recipe, bf16 autocast)."""
+    tokenizer is kept), phase after phase. ``device``: "cpu" or a CUDA device (same recipe,
+    bf16 autocast). Every ``eval_every`` steps and at the end of each phase, held-out QA
+    accuracy (short and long prompts) is printed."""
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     dev = torch.device(device)
@@ -224,48 +310,59 @@ def train(cfg: TrainConfig, out_dir: Path, log_every: int = 25, save_every: int 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": other, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+                             {"params": other, "weight_decay": 0.0}], betas=(0.9, 0.95))
     batches = Batches(cfg, tok, cfg.seed + 2)
     pos_rng = torch.Generator().manual_seed(cfg.seed + 3)
     nparams = sum(p.numel() for p in model.parameters())
-    print(f"training {nparams / 1e6:.2f}M parameters for {cfg.steps} steps of "
-          f"{cfg.batch_size}x{cfg.seq_len} tokens", flush=True)
+    print(f"training {nparams / 1e6:.2f}M parameters for {cfg.steps} steps in "
+          f"{len(cfg.phases)} phases: " + ", ".join(
+              f"{p.name} {p.steps}x{p.batch_size}x{p.seq_len}" for p in cfg.phases), flush=True)
     start = time.perf_counter()
-    smooth = smooth_acc = None
-    for step in range(1, cfg.steps + 1):
-        lr = cfg.lr * min(1.0, step / cfg.warmup)
-        lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        ids, weights = next(batches)
-        positions = pose_positions(ids.shape, cfg.max_position_embeddings, pos_rng).to(dev)
-        ids, weights = ids.to(dev), weights.to(dev)
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            logits = model(ids[:, :-1], positions[:, :-1])
-        nll = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(),
-                                                reduction="none")
-        w = weights[:, 1:].flatten()
-        loss = (nll * w).sum() / w.sum()
-        qa_rows = torch.tensor([k == "qa" for k in batches.kinds], device=dev)
-        answers = (w == 1.0) & qa_rows[:, None].expand_as(weights[:, 1:]).flatten()
-        hits = (logits.detach().argmax(-1).flatten() == ids[:, 1:].flatten())[answers]
-        acc = hits.float().mean().item() if hits.numel() else 0.0
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        smooth = loss.item() if smooth is None else 0.9 * smooth + 0.1 * loss.item()
-        smooth_acc = acc if smooth_acc is None else 0.9 * smooth_acc + 0.1 * acc
-        if step % log_every == 0 or step == cfg.steps:
-            took = time.perf_counter() - start
-            rate = step * cfg.batch_size * cfg.seq_len / took
-            print(f"step {step}/{cfg.steps} loss {smooth:.3f} QA answer-token acc {smooth_acc:.2f} "
-                  f"lr {lr:.2e} {rate:.0f} tok/s {took / 60:.1f} min", flush=True)
-        if save_every and step % save_every == 0 and step < cfg.steps:
-            save(model, tok, cfg, out_dir, {"step": step, "final_loss": round(smooth, 4)})
+    smooth = None
+    done = tokens = 0
+    evals: dict[str, float] = {}
+
+    def evaluate(where: str) -> None:
+        evals["qa_short"] = qa_accuracy(model, tok, 40, 4, (0, 0), dev)
+        evals["qa_long"] = qa_accuracy(model, tok, 16, 6, (3, 3), dev)
+        print(f"held-out QA after {where}: single-document {evals['qa_short']:.2f} (4 short "
+              f"documents), {evals['qa_long']:.2f} (6 documents with filler)", flush=True)
+
+    for phase in cfg.phases:
+        batches.phase = phase
+        for step in range(1, phase.steps + 1):
+            lr = phase.lr_at(step, cfg.warmup)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            ids, weights = next(batches)
+            positions = pose_positions(ids.shape, cfg.max_position_embeddings, pos_rng).to(dev)
+            ids, weights = ids.to(dev), weights.to(dev)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                logits = model(ids[:, :-1], positions[:, :-1])
+            nll = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(),
+                                                    reduction="none")
+            w = weights[:, 1:].flatten()
+            loss = (nll * w).sum() / w.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            done += 1
+            tokens += ids.numel()
+            smooth = loss.item() if smooth is None else 0.9 * smooth + 0.1 * loss.item()
+            if step % log_every == 0 or step == phase.steps:
+                took = time.perf_counter() - start
+                print(f"{phase.name} step {step}/{phase.steps} (total {done}/{cfg.steps}) loss "
+                      f"{smooth:.3f} lr {lr:.2e} {tokens / took:.0f} tok/s {took / 60:.1f} min", flush=True)
+            if step == phase.steps or (eval_every and done % eval_every == 0):
+                evaluate(f"{phase.name} step {step}")
+            if save_every and done % save_every == 0 and done < cfg.steps:
+                save(model, tok, cfg, out_dir, {"step": done, "final_loss": round(smooth, 4), **evals})
     seconds = time.perf_counter() - start
-    save(model, tok, cfg, out_dir, {"train_seconds": round(seconds), "final_loss": round(smooth, 4)})
-    return {"seconds": seconds, "loss": smooth}
+    save(model, tok, cfg, out_dir, {"steps": cfg.steps, "train_seconds": round(seconds),
+                                    "final_loss": round(smooth, 4),
+                                    **{k: round(v, 3) for k, v in evals.items()}})
+    return {"seconds": seconds, "loss": smooth, **evals}
 
 
 def save(model: TrainLlama, tokenizer, cfg: TrainConfig, out_dir: Path, info: dict) -> None:
@@ -310,16 +407,29 @@ def main(argv: list[str] | None = None) -> None:
                                 description="Train the small QA Llama (CPU) and save it as a "
                                             "Hugging Face directory.")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply every phase's steps by this (e.g. 0.1 for a quick trial)")
+    p.add_argument("--phases", nargs="+", metavar="NAME",
+                   help="run only these phases of the recipe (with --init: go on from a checkpoint); "
+                        f"the recipe is {' '.join(ph.name for ph in RECIPE)}")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--threads", type=int, default=TrainConfig.threads)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
     p.add_argument("--init", type=Path, help="go on from this saved model (same geometry)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] where a GPU exists")
+    p.add_argument("--eval-every", type=int, default=500,
+                   help="print held-out QA accuracy every N steps (and after each phase)")
     args = p.parse_args(argv)
-    cfg = TrainConfig(steps=args.steps, seed=args.seed, threads=args.threads)
-    result = train(cfg, args.out, args.log_every, args.save_every, args.init, args.device)
+    phases = RECIPE
+    if args.phases:
+        unknown = set(args.phases) - {ph.name for ph in RECIPE}
+        if unknown:
+            p.error(f"unknown phase(s) {sorted(unknown)}; the recipe has {[ph.name for ph in RECIPE]}")
+        phases = tuple(ph for ph in RECIPE if ph.name in args.phases)
+    cfg = TrainConfig(phases=phases, seed=args.seed, threads=args.threads).scaled(args.scale)
+    result = train(cfg, args.out, args.log_every, args.save_every, args.init, args.device,
+                   args.eval_every)
     print(f"saved {args.out} after {result['seconds'] / 60:.1f} min, loss {result['loss']:.3f}")
 
 

@@ -12,10 +12,13 @@ from benchmarks.quality import metrics
 from benchmarks.quality.probe import greedy, open_llm, prefill
 from benchmarks.quality.qa import heldout_prompts
 from lmkv_engines.minimal.llm import LLM
-from lmkv_engines.minimal.trained_model import TrainConfig, train
+from lmkv_engines.minimal.trained_model import Phase, TrainConfig, train
 
+MIX = (("text", 0.25), ("recall", 0.25), ("copy", 0.25), ("qa", 0.25))
 TINY = TrainConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                   num_kv_heads=1, max_position_embeddings=512, seq_len=64, batch_size=2, steps=2)
+                   num_kv_heads=1, max_position_embeddings=512,
+                   phases=(Phase("a", steps=1, seq_len=64, batch_size=2, lr=1e-3, mix=(("copy", 1.0),)),
+                           Phase("b", steps=1, seq_len=96, batch_size=2, lr=1e-3, mix=MIX, decay=1.0)))
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +36,14 @@ def _hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-def test_training_writes_a_hugging_face_llama_directory(tiny_trained, capsys):
+def test_training_writes_a_hugging_face_llama_directory(tiny_trained):
     config = json.loads((tiny_trained / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (config["hidden_size"], config["num_key_value_heads"], config["head_dim"]) == (64, 1, 32)
     info = json.loads((tiny_trained / "training.json").read_text())
     assert info["steps"] == 2 and info["final_loss"] > 0
+    assert [p["name"] for p in info["phases"]] == ["a", "b"]
+    assert 0 <= info["qa_short"] <= 1 and 0 <= info["qa_long"] <= 1
     names = {p.name for p in tiny_trained.iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"} <= names
 
@@ -87,7 +92,7 @@ def test_copy_drill_supervises_only_a_repeat_found_by_content(tiny_trained):
     distances = set()
     for _ in range(50):
         ids, weights = batches._copy()
-        assert len(ids) == len(weights) == TINY.seq_len and max(ids) < TINY.vocab_size
+        assert len(ids) == len(weights) == TINY.phases[0].seq_len and max(ids) < TINY.vocab_size
         supervised = [t for t, w in enumerate(weights) if w == 1.0]
         assert supervised
         for t in supervised:
@@ -95,3 +100,38 @@ def test_copy_drill_supervises_only_a_repeat_found_by_content(tiny_trained):
             assert earlier < t - 1 and ids[earlier + 1] == ids[t]
             distances.add(t - 1 - earlier)
     assert len(distances) > 5  # not a fixed offset a positional shortcut could learn
+
+
+def test_qa_rows_ask_each_question_once_and_supervise_only_answers(tiny_trained):
+    from tokenizers import Tokenizer
+
+    from lmkv_engines.minimal.trained_model import Batches
+
+    tok = Tokenizer.from_file(str(tiny_trained / "tokenizer.json"))
+    batches = Batches(TINY, tok, seed=1)
+    batches.phase = Phase("long", steps=1, seq_len=1024, batch_size=1, lr=1e-3, mix=(("qa", 1.0),))
+    for _ in range(5):
+        ids, weights = batches._qa()
+        assert len(ids) == len(weights) == 1024
+        lines = tok.decode(ids).split("\n")
+        questions = [line.rsplit(" ", 1)[0] for line in lines if line.startswith("Q: ")][:-1]
+        assert questions and len(questions) == len(set(questions))
+        runs, run = [], []  # the supervised tokens, in runs: each an answer word
+        for t, w in zip(ids, weights, strict=True):
+            if w == 1.0:
+                run.append(t)
+            elif run:
+                runs.append(tok.decode(run)), run.clear()
+        assert runs and all(r.strip().isalpha() and r.strip()[0].isupper() for r in runs)
+
+
+def test_phase_validation_and_learning_rate_schedule():
+    with pytest.raises(ValueError, match="mix"):
+        Phase("x", steps=10, seq_len=64, batch_size=1, lr=1e-3, mix=(("copy", 0.5),))
+    with pytest.raises(ValueError, match="mix"):
+        Phase("x", steps=10, seq_len=64, batch_size=1, lr=1e-3, mix=(("chat", 1.0),))
+    held = Phase("x", steps=100, seq_len=64, batch_size=1, lr=1e-3, mix=(("copy", 1.0),), decay=0.2)
+    assert held.lr_at(1, warmup=10) == pytest.approx(1e-4)
+    assert held.lr_at(50, warmup=10) == held.lr_at(80, warmup=10) == pytest.approx(1e-3)
+    assert held.lr_at(100, warmup=10) == pytest.approx(1e-4)
+    assert TrainConfig().scaled(0.1).steps == round(TrainConfig().steps * 0.1)
