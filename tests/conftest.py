@@ -1,6 +1,9 @@
 """Fixtures shared by all tests. The package is installed (``pip install -e .[test]``), so
 ``lmkv``, ``lmkv_engines``, ``lmkv_server`` and ``lmkv_cuda`` import as they are; the repo
-root is put first on sys.path (and PYTHONPATH of child processes) for ``tests.*`` helpers."""
+root is put first on sys.path (and PYTHONPATH of child processes) for ``tests.*`` helpers,
+and the interpreter's bin directory first on PATH, so that the environment's programs
+(``lmkv_server``, ``mooncake_master``) are found when pytest runs as ``.venv/bin/python -m
+pytest`` without the environment activated (as ``make test`` does)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+_BIN = str(Path(sys.executable).parent)
+if _BIN not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 
 @pytest.fixture(scope="session")
