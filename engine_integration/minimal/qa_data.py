@@ -115,11 +115,13 @@ def make_example(
         _document(i + 1, c, rng, filler, filler_per_fact) for i, c in enumerate(countries)
     ]
     questions = []
-    asks = [(c, a) for c in countries for a in ATTRIBUTES]
     if distinct:
+        asks = [(c, a) for c in countries for a in ATTRIBUTES]
         rng.shuffle(asks)
-    for i in range(min(num_questions, len(asks)) if distinct else num_questions):
-        c, attr = asks[i] if distinct else (rng.choice(countries), rng.choice(ATTRIBUTES))
+        asks = asks[:num_questions]
+    else:  # independent draws (the held-out benchmark prompts depend on this sequence)
+        asks = [(rng.choice(countries), rng.choice(ATTRIBUTES)) for _ in range(num_questions)]
+    for c, attr in asks:
         if num_documents > 1 and rng.random() < two_doc_fraction:
             other = by_name[c.facts["neighbor"]]
             questions.append(Question(f"Q: The {attr} of the neighbor of {c.name} is",

@@ -37,9 +37,7 @@ What was measured (sessions 2-3), so the next attempt starts from it:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import logging
 import math
 import random
 import time
@@ -49,23 +47,7 @@ from pathlib import Path
 import torch
 
 from . import qa_data
-from .demo_model import build_atomically, default_cache_dir
 from .train_llama import TrainLlama, pose_positions
-
-log = logging.getLogger(__name__)
-
-
-def ensure_trained_model(cache_dir: Path | None = None, cfg: TrainConfig | None = None) -> Path:
-    """The trained model's directory under ``cache_dir`` (default $LMKV_CACHE_DIR/models or
-    ~/.cache/lmkv/models), training it on first use: tens of minutes."""
-    cfg = cfg or TrainConfig()
-    cache_dir = cache_dir or default_cache_dir()
-    tag = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:10]
-    path = cache_dir / f"lmkv-tiny-qa-{tag}"
-    if (path / "model.safetensors").is_file():
-        return path
-    log.warning("training the small QA model in %s (first use only; tens of minutes)", path)
-    return build_atomically(path, lambda out: train(cfg, out))
 
 
 @dataclass(frozen=True)
@@ -99,10 +81,10 @@ class Phase:
         return lr
 
 
-# The recipe that makes a 2-layer model answer (measured on CPU, session 3; see the module
-# docstring): first the copy drill alone until content-based induction appears (loss at
-# chance for ~2000 steps, then a drop), then everything at 256 tokens, then long QA rows
-# with filler so that retrieval works across thousands of tokens of distractors.
+# The recipe (CPU, session 3; what it does and does not reach is in the module docstring):
+# first the copy drill alone until content-based induction appears (loss at chance for
+# ~2000 steps, then a drop), then everything at 256 tokens, then long QA rows with filler
+# so that retrieval works across thousands of tokens of distractors.
 RECIPE = (
     Phase("induction", steps=3000, seq_len=64, batch_size=32, lr=3e-3, mix=(("copy", 1.0),),
           copy_qa_words=False),
@@ -174,8 +156,9 @@ class Batches:
         # words too (the circuit learned on some tokens does not carry over to others)
         vocab = qa_data.vocabulary()
         words = [*vocab.countries, *(w for ws in vocab.values.values() for w in ws)]
-        self.qa_words = sorted({t for w in words for t in tokenizer.encode(f" {w}").ids})
-        self.id_block = list(range(256, min(256 + cfg.copy_vocab, cfg.vocab_size)))
+        qa_words = {t for w in words for t in tokenizer.encode(f" {w}").ids}
+        id_block = range(256, min(256 + cfg.copy_vocab, cfg.vocab_size))
+        self.copy_pools = {False: list(id_block), True: sorted(qa_words.union(id_block))}
         self.text: list[int] = []
         for topic in qa_data.pydoc_topics("train"):
             self.text += tokenizer.encode(topic).ids + [eos]
@@ -199,7 +182,7 @@ class Batches:
         """Random tokens with one span of them repeated, at a random distance: the repeat is
         predictable only by looking back for the current token and copying what followed."""
         n = self.seq_len
-        pool = sorted({*self.id_block, *self.qa_words}) if self.phase.copy_qa_words else self.id_block
+        pool = self.copy_pools[self.phase.copy_qa_words]
         ids = self.rng.sample(pool, n) if len(pool) >= n else self.rng.choices(pool, k=n)
         length = self.rng.randint(8, max(8, min(n // 3, 128)))
         src = self.rng.randrange(0, n - 2 * length)

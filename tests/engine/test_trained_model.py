@@ -116,13 +116,9 @@ def test_qa_rows_ask_each_question_once_and_supervise_only_answers(tiny_trained)
         lines = tok.decode(ids).split("\n")
         questions = [line.rsplit(" ", 1)[0] for line in lines if line.startswith("Q: ")][:-1]
         assert questions and len(questions) == len(set(questions))
-        runs, run = [], []  # the supervised tokens, in runs: each an answer word
-        for t, w in zip(ids, weights, strict=True):
-            if w == 1.0:
-                run.append(t)
-            elif run:
-                runs.append(tok.decode(run)), run.clear()
-        assert runs and all(r.strip().isalpha() and r.strip()[0].isupper() for r in runs)
+        supervised = "".join(tok.decode([t]) if w == 1.0 else "|" for t, w in zip(ids, weights, strict=True))
+        answers = [a.strip() for a in supervised.split("|") if a]  # runs of supervised tokens
+        assert answers and all(a.isalpha() and a[0].isupper() for a in answers)
 
 
 def test_phase_validation_and_learning_rate_schedule():
