@@ -32,9 +32,10 @@ What was measured (sessions 2-3), so the next attempt starts from it:
   now) / long-qa 1500 with decay 0.3 (26.8 minutes): held-out single-document accuracy
   rose during mix (0.07, 0.17, 0.23 at its steps 2000, 2500, 3000) and fell back in
   long-qa (0.05 short, 0.06 long); 3000 more long-qa steps from there (``--init``, 15.6
-  minutes) swung between 0.05 and 0.23 short and stayed at 0-0.06 long. The QA circuit
-  appears late in "mix" and the long rows do not build on it yet; a longer "mix" before
-  "long-qa" is the next thing to try.
+  minutes) swung between 0.05 and 0.23 short and stayed at 0-0.06 long. A longer "mix"
+  (same seed, run to its step 4500) plateaued: 0.17, 0.25, 0.12 short at steps 3500, 4000,
+  4500, 0 long. Session 2's checkpoint had ~8000 mixed steps at a lower copy/recall share
+  before its long-qa run; what in that history made the difference is not yet isolated.
 - Going on from the session-2 checkpoint with the "long-qa" phase alone (3000 steps,
   ``--init .../qa-2layer-s2 --phases long-qa --seed 11``, ~15 minutes) is what produced
   benchmarks/quality/models/qa-2layer; see its README for its accuracy.
