@@ -31,17 +31,57 @@ class StridedPagedMemory(PagedMemory):
         self.num_layers = len(k)
         self.dtype = k[0].dtype
 
+    # A copy costs ~15 us of fixed overhead on CPU whatever its size, and a 128-token chunk
+    # of one layer's K or V is only ~64 KB: loading chunk by chunk (2 copies per layer per
+    # chunk) spends more time on overhead than on bytes. load_many joins up to this many
+    # bytes of chunks into one token run first (a fast contiguous copy), then moves it with
+    # two large strided copies per layer (measured, 31 chunks of 8 layers, fp32: 10.3 ms
+    # chunk by chunk vs 5.7 ms joined).
+    JOIN_BYTES = 64 << 20
+
     def load(self, chunk, slots, skip=0, layer=None):
-        blocks, offsets = self._index(slots[skip:])
-        for i in self._layers(layer):
+        layers = self._layers(layer)
+        self._copy_in(chunk[:, layers.start : layers.stop, skip:], slots[skip:], layers)
+
+    def load_many(self, loads, layer=None):
+        layers = self._layers(layer)
+        group: list[tuple[torch.Tensor, torch.Tensor]] = []
+        size = 0
+        for chunk, slots, skip in loads:
+            part, slots = chunk[:, layers.start : layers.stop, skip:], slots[skip:]
+            if not self._block_aligned(slots):  # token by token anyway: alone
+                self._copy_in(part, slots, layers)
+                continue
+            if group and size + part.nbytes > self.JOIN_BYTES:
+                self._copy_in_joined(group, layers)
+                group, size = [], 0
+            group.append((part, slots))
+            size += part.nbytes
+        if group:
+            self._copy_in_joined(group, layers)
+
+    def _block_aligned(self, slots: torch.Tensor) -> bool:
+        n = slots.shape[0]
+        return n > 0 and n % self.block_size == 0 and int(slots[0]) % self.block_size == 0
+
+    def _copy_in_joined(self, group: list[tuple[torch.Tensor, torch.Tensor]], layers: range) -> None:
+        if len(group) == 1:
+            self._copy_in(*group[0], layers)
+        else:
+            self._copy_in(torch.cat([p for p, _ in group], dim=2), torch.cat([s for _, s in group]), layers)
+
+    def _copy_in(self, src: torch.Tensor, slots: torch.Tensor, layers: range) -> None:
+        """``src`` [2, len(layers), T, Hkv, D] into ``slots`` [T] of ``layers``."""
+        blocks, offsets = self._index(slots)
+        for j, i in enumerate(layers):
             for kv, pages in ((0, self.k[i]), (1, self.v[i])):
-                src = chunk[kv, i, skip:]  # [T - skip, Hkv, D]
+                part = src[kv, j]  # [T, Hkv, D]
                 if isinstance(blocks, slice):  # a run of consecutive whole blocks
-                    pages[blocks].copy_(src.view(-1, *pages.shape[1:]))
+                    pages[blocks].copy_(part.view(-1, *pages.shape[1:]))
                 elif offsets is None:  # whole blocks
-                    pages.index_copy_(0, blocks, src.view(-1, *pages.shape[1:]))
+                    pages.index_copy_(0, blocks, part.view(-1, *pages.shape[1:]))
                 else:
-                    pages.index_put_((blocks, offsets), src)
+                    pages.index_put_((blocks, offsets), part)
 
     def save(self, slots, chunk, skip=0, layer=None):
         blocks, offsets = self._index(slots[skip:])

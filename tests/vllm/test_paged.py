@@ -83,3 +83,28 @@ def test_shapes_and_dtype():
     _, paged, _ = _memories("cpu")
     assert (paged.num_layers, paged.num_kv_heads, paged.head_dim, paged.block_size) == (L, H, D, BS)
     assert paged.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["cpu", "gpu"])
+@pytest.mark.parametrize("layer", [None, 2])
+@pytest.mark.parametrize("join_bytes", [1 << 30, 2 * L * BS * H * D * 4])  # all joined / 1 chunk a group
+def test_load_many_equals_loading_chunk_by_chunk(kind, layer, join_bytes, monkeypatch):
+    """Chunks joined before copying land exactly where one load() per chunk puts them:
+    consecutive blocks, blocks out of order, a chunk with a skip, a chunk of scattered
+    tokens in the middle."""
+    g = torch.Generator().manual_seed(2)
+    chunks = [torch.randn(2, L, BS, H, D, generator=g) for _ in range(5)]
+    slots = [torch.arange(b * BS, (b + 1) * BS) for b in (1, 2, 0)]
+    slots.append(torch.randperm(BS, generator=g) + 3 * BS)  # block 3, tokens out of order
+    slots.append(torch.arange(4 * BS, 5 * BS))
+    skips = [0, 0, 0, 0, 0]
+    skips[0] = 4  # a chunk whose first tokens vLLM already has: not block-aligned, alone
+    items = list(zip(chunks, slots, skips, strict=True))
+    raw_one, one, _ = _memories(kind)
+    for chunk, s, skip in items:
+        one.load(chunk, s, skip, layer)
+    raw_many, many, _ = _memories(kind)
+    monkeypatch.setattr(type(many), "JOIN_BYTES", join_bytes)
+    many.load_many(items, layer)
+    assert raw_one.any()
+    assert torch.equal(raw_many, raw_one)

@@ -85,13 +85,14 @@ def main(spec: dict) -> None:
 def _inject_failure(direction: str):
     from lmkv_engines.vllm.paged import StridedPagedMemory
 
-    original = getattr(StridedPagedMemory, direction)
+    method = {"load": "_copy_in", "save": "save"}[direction]  # every load goes through _copy_in
+    original = getattr(StridedPagedMemory, method)
 
     def broken(self, *args, **kwargs):
         raise OSError(f"injected {direction} failure")
 
-    setattr(StridedPagedMemory, direction, broken)
-    return lambda: setattr(StridedPagedMemory, direction, original)
+    setattr(StridedPagedMemory, method, broken)
+    return lambda: setattr(StridedPagedMemory, method, original)
 
 
 if __name__ == "__main__":
