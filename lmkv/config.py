@@ -50,6 +50,8 @@ class LMKVConfig:
     blend_special_str: str = " # # "
     blend_check_layer: int = 1  # layer whose KV deviation picks the tokens to recompute
     blend_store_pre_rope: bool = False  # RAG chunks store keys before RoPE (CachedAttention)
+    metrics_port: int = 0  # also serve lmkv's metrics at http://metrics_host:PORT/metrics; 0 = off
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         _require(self.chunk_size >= 1, "chunk_size", "must be >= 1")
@@ -84,6 +86,7 @@ class LMKVConfig:
         _require(self.remote_timeout > 0, "remote_timeout", "must be > 0 (seconds)")
         _require(self.blend_check_layer >= 0, "blend_check_layer", "must be >= 0")
         _require(bool(self.blend_special_str), "blend_special_str", "must not be empty")
+        _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a TCP port (0 = off)")
 
     @property
     def hot_cache_bytes(self) -> int:

@@ -37,6 +37,7 @@ class LMKVEngine:
         if config.codec_check_every and any(t.lossy for t in self.storage.tiers):
             self.gate = QualityGate(config.codec_check_every, config.codec_min_agreement,
                                     self.metrics, self.storage.make_lossless)
+        self._metrics_server = self._serve_metrics() if config.metrics_port else None
         log.info(
             "lmkv ready: chunk %d tokens (%.1f MB), hot cache %d chunks, tiers: %s",
             layout.chunk_size, layout.chunk_bytes / 1e6, self.pool.num_slots,
@@ -152,7 +153,26 @@ class LMKVEngine:
         self.metrics.record_blend(len(tokens), plan.num_cached_tokens)
         return plan if plan.segments else None
 
+    def _serve_metrics(self):
+        """lmkv's registry over HTTP on its own port: for engines whose /metrics lmkv cannot
+        join (vLLM serves it from another process). A port in use is logged, not fatal."""
+        from prometheus_client import start_http_server
+
+        host, port = self.config.metrics_host, self.config.metrics_port
+        try:
+            server, _ = start_http_server(port, host, registry=self.metrics.registry)
+        except OSError as e:
+            log.error("lmkv: cannot serve metrics on %s:%d (%s); lmkv metrics stay in-process "
+                      "(config key metrics_port)", host, port, e)
+            return None
+        log.info("lmkv: metrics at http://%s:%d/metrics", host, port)
+        return server
+
     def close(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
         self.storage.close()
 
 

@@ -85,13 +85,18 @@ class TrainLlama(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """ids, positions: [B, T] -> logits [B, T, vocab]."""
+        return self.lm_head(self.hidden_states(ids, positions))
+
+    def hidden_states(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The final normed hidden states [B, T, hidden] (logits = lm_head of them: training
+        takes it of the supervised positions only, the bulk of a small model's compute)."""
         freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos(), emb.sin()
         x = self.model.embed_tokens(ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
-        return self.lm_head(self.model.norm(x))
+        return self.model.norm(x)
 
 
 def pose_positions(shape: torch.Size, max_positions: int, gen: torch.Generator) -> torch.Tensor:

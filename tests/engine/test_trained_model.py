@@ -4,6 +4,8 @@ with the same logits and token ids; the quality probe on the engine."""
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -41,7 +43,7 @@ def test_training_writes_a_hugging_face_llama_directory(tiny_trained):
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (config["hidden_size"], config["num_key_value_heads"], config["head_dim"]) == (64, 1, 32)
     info = json.loads((tiny_trained / "training.json").read_text())
-    assert info["steps"] == 2 and info["final_loss"] > 0
+    assert info["steps"] == 2 and info["loss"] > 0 and info["kept_step"] == 2
     assert [p["name"] for p in info["phases"]] == ["a", "b"]
     assert 0 <= info["qa_short"] <= 1 and 0 <= info["qa_long"] <= 1
     names = {p.name for p in tiny_trained.iterdir()}
@@ -119,6 +121,42 @@ def test_qa_rows_ask_each_question_once_and_supervise_only_answers(tiny_trained)
         supervised = "".join(tok.decode([t]) if w == 1.0 else "|" for t, w in zip(ids, weights, strict=True))
         answers = [a.strip() for a in supervised.split("|") if a]  # runs of supervised tokens
         assert answers and all(a.isalpha() and a[0].isupper() for a in answers)
+
+
+def test_the_last_phases_best_evaluation_is_kept(tmp_path, capsys):
+    """Evaluated after every step of the last phase, the saved model is the best of those
+    evaluations (the first, on a tie), and training.json says which step it was."""
+    cfg = replace(TINY, phases=(TINY.phases[0], replace(TINY.phases[1], steps=4)))
+    result = train(cfg, tmp_path, log_every=1, eval_every=1)
+    scores = {}
+    for line in capsys.readouterr().out.splitlines():
+        m = re.match(r"held-out QA after b step (\d+): single-document ([\d.]+) .*, ([\d.]+) \(6", line)
+        if m:
+            scores[int(m[1]) + 1] = (float(m[2]) + float(m[3])) / 2  # total steps = phase b's + 1
+    assert sorted(scores) == [2, 3, 4, 5]
+    kept = max(scores, key=lambda step: (scores[step], -step))
+    info = json.loads((tmp_path / "training.json").read_text())
+    assert result["kept_step"] == info["kept_step"] == kept
+    assert (info["qa_short"] + info["qa_long"]) / 2 == pytest.approx(scores[kept], abs=0.01)
+
+
+def test_questions_repeat_only_where_the_phase_allows_it(tiny_trained):
+    from tokenizers import Tokenizer
+
+    from lmkv_engines.minimal.trained_model import Batches
+
+    tok = Tokenizer.from_file(str(tiny_trained / "tokenizer.json"))
+    batches = Batches(TINY, tok, seed=4)
+    repeats = {}
+    for distinct in (True, False):
+        batches.phase = Phase("x", steps=1, seq_len=512, batch_size=1, lr=1e-3, mix=(("qa", 1.0),),
+                              distinct_questions=distinct)
+        repeats[distinct] = 0
+        for _ in range(10):
+            lines = tok.decode(batches._qa()[0]).split("\n")
+            questions = [line.rsplit(" ", 1)[0] for line in lines if line.startswith("Q: ")][:-1]
+            repeats[distinct] += len(questions) - len(set(questions))
+    assert repeats[True] == 0 and repeats[False] > 0
 
 
 def test_phase_validation_and_learning_rate_schedule():

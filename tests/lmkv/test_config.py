@@ -46,6 +46,7 @@ def test_lmcache_yaml_is_accepted(tmp_path):
     ("save_unfull_chunk: true\n", "save_unfull_chunk"),
     ("blend_recompute_ratio: 2\n", "blend_recompute_ratio"),
     ("blend_store_pre_rope: sometimes\n", "blend_store_pre_rope"),
+    ("metrics_port: 70000\n", "metrics_port"),
 ])
 def test_bad_keys_and_values_name_the_key(tmp_path, yaml_text, key):
     path = tmp_path / "c.yaml"

@@ -9,6 +9,7 @@ independent ones run two at a time.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from pathlib import Path
 
@@ -28,6 +29,12 @@ pytestmark = [
     pytest.mark.skipif(not VENV_PY.exists(),
                        reason="real vLLM is not installed: run scripts/setup_vllm_venv.sh (.venv-vllm)"),
 ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _full(seed: int) -> list[int]:
@@ -82,7 +89,8 @@ def runs(model_dir, tmp_path_factory) -> dict:
         plain = _Run({"model": str(model_dir), "lmkv": None, "seeds": [0, 1, 2, 3]})
         first = _Run({"model": str(model_dir), "seeds": [0, 0], "lmkv": {
             "chunk_size": CHUNK, "use_layerwise": True, "max_local_cpu_size": 0.1,
-            "local_disk": disk, "max_local_disk_size": 1.0, "remote_url": redis.url}})
+            "local_disk": disk, "max_local_disk_size": 1.0, "remote_url": redis.url,
+            "metrics_port": _free_port()}})
         out = {"plain": {r["seed"]: r["tokens"] for r in plain.rounds()}, "first": first.rounds()}
         # the bundled engine stores prompt set 1 in redis
         with _bundled(model_dir, remote_url=redis.url) as llm:
@@ -115,6 +123,9 @@ def test_same_tokens_with_lmkv_from_the_hot_cache_layerwise(runs):
     assert warm["lmkv"]["lmkv_loaded_tokens_total"] == sum(_full(0))
     assert warm["lmkv"]["lmkv_tier_hits_total[hot]"] == sum(_full(0)) // CHUNK
     assert cold["lmkv"]["lmkv_stored_chunks_total"] == sum(_full(0)) // CHUNK
+    # the same counters over HTTP, from lmkv's own metrics_port inside vLLM's process
+    assert warm["scraped"]["lmkv_hit_tokens_total"] == sum(_full(0))
+    assert warm["scraped"]["lmkv_stored_chunks_total"] == sum(_full(0)) // CHUNK
 
 
 def test_new_process_reuses_the_disk_tier(runs):

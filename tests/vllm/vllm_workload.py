@@ -7,7 +7,8 @@ seeds (one prompt-set seed per round, or [seed, cut]: its prompts cut to that le
 length, prefix_caching (vLLM's own prefix cache), max_tokens, fail ({round: "save" or
 "load"}: every chunk copy in that direction raises during that round), failure_policy
 (vLLM's kv_load_failure_policy), kill_pid and kill_after (SIGKILL that process after that
-round: a remote store dying mid-run).
+round: a remote store dying mid-run). With metrics_port in the lmkv config, each round also
+reports the counters scraped from that port.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ def lmkv_counters() -> dict[str, float]:
     return out
 
 
+def _scrape(port: int) -> dict[str, float]:
+    """lmkv's counters as its metrics_port serves them over HTTP."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines)
+            if name.startswith("lmkv_") and name.endswith("_total")}
+
+
 def main(spec: dict) -> None:
     for name, value in VLLM_ENV.items():
         os.environ.setdefault(name, value)
@@ -60,6 +71,7 @@ def main(spec: dict) -> None:
               seed=0)
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     seeds = spec.get("seeds", [0])
+    port = (spec.get("lmkv") or {}).get("metrics_port")
     for r, seed in enumerate(seeds):
         seed, cut = seed if isinstance(seed, list) else (seed, None)
         batch = [{"prompt_token_ids": p[:cut]}
@@ -76,6 +88,7 @@ def main(spec: dict) -> None:
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "cached": [o.num_cached_tokens for o in outs],
             "lmkv": lmkv_counters() if kv is not None else {},
+            "scraped": _scrape(port) if port else {},
         }), flush=True)
         if spec.get("kill_after") == r:
             os.kill(spec["kill_pid"], signal.SIGKILL)

@@ -1,0 +1,58 @@
+"""metrics_port: lmkv's registry served over HTTP by the engine itself (for engines such as
+vLLM whose /metrics lives in another process)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import urllib.request
+
+import torch
+
+from lmkv.config import load_config
+from lmkv.engine import LMKVEngine
+from lmkv.layout import KVLayout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine(port: int) -> LMKVEngine:
+    cfg = load_config(env={}, chunk_size=16, max_local_cpu_size=0.01, metrics_port=port)
+    return LMKVEngine(cfg, KVLayout(2, 1, 8, torch.float32, 16), "model")
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def test_metrics_are_served_on_their_port_until_close(caplog):
+    port = _free_port()
+    engine = _engine(port)
+    try:
+        engine.metrics.hit_tokens.inc(48)
+        assert "lmkv_hit_tokens_total 48.0" in _scrape(port)
+        caplog.set_level(logging.ERROR, logger="lmkv.engine")
+        second = _engine(port)  # the port is taken: logged, the engine still works
+        try:
+            assert second._metrics_server is None
+            assert any("cannot serve metrics" in r.getMessage() and "metrics_port" in r.getMessage()
+                       for r in caplog.records)
+        finally:
+            second.close()
+    finally:
+        engine.close()
+    with socket.socket() as s:  # closed: nothing listens there any more
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_no_port_no_server():
+    engine = _engine(0)
+    try:
+        assert engine._metrics_server is None
+    finally:
+        engine.close()
