@@ -8,7 +8,6 @@ restricts the copy to one layer (layer-wise mode), None = all layers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 
 import torch
 
@@ -25,13 +24,6 @@ class PagedMemory(ABC):
     def load(self, chunk: torch.Tensor, slots: torch.Tensor, skip: int = 0,
              layer: int | None = None) -> None:
         """Write tokens [skip, T) of ``chunk`` into paged memory."""
-
-    def load_many(self, loads: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
-                  layer: int | None = None) -> None:
-        """``load`` of several (chunk, slots, skip). Layouts whose cost is per copy rather
-        than per byte override it to move the lot in fewer, larger copies."""
-        for chunk, slots, skip in loads:
-            self.load(chunk, slots, skip, layer)
 
     @abstractmethod
     def save(self, slots: torch.Tensor, chunk: torch.Tensor, skip: int = 0,

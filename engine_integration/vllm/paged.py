@@ -5,7 +5,8 @@ vLLM hands the connector one tensor per attention layer, a logical view
 the backend. Both layouts here are reduced to two strided views per layer,
 ``k`` and ``v``: ``[num_blocks, block_size, Hkv, D]`` each, without copying, and chunks
 ([2, L, T, Hkv, D]) move through those views: whole blocks at a time where the slots cover
-aligned blocks, token by token (from the slot mapping) elsewhere.
+aligned blocks, token by token (from the slot mapping) elsewhere; all layers in one copy
+where the layers' views sit at one stride in one buffer.
 """
 
 from __future__ import annotations
@@ -30,70 +31,33 @@ class StridedPagedMemory(PagedMemory):
         self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = shape
         self.num_layers = len(k)
         self.dtype = k[0].dtype
-
-    # A copy costs ~15 us of fixed overhead on CPU whatever its size, and a 128-token chunk
-    # of one layer's K or V is only ~64 KB: loading chunk by chunk (2 copies per layer per
-    # chunk) spends more time on overhead than on bytes. load_many joins up to this many
-    # bytes of chunks into one token run first (a fast contiguous copy), then moves it with
-    # two large strided copies per layer (measured, 31 chunks of 8 layers, fp32: 10.3 ms
-    # chunk by chunk vs 5.7 ms joined).
-    JOIN_BYTES = 64 << 20
+        # A copy costs ~15 us of fixed overhead on CPU, and one layer's K of a 128-token
+        # chunk is only ~64 KB: where the layers sit at one stride in one buffer (vLLM
+        # allocates them so), a chunk moves with one copy for K and one for V across all
+        # layers, [L, blocks, block_size, Hkv, D], instead of two per layer (31 chunks of 8
+        # layers, fp32, one thread: 8.7 ms per layer vs 5.8 ms across layers).
+        self.k_all, self.v_all = _all_layers(k), _all_layers(v)
 
     def load(self, chunk, slots, skip=0, layer=None):
-        layers = self._layers(layer)
-        self._copy_in(chunk[:, layers.start : layers.stop, skip:], slots[skip:], layers)
-
-    def load_many(self, loads, layer=None):
-        layers = self._layers(layer)
-        group: list[tuple[torch.Tensor, torch.Tensor]] = []
-        size = 0
-        for chunk, slots, skip in loads:
-            part, slots = chunk[:, layers.start : layers.stop, skip:], slots[skip:]
-            if not self._block_aligned(slots):  # token by token anyway: alone
-                self._copy_in(part, slots, layers)
-                continue
-            if group and size + part.nbytes > self.JOIN_BYTES:
-                self._copy_in_joined(group, layers)
-                group, size = [], 0
-            group.append((part, slots))
-            size += part.nbytes
-        if group:
-            self._copy_in_joined(group, layers)
-
-    def _block_aligned(self, slots: torch.Tensor) -> bool:
-        n = slots.shape[0]
-        return n > 0 and n % self.block_size == 0 and int(slots[0]) % self.block_size == 0
-
-    def _copy_in_joined(self, group: list[tuple[torch.Tensor, torch.Tensor]], layers: range) -> None:
-        if len(group) == 1:
-            self._copy_in(*group[0], layers)
-        else:
-            self._copy_in(torch.cat([p for p, _ in group], dim=2), torch.cat([s for _, s in group]), layers)
-
-    def _copy_in(self, src: torch.Tensor, slots: torch.Tensor, layers: range) -> None:
-        """``src`` [2, len(layers), T, Hkv, D] into ``slots`` [T] of ``layers``."""
-        blocks, offsets = self._index(slots)
-        for j, i in enumerate(layers):
+        blocks, offsets = self._index(slots[skip:])
+        if layer is None and self.k_all is not None:
+            pairs = [(chunk[0, :, skip:], self.k_all), (chunk[1, :, skip:], self.v_all)]
+            for src, pages in pairs:  # [L, T - skip, Hkv, D] into [L, blocks, block_size, Hkv, D]
+                _copy_in(pages, 1, src, blocks, offsets)
+            return
+        for i in self._layers(layer):
             for kv, pages in ((0, self.k[i]), (1, self.v[i])):
-                part = src[kv, j]  # [T, Hkv, D]
-                if isinstance(blocks, slice):  # a run of consecutive whole blocks
-                    pages[blocks].copy_(part.view(-1, *pages.shape[1:]))
-                elif offsets is None:  # whole blocks
-                    pages.index_copy_(0, blocks, part.view(-1, *pages.shape[1:]))
-                else:
-                    pages.index_put_((blocks, offsets), part)
+                _copy_in(pages, 0, chunk[kv, i, skip:], blocks, offsets)
 
     def save(self, slots, chunk, skip=0, layer=None):
         blocks, offsets = self._index(slots[skip:])
+        if layer is None and self.k_all is not None:
+            for dst, pages in ((chunk[0, :, skip:], self.k_all), (chunk[1, :, skip:], self.v_all)):
+                _copy_out(pages, 1, dst, blocks, offsets)
+            return
         for i in self._layers(layer):
             for kv, pages in ((0, self.k[i]), (1, self.v[i])):
-                dst = chunk[kv, i, skip:]  # [T - skip, Hkv, D]
-                if isinstance(blocks, slice):
-                    dst.view(-1, *pages.shape[1:]).copy_(pages[blocks])
-                elif offsets is None:
-                    dst.view(-1, *pages.shape[1:]).copy_(pages.index_select(0, blocks))
-                else:
-                    dst.copy_(pages[blocks, offsets])
+                _copy_out(pages, 0, chunk[kv, i, skip:], blocks, offsets)
 
     def _layers(self, layer: int | None) -> range:
         return range(self.num_layers) if layer is None else range(layer, layer + 1)
@@ -114,6 +78,48 @@ class StridedPagedMemory(PagedMemory):
                     return slice(start, start + blocks.shape[0]), None
                 return blocks, None
         return slots // bs, slots % bs
+
+
+def _copy_in(pages: torch.Tensor, dim: int, src: torch.Tensor, blocks: torch.Tensor | slice,
+             offsets: torch.Tensor | None) -> None:
+    """Tokens ``src`` [..., T, Hkv, D] into ``pages`` [..., blocks, block_size, Hkv, D], whose
+    block dimension is ``dim``, at (blocks, offsets) as ``_index`` gives them."""
+    lead = (slice(None),) * dim
+    if isinstance(blocks, slice):  # a run of consecutive whole blocks: one strided copy
+        pages[(*lead, blocks)].copy_(src.reshape(*src.shape[:dim], -1, *pages.shape[dim + 1 :]))
+    elif offsets is None:  # whole blocks
+        pages.index_copy_(dim, blocks, src.reshape(*src.shape[:dim], -1, *pages.shape[dim + 1 :]))
+    else:
+        pages[(*lead, blocks, offsets)] = src
+
+
+def _copy_out(pages: torch.Tensor, dim: int, dst: torch.Tensor, blocks: torch.Tensor | slice,
+              offsets: torch.Tensor | None) -> None:
+    """The inverse of ``_copy_in``: tokens at (blocks, offsets) of ``pages`` into ``dst``."""
+    lead = (slice(None),) * dim
+    if isinstance(blocks, slice):
+        dst.view(*dst.shape[:dim], -1, *pages.shape[dim + 1 :]).copy_(pages[(*lead, blocks)])
+    elif offsets is None:
+        dst.view(*dst.shape[:dim], -1, *pages.shape[dim + 1 :]).copy_(pages.index_select(dim, blocks))
+    else:
+        dst.copy_(pages[(*lead, blocks, offsets)])
+
+
+def _all_layers(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view [L, *view.shape] over per-layer views that share a storage at one stride
+    (each layer's start a fixed number of elements after the previous one's), else None."""
+    first = views[0]
+    if len(views) < 2:
+        return first[None]
+    step = views[1].storage_offset() - first.storage_offset()
+    ptr = first.untyped_storage().data_ptr()
+    for i, t in enumerate(views):
+        if (t.untyped_storage().data_ptr() != ptr or t.stride() != first.stride()
+                or t.storage_offset() != first.storage_offset() + i * step):
+            return None
+    if step <= 0:
+        return None
+    return first.as_strided((len(views), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
 def cpu_paged_memory(layers: list[torch.Tensor]) -> StridedPagedMemory:

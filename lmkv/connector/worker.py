@@ -56,7 +56,9 @@ class WorkerConnector:
         self.engine.metrics.loaded_tokens.inc(n)
         if not self.layerwise:
             try:
-                self.paged.load_many(self._load_items(loads))
+                for spec in loads:
+                    for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips, strict=True):
+                        self.paged.load(buf.kv, slots, skip)
             finally:  # a failed load still returns its chunks to the pool
                 for spec in loads:
                     for buf in spec.chunks:
@@ -67,9 +69,11 @@ class WorkerConnector:
 
     def _load_layers(self, loads, events: list[threading.Event]) -> None:
         try:
-            items = self._load_items(loads)
             for layer, event in enumerate(events):
-                self.paged.load_many(items, layer)
+                for spec in loads:
+                    for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips,
+                                                strict=True):
+                        self.paged.load(buf.kv, slots, skip, layer)
                 event.set()
         finally:
             for event in events:
@@ -77,11 +81,6 @@ class WorkerConnector:
             for spec in loads:
                 for buf in spec.chunks:
                     buf.release()
-
-    @staticmethod
-    def _load_items(loads) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-        return [(buf.kv, slots, skip) for spec in loads
-                for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips, strict=True)]
 
     def wait_for_layer_load(self, layer: int) -> None:
         if self._layer_loaded:

@@ -85,26 +85,32 @@ def test_shapes_and_dtype():
     assert paged.dtype == torch.float32
 
 
+
 @pytest.mark.parametrize("kind", ["cpu", "gpu"])
-@pytest.mark.parametrize("layer", [None, 2])
-@pytest.mark.parametrize("join_bytes", [1 << 30, 2 * L * BS * H * D * 4])  # all joined / 1 chunk a group
-def test_load_many_equals_loading_chunk_by_chunk(kind, layer, join_bytes, monkeypatch):
-    """Chunks joined before copying land exactly where one load() per chunk puts them:
-    consecutive blocks, blocks out of order, a chunk with a skip, a chunk of scattered
-    tokens in the middle."""
-    g = torch.Generator().manual_seed(2)
-    chunks = [torch.randn(2, L, BS, H, D, generator=g) for _ in range(5)]
-    slots = [torch.arange(b * BS, (b + 1) * BS) for b in (1, 2, 0)]
-    slots.append(torch.randperm(BS, generator=g) + 3 * BS)  # block 3, tokens out of order
-    slots.append(torch.arange(4 * BS, 5 * BS))
-    skips = [0, 0, 0, 0, 0]
-    skips[0] = 4  # a chunk whose first tokens vLLM already has: not block-aligned, alone
-    items = list(zip(chunks, slots, skips, strict=True))
-    raw_one, one, _ = _memories(kind)
-    for chunk, s, skip in items:
-        one.load(chunk, s, skip, layer)
-    raw_many, many, _ = _memories(kind)
-    monkeypatch.setattr(type(many), "JOIN_BYTES", join_bytes)
-    many.load_many(items, layer)
-    assert raw_one.any()
-    assert torch.equal(raw_many, raw_one)
+@pytest.mark.parametrize("aligned", ["blocks", "consecutive", "tokens"])
+def test_layers_in_separate_buffers_move_layer_by_layer_to_the_same_places(kind, aligned):
+    """vLLM's layers share one buffer at one stride (one copy moves a chunk's K across all
+    layers); layers allocated apart take the per-layer path, with the same result."""
+    raw, shared, _ = _memories(kind)
+    assert shared.k_all is not None and shared.k_all.shape == (L, NB, BS, H, D)
+    if kind == "cpu":
+        apart = [raw[i].clone().view(NB, H, BS, 2 * D) for i in range(L)]
+        separate = cpu_paged_memory(apart)
+    else:
+        apart = [raw[i].clone().transpose(1, 2) for i in range(L)]
+        separate = gpu_paged_memory([t.transpose(1, 2) for t in apart])
+    assert separate.k_all is None and separate.v_all is None
+    g = torch.Generator().manual_seed(3)
+    chunk = torch.randn(2, L, T, H, D, generator=g)
+    slots = {"blocks": torch.cat([torch.arange(4 * BS, 5 * BS), torch.arange(BS, 2 * BS)]),
+             "consecutive": torch.arange(2 * BS, 2 * BS + T),
+             "tokens": torch.randperm(NB * BS, generator=g)[:T]}[aligned]
+    for skip in (0, 5):
+        shared.load(chunk + skip, slots, skip)
+        separate.load(chunk + skip, slots, skip)
+        assert torch.equal(torch.stack(apart).flatten(), raw.flatten()) if kind == "cpu" else \
+            torch.equal(torch.stack(apart).transpose(2, 3).flatten(), raw.flatten())
+        a, b = torch.zeros_like(chunk), torch.zeros_like(chunk)
+        shared.save(slots, a, skip)
+        separate.save(slots, b, skip)
+        assert torch.equal(a, b) and torch.equal(a[:, :, skip:], (chunk + skip)[:, :, skip:])

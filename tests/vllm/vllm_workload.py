@@ -98,14 +98,13 @@ def main(spec: dict) -> None:
 def _inject_failure(direction: str):
     from lmkv_engines.vllm.paged import StridedPagedMemory
 
-    method = {"load": "_copy_in", "save": "save"}[direction]  # every load goes through _copy_in
-    original = getattr(StridedPagedMemory, method)
+    original = getattr(StridedPagedMemory, direction)
 
     def broken(self, *args, **kwargs):
         raise OSError(f"injected {direction} failure")
 
-    setattr(StridedPagedMemory, method, broken)
-    return lambda: setattr(StridedPagedMemory, method, original)
+    setattr(StridedPagedMemory, direction, broken)
+    return lambda: setattr(StridedPagedMemory, direction, original)
 
 
 if __name__ == "__main__":
