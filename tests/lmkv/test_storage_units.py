@@ -111,6 +111,19 @@ def test_disk_tier_survives_restart_and_respects_its_cap(tmp_path):
     assert smaller.used <= 160
 
 
+def test_disk_tier_batched_reads(tmp_path):
+    """The disk tier's batch read (which first asks the kernel to read ahead every file of
+    the batch) returns what get_into does, misses included; a file removed behind the
+    tier's back is a miss it forgets."""
+    from ..backend_checks import check_batched_reads
+
+    disk = DiskBackend(tmp_path, capacity_bytes=1 << 20)
+    check_batched_reads(disk, [memoryview(bytearray(8192)) for _ in range(3)])
+    (tmp_path / disk._name("batch-a")).unlink()
+    assert disk.get_into_many(["batch-a", "batch-b"], [memoryview(bytearray(8192))] * 2) == [None, 8192]
+    assert not disk.contains(["batch-a"])[0]
+
+
 def test_batched_loads_stop_at_the_first_missing_or_corrupt_chunk(tmp_path):
     """A run of chunks is read from a tier in batches; the hit ends at the first chunk no
     tier has or that arrives corrupt, chunks read beyond it are not handed out, and every
