@@ -81,11 +81,13 @@ def start_cluster(workdir: Path, nodes: int = 3) -> list[RedisServer]:
     addrs = [f"127.0.0.1:{s.port}" for s in servers]
     subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0",
                     "--cluster-yes"], check=True, capture_output=True, timeout=60)
+    # every node must see the whole cluster: a node that has not yet heard of the others
+    # answers "the cluster is down" (seen under load when only the first node was checked)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        out = subprocess.run(["redis-cli", "-p", str(servers[0].port), "cluster", "info"],
-                             capture_output=True, text=True).stdout
-        if "cluster_state:ok" in out:
+        states = [subprocess.run(["redis-cli", "-p", str(s.port), "cluster", "info"],
+                                 capture_output=True, text=True).stdout for s in servers]
+        if all("cluster_state:ok" in out for out in states):
             return servers
         time.sleep(0.2)
     raise TimeoutError("redis cluster did not become ready")
