@@ -10,7 +10,10 @@ benchmarks/quality/models when present, else the random-weight demo model) and l
 - cachegen decode and encode GB/s on one core (KV bytes in the model's dtype produced /
   consumed) vs the disk tier's raw read GB/s (target decode >= 1x);
 - rANS (lmkv.codec.rans) as the entropy stage instead of zstd: size and decode speed;
-- TTFT with the prompt's chunks on disk (dropped from the page cache): cachegen vs raw.
+- TTFT with the prompt's chunks on disk (dropped from the page cache): cachegen vs raw;
+- with a trained model: QA accuracy on held-out long prompts when the documents' KV is
+  served decoded (lossless, int8, cachegen at each error target): whether answers survive,
+  which free-running continuations (the agreement figure) overstate.
 Every line ends with its ratio. Calibration uses other prompts than the measurement.
 """
 
@@ -39,10 +42,11 @@ from lmkv_engines.minimal.sampling_params import SamplingParams  # noqa: E402
 
 GEN = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 FIRST = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+ANSWER = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
 def hot_llm(model: str | None, chunk: int, **lmkv) -> LLM:
-    cfg = load_config(env={}, chunk_size=chunk, max_local_cpu_size=0.3, **lmkv)
+    cfg = load_config(env={}, chunk_size=chunk, max_local_cpu_size=0.6, **lmkv)
     return LLM(model, lmkv_config=cfg, kv_cache_memory=256 << 20, enable_prefix_caching=False)
 
 
@@ -55,26 +59,45 @@ def chunks_of(llm: LLM, prompt: list[int]) -> list[torch.Tensor]:
     return out
 
 
+def serve_transformed(llm: LLM, prompt: list[int], params: SamplingParams,
+                      transform: Callable[[torch.Tensor], torch.Tensor], exact: dict[str, torch.Tensor]):
+    """Generate for ``prompt`` with its stored chunks replaced by transform(kv) and served
+    from the hot cache (no prefix caching). ``exact`` keeps the original KV per key."""
+    eng = llm.engine.kv_connector.engine
+    keys = eng.keys(prompt)
+    bufs = eng.fetch(keys)
+    assert len(bufs) == len(keys), "the hot cache lost chunks: raise max_local_cpu_size"
+    for key, b in zip(keys, bufs, strict=True):
+        b.kv.copy_(transform(exact.setdefault(key, b.kv.clone())))
+        b.release()
+    out = llm.generate([prompt], params)[0]
+    assert out.num_external_tokens > 0
+    return out
+
+
 def agreement(llm: LLM, prompts: list[list[int]], refs: list[list[int]],
               transform: Callable[[torch.Tensor], torch.Tensor],
               exact: dict[str, torch.Tensor]) -> float:
-    """Greedy-token agreement when each prompt's stored chunks are replaced by transform(kv)
-    and the prompt is served from them (the hot cache keeps them; no prefix caching).
-    ``exact`` keeps the original KV per key across calls."""
-    eng = llm.engine.kv_connector.engine
+    """Greedy-token agreement with each prompt's stored KV replaced by transform(kv)."""
     same = total = 0
     for p, ref in zip(prompts, refs, strict=True):
-        keys = eng.keys(p)
-        bufs = eng.fetch(keys)
-        assert len(bufs) == len(keys), "the hot cache lost chunks: raise max_local_cpu_size"
-        for key, b in zip(keys, bufs, strict=True):
-            b.kv.copy_(transform(exact.setdefault(key, b.kv.clone())))
-            b.release()
-        out = llm.generate([p], GEN)[0]
-        assert out.num_external_tokens > 0
+        out = serve_transformed(llm, p, GEN, transform, exact)
         same += sum(a == b for a, b in zip(out.output_token_ids, ref, strict=True))
         total += len(ref)
     return same / total
+
+
+def qa_accuracy(llm: LLM, prompts: list, transform: Callable[[torch.Tensor], torch.Tensor],
+                exact: dict[str, torch.Tensor]) -> float:
+    """Fraction of held-out QA prompts answered right with their stored KV replaced by
+    transform(kv) (the question, in the prompt's last partial chunk, is always computed)."""
+    from quality import metrics
+
+    answers = []
+    for p in prompts:
+        out = serve_transformed(llm, llm.tokenizer.encode(p.text), ANSWER, transform, exact)
+        answers.append(llm.tokenizer.decode(out.output_token_ids))
+    return metrics.qa_accuracy(answers, [p.answer for p in prompts]).accuracy
 
 
 def int8_roundtrip(kv: torch.Tensor) -> torch.Tensor:
@@ -99,11 +122,16 @@ def main() -> None:
     ap.add_argument("--also-error", type=float, nargs="*", default=[0.002],
                     help="further calibration error targets to report size and agreement for")
     ap.add_argument("--repeats", type=int, default=3, help="TTFT measurements per codec")
+    ap.add_argument("--qa-prompts", type=int, default=None,
+                    help="held-out long single-document QA prompts answered with each codec's "
+                    "KV (default 30 with a trained model, else 0)")
     ap.add_argument("--text", help="text file for prompts (default: long QA examples with the "
                     "trained model, random tokens with the demo model)")
     args = ap.parse_args()
     if args.model is None and (shipped := trained_model_dir()) is not None:
         args.model = str(shipped)
+    if args.qa_prompts is None:
+        args.qa_prompts = 30 if args.model else 0
     torch.manual_seed(0)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,6 +190,16 @@ def main() -> None:
                            (errs.amax(0) / t.target).max().item()))
         agree_cg = levels[0][2]
         agree_i8 = agreement(llm, test_p, refs, int8_roundtrip, exact)
+        qa: dict[str, float] = {}
+        if args.qa_prompts:
+            from quality.qa import LONG_FILLER, heldout_prompts
+
+            qa_p = heldout_prompts(args.qa_prompts, 6, 1, LONG_FILLER)
+            llm.generate([llm.tokenizer.encode(p.text) for p in qa_p], FIRST)  # stores their chunks
+            qa["lossless"] = qa_accuracy(llm, qa_p, lambda x: x, exact)
+            qa["int8"] = qa_accuracy(llm, qa_p, int8_roundtrip, exact)
+            for t in tables:
+                qa[f"cachegen {t.target[0, 0].item():g}"] = qa_accuracy(llm, qa_p, roundtrip(t), exact)
         llm.engine.close()
 
         torch.set_num_threads(1)
@@ -219,6 +257,11 @@ def main() -> None:
         print(f"cachegen at error target {err:g}: {size / 1e6:.2f} MB, agreement {agree:.2%}, "
               f"worst per-layer relative error {bound:.2f}x of its target; size vs fp16: "
               f"{fp16 / size:.2f}x")
+    if qa:
+        default = f"cachegen {tables[0].target[0, 0].item():g}"
+        print(f"QA accuracy with the stored KV decoded ({args.qa_prompts} long single-document "
+              f"prompts): " + ", ".join(f"{k} {v:.1%}" for k, v in qa.items())
+              + f": {default} - lossless = {100 * (qa[default] - qa['lossless']):+.1f} points")
     print(f"cachegen decode vs disk read (one core): {dec_gbps:.2f} GB/s of KV produced vs "
           f"{disk_read:.2f} GB/s raw read: {dec_gbps / disk_read:.2f}x")
     print(f"cachegen encode vs disk read (one core): {enc_gbps:.2f} GB/s of KV consumed vs "
