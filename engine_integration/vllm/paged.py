@@ -117,7 +117,8 @@ def _all_layers(views: list[torch.Tensor]) -> torch.Tensor | None:
         if (t.untyped_storage().data_ptr() != ptr or t.stride() != first.stride()
                 or t.storage_offset() != first.storage_offset() + i * step):
             return None
-    if step <= 0:
+    extent = 1 + sum((n - 1) * st for n, st in zip(first.shape, first.stride(), strict=True))
+    if step < extent:  # the layers would overlap: not vLLM's allocation
         return None
     return first.as_strided((len(views), *first.shape), (step, *first.stride()), first.storage_offset())
 

@@ -114,3 +114,14 @@ def test_layers_in_separate_buffers_move_layer_by_layer_to_the_same_places(kind,
         shared.save(slots, a, skip)
         separate.save(slots, b, skip)
         assert torch.equal(a, b) and torch.equal(a[:, :, skip:], (chunk + skip)[:, :, skip:])
+
+
+def test_all_layer_view_only_for_layers_at_one_stride_without_overlap():
+    from lmkv_engines.vllm.paged import _all_layers
+
+    buf = torch.zeros(4 * 100)
+    assert torch.equal(_all_layers([buf[i * 100 : i * 100 + 80].view(8, 10) for i in range(4)])[2],
+                       buf[200:280].view(8, 10))
+    assert _all_layers([buf[i * 50 : i * 50 + 80].view(8, 10) for i in range(4)]) is None  # overlap
+    assert _all_layers([buf[0:80].view(8, 10), buf[100:180].view(8, 10), buf[300:380].view(8, 10)]) is None
+    assert _all_layers([buf[0:80].view(8, 10), torch.zeros(8, 10)]) is None  # another buffer
