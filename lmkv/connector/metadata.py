@@ -12,11 +12,13 @@ from ..memory import ChunkBuffer
 @dataclass(slots=True)
 class LoadSpec:
     """Write chunk i of ``chunks`` into the slots ``slot_mappings[i]``, except its first
-    ``skips[i]`` tokens, which the engine already holds."""
+    ``skips[i]`` tokens, which the engine already holds. A chunk's slot mapping may be
+    shorter than the chunk (the request's last loaded chunk, which ends before the last
+    prompt token): its tokens past the mapping are not loaded."""
 
     request_id: str
     chunks: list[ChunkBuffer]  # retained; the worker releases them after loading
-    slot_mappings: list[torch.Tensor]  # [chunk_size] int64 each
+    slot_mappings: list[torch.Tensor]  # [n <= chunk_size] int64 each
     skips: list[int]
 
 

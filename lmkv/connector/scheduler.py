@@ -56,35 +56,42 @@ class SchedulerConnector:
     def on_new_request(self, request: Any) -> None:
         """A request entered the engine's queue: start pulling its chunks up to the hot cache."""
         st = self._state(request)
-        self.engine.prefetch(st.keys[: self._usable_chunks(request)])
+        self.engine.prefetch(st.keys)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (the engine's own prefix cache hit) that lmkv
         will load. The chunks are fetched into the hot cache and pinned now, so the load
-        itself cannot fail. Never covers the last prompt token. Loads are synchronous."""
+        itself cannot fail. Loads are synchronous.
+
+        The hit never covers the last prompt token (it is computed: it yields the first
+        logits), but it may end inside a chunk: when the prompt's last chunk is full and
+        stored, all of it but that token is loaded, so a repeated prompt computes one
+        token, not a chunk."""
         st = self._state(request)
         self._unpin(st)
         if not self.loads:
             return 0, False
         c = self.engine.chunk_size
-        usable = self._usable_chunks(request)
+        full = len(st.keys)  # the prompt's full chunks; any of them may be loaded
         # Chunks wholly below num_computed_tokens are in the engine's own prefix cache: only
         # ask whether lmkv has them (for the hit metric and to skip re-saving them); fetch
         # from the first chunk the engine lacks.
-        first = min(num_computed_tokens // c, usable)
+        first = min(num_computed_tokens // c, full)
         below = self.engine.lookup(st.keys[:first]) if first else 0
-        chunks = self.engine.fetch(st.keys[first:usable]) if usable > first else []
+        chunks = self.engine.fetch(st.keys[first:]) if full > first else []
         found = first + len(chunks) if chunks else below
         self.engine.metrics.record_lookup(len(request.prompt_token_ids), found * c)
-        if found == usable < len(st.keys):  # a full last chunk, stored but never loaded
-            found += self.engine.lookup(st.keys[usable:])
         st.saved_chunks = max(st.saved_chunks, found)  # not saved again
         st.lossy = st.lossy or any(b.lossy for b in chunks)
         st.pinned, st.pinned_from = chunks, first
-        hit = (first + len(chunks)) * c
+        hit = min((first + len(chunks)) * c, len(request.prompt_token_ids) - 1)
         if hit <= num_computed_tokens:
             self._unpin(st)
             return 0, False
+        holding = -(-hit // c) - first  # chunks that hold loaded tokens (chunk_size 1: one less)
+        for buf in st.pinned[holding:]:
+            buf.release()
+        del st.pinned[holding:]
         return hit - num_computed_tokens, False
 
     def get_blend_plan(self, request: Any) -> BlendPlan | None:
@@ -120,7 +127,8 @@ class SchedulerConnector:
                 slots, skips = [], []
                 for i in range(len(st.pinned)):
                     start = (st.pinned_from + i) * c
-                    slots.append(self._slots(request.block_ids, start, start + c))
+                    # the last chunk may be loaded in part: up to the last prompt token
+                    slots.append(self._slots(request.block_ids, start, min(start + c, st.load_to)))
                     skips.append(max(0, st.load_from - start))
                 meta.loads.append(LoadSpec(request.request_id, st.pinned, slots, skips))
                 st.pinned = []
@@ -165,10 +173,6 @@ class SchedulerConnector:
             st = _RequestState(self.engine.keys(request.prompt_token_ids))
             self.states[request.request_id] = st
         return st
-
-    def _usable_chunks(self, request: Any) -> int:
-        # the last prompt token is always computed: it yields the first logits
-        return (len(request.prompt_token_ids) - 1) // self.engine.chunk_size
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """[end - start] int64 paged-memory slots of tokens [start, end)."""

@@ -52,7 +52,8 @@ class WorkerConnector:
         if not loads:
             self._layer_loaded = []
             return
-        n = sum(len(s.chunks) * self.engine.chunk_size - sum(s.skips) for s in loads)
+        n = sum(slots.shape[0] - skip for spec in loads
+                for slots, skip in zip(spec.slot_mappings, spec.skips, strict=True))
         self.engine.metrics.loaded_tokens.inc(n)
         if not self.layerwise:
             try:

@@ -130,17 +130,35 @@ def test_chunks_the_engine_has_are_not_fetched_again(tiny_model_dir, tmp_path):
         assert fetched == stored[2:], "chunks below the engine's prefix hit were fetched again"
 
 
-def test_a_stored_full_last_chunk_is_not_stored_again(tiny_model_dir, tmp_path):
-    """A prompt of whole chunks: its last chunk is stored but never loaded (the last token is
-    always computed); a second run finds it stored and does not write it again."""
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_prompt_of_whole_chunks_loads_all_but_its_last_token(tiny_model_dir, tmp_path, layerwise):
+    """A prompt of whole chunks: the last chunk is loaded but for the last token (which is
+    computed: it yields the first logits), so a repeated prompt computes one token; a second
+    run finds every chunk stored and writes none again."""
     exact = prompts(n=1, length=4 * CHUNK, seed=8)[0]
-    with lmkv_llm(tiny_model_dir, tmp_path / "disk") as llm:
-        first = llm.generate([exact], GREEDY)[0].output_token_ids
+    plain = LLM(str(tiny_model_dir), enable_prefix_caching=False, kv_cache_memory=64 << 20)
+    want = plain.generate([exact], GREEDY)[0].output_token_ids
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", use_layerwise=layerwise) as llm:
+        assert llm.generate([exact], GREEDY)[0].output_token_ids == want
         assert metric(llm, "lmkv_stored_chunks_total") == 4
         llm.engine.kv_connector.engine.storage.hot.clear()
         out = llm.generate([exact], GREEDY)[0]
-        assert out.output_token_ids == first and out.num_external_tokens == 3 * CHUNK
+        assert out.output_token_ids == want and out.num_external_tokens == 4 * CHUNK - 1
+        assert metric(llm, "lmkv_loaded_tokens_total") == 4 * CHUNK - 1
         assert metric(llm, "lmkv_stored_chunks_total") == 4
+
+
+def test_the_last_chunk_fills_the_engines_prefix_hit_up_to_the_last_token(tiny_model_dir, tmp_path):
+    """The engine's prefix cache stops a block short of the prompt's end (its last block
+    holds the last token); lmkv loads that block's other tokens from the stored last chunk."""
+    exact = prompts(n=1, length=4 * CHUNK, seed=9)[0]
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", prefix_caching=True) as llm:
+        want = llm.generate([exact], GREEDY)[0].output_token_ids
+        out = llm.generate([exact], GREEDY)[0]
+        block = llm.engine.block_manager.block_size
+        assert out.output_token_ids == want
+        assert out.num_cached_tokens == 4 * CHUNK - block
+        assert out.num_external_tokens == block - 1
 
 
 def test_many_concurrent_requests_under_memory_pressure(tiny_model_dir, reference):

@@ -86,8 +86,8 @@ def runs(model_dir, tmp_path_factory) -> dict:
     disk = str(tmp / "disk")
     try:
         # plain vLLM (the reference), and vLLM + lmkv layer-wise storing to disk and redis
-        plain = _Run({"model": str(model_dir), "lmkv": None, "seeds": [0, 1, 2, 3]})
-        first = _Run({"model": str(model_dir), "seeds": [0, 0], "lmkv": {
+        plain = _Run({"model": str(model_dir), "lmkv": None, "seeds": [0, 1, 2, 3, [0, 2 * CHUNK]]})
+        first = _Run({"model": str(model_dir), "seeds": [0, 0, [0, 2 * CHUNK]], "lmkv": {
             "chunk_size": CHUNK, "use_layerwise": True, "max_local_cpu_size": 0.1,
             "local_disk": disk, "max_local_disk_size": 1.0, "remote_url": redis.url,
             "metrics_port": _free_port()}})
@@ -115,7 +115,7 @@ def runs(model_dir, tmp_path_factory) -> dict:
 
 
 def test_same_tokens_with_lmkv_from_the_hot_cache_layerwise(runs):
-    cold, warm = runs["first"]
+    cold, warm, _ = runs["first"]
     assert cold["tokens"] == runs["plain"][0] and cold["cached"] == [0] * N
     assert warm["tokens"] == runs["plain"][0]
     assert warm["cached"] == _full(0)
@@ -126,6 +126,16 @@ def test_same_tokens_with_lmkv_from_the_hot_cache_layerwise(runs):
     # the same counters over HTTP, from lmkv's own metrics_port inside vLLM's process
     assert warm["scraped"]["lmkv_hit_tokens_total"] == sum(_full(0))
     assert warm["scraped"]["lmkv_stored_chunks_total"] == sum(_full(0)) // CHUNK
+
+
+def test_a_prompt_of_whole_chunks_loads_all_but_its_last_token(runs):
+    """Prompts cut to two whole stored chunks: vLLM computes only the last token (loaded
+    tokens need not end on a block boundary)."""
+    warm, exact = runs["first"][1:]
+    assert exact["tokens"] == runs["plain"][f"0:{2 * CHUNK}"]
+    assert exact["cached"] == [2 * CHUNK - 1] * N
+    loaded = exact["lmkv"]["lmkv_loaded_tokens_total"] - warm["lmkv"]["lmkv_loaded_tokens_total"]
+    assert loaded == N * (2 * CHUNK - 1)
 
 
 def test_new_process_reuses_the_disk_tier(runs):

@@ -84,7 +84,7 @@ def main(spec: dict) -> None:
             if restore is not None:
                 restore()
         print(json.dumps({
-            "seed": seed,
+            "seed": seed if cut is None else f"{seed}:{cut}",
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "cached": [o.num_cached_tokens for o in outs],
             "lmkv": lmkv_counters() if kv is not None else {},
