@@ -283,11 +283,14 @@ def qa_accuracy(model: TrainLlama, tok, n: int, num_documents: int,
 
 
 def train(cfg: TrainConfig, out_dir: Path, log_every: int = 25, save_every: int = 0,
-          init: Path | None = None, device: str = "cpu", eval_every: int = 500) -> dict:
+          init: Path | None = None, device: str = "cpu", eval_every: int = 500,
+          compiled: bool = False) -> dict:
     """Train from scratch, or go on from the model saved in ``init`` (same geometry; its
     tokenizer is kept), phase after phase. ``device``: "cpu" or a CUDA device (same recipe,
     bf16 autocast). Every ``eval_every`` steps and at the end of each phase, held-out QA
-    accuracy (short and long prompts) is printed."""
+    accuracy (short and long prompts) is printed. ``compiled``: run the model's layers
+    through torch.compile (one compilation per phase's batch shape; ~1.3x faster training
+    on CPU), falling back to eager mode, with a message, where it cannot compile."""
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     dev = torch.device(device)
@@ -333,6 +336,10 @@ def train(cfg: TrainConfig, out_dir: Path, log_every: int = 25, save_every: int 
             best.update(score=score, step=done, evals=dict(evals), loss=smooth,
                         state={k: v.detach().clone() for k, v in model.state_dict().items()})
 
+    layers = model.hidden_states
+    if compiled:
+        layers = torch.compile(model.hidden_states, dynamic=False)
+
     for phase in cfg.phases:
         batches.phase = phase
         for step in range(1, phase.steps + 1):
@@ -347,8 +354,16 @@ def train(cfg: TrainConfig, out_dir: Path, log_every: int = 25, save_every: int 
             w = weights[:, 1:].flatten()
             keep = (torch.rand(w.shape, generator=pos_rng) < w.cpu()).to(dev)
             with torch.autocast(dev.type, dtype=torch.bfloat16):
-                hidden = model.hidden_states(ids[:, :-1], positions[:, :-1]).flatten(0, 1)
-                logits = model.lm_head(hidden[keep])
+                try:
+                    hidden = layers(ids[:, :-1], positions[:, :-1])
+                except Exception as e:  # no C++ compiler, an unsupported platform, ...
+                    if layers is model.hidden_states:
+                        raise
+                    print(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
+                          "training in eager mode", flush=True)
+                    layers = model.hidden_states
+                    hidden = layers(ids[:, :-1], positions[:, :-1])
+                logits = model.lm_head(hidden.flatten(0, 1)[keep])
             loss = torch.nn.functional.cross_entropy(logits.float(), ids[:, 1:].flatten()[keep])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -430,6 +445,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="also save every N steps, to OUT/step-N (0: only the kept model, in OUT)")
     p.add_argument("--init", type=Path, help="go on from this saved model (same geometry)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N] where a GPU exists")
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="train in eager mode (default: the layers through torch.compile, "
+                        "~1.3x faster on CPU; eager where compiling fails)")
     p.add_argument("--eval-every", type=int, default=500,
                    help="print held-out QA accuracy every N steps (and after each phase); OUT "
                         "gets the last phase's best of these")
@@ -442,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
         phases = tuple(ph for ph in RECIPE if ph.name in args.phases)
     cfg = TrainConfig(phases=phases, seed=args.seed, threads=args.threads).scaled(args.scale)
     result = train(cfg, args.out, args.log_every, args.save_every, args.init, args.device,
-                   args.eval_every)
+                   args.eval_every, args.compile)
     print(f"saved {args.out} after {result['seconds'] / 60:.1f} min, loss {result['loss']:.3f}")
 
 
