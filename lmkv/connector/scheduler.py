@@ -124,13 +124,20 @@ class SchedulerConnector:
         for request, num_new in scheduled:
             st = self._state(request)
             if st.pinned:
-                slots, skips = [], []
-                for i in range(len(st.pinned)):
+                chunks, slots, skips = [], [], []
+                for i, buf in enumerate(st.pinned):
                     start = (st.pinned_from + i) * c
-                    # the last chunk may be loaded in part: up to the last prompt token
-                    slots.append(self._slots(request.block_ids, start, min(start + c, st.load_to)))
+                    # the last chunk may be loaded in part (up to the last prompt token), and
+                    # an engine may have taken fewer tokens than offered: load [from, to) only
+                    end = min(start + c, st.load_to)
+                    if end <= max(start, st.load_from):
+                        buf.release()
+                        continue
+                    chunks.append(buf)
+                    slots.append(self._slots(request.block_ids, start, end))
                     skips.append(max(0, st.load_from - start))
-                meta.loads.append(LoadSpec(request.request_id, st.pinned, slots, skips))
+                if chunks:
+                    meta.loads.append(LoadSpec(request.request_id, chunks, slots, skips))
                 st.pinned = []
             if st.blended or not self.saves:
                 continue

@@ -1,0 +1,130 @@
+"""The scheduler role's load plans, on plain request objects: which chunks are loaded into
+which slots, how a hit that ends inside the last chunk is cut, and that every pinned chunk
+goes back to the pool whatever the engine does with the offer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lmkv.config import load_config
+from lmkv.connector import SchedulerConnector, WorkerConnector
+from lmkv.engine import LMKVEngine
+from lmkv.layout import KVLayout
+from lmkv.paged import BlockPagedMemory
+
+CHUNK, BLOCK = 16, 4
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids
+
+
+def _engine() -> LMKVEngine:
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
+    return LMKVEngine(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
+
+
+def _store(engine: LMKVEngine, tokens: list[int]) -> list[torch.Tensor]:
+    """Store every full chunk of ``tokens`` with distinct KV; returns the chunks' KV."""
+    kvs = []
+    for i, key in enumerate(engine.keys(tokens)):
+        buf = engine.allocate()
+        buf.kv.copy_(torch.randn(buf.kv.shape))
+        kvs.append(buf.kv.clone())
+        engine.store(key, buf)
+        buf.release()
+        assert i < len(tokens) // CHUNK
+    return kvs
+
+
+def _schedule(sched: SchedulerConnector, req: Request, computed: int, take: int | None = None):
+    """The engine's side of a new request: its prefix hit ``computed``, lmkv's offer, of
+    which it takes ``take`` tokens (all by default), blocks for the whole prompt."""
+    offered, _ = sched.get_num_new_matched_tokens(req, computed)
+    taken = offered if take is None else take
+    n = len(req.prompt_token_ids)
+    req.block_ids = list(range(100, 100 + -(-n // BLOCK)))
+    req.num_computed_tokens = computed
+    sched.update_state_after_alloc(req, req.block_ids, taken)
+    req.num_computed_tokens += taken
+    meta = sched.build_connector_meta([(req, n - req.num_computed_tokens)])
+    return offered, meta
+
+
+def test_a_prompt_of_whole_chunks_is_loaded_up_to_its_last_token():
+    engine = _engine()
+    prompt = list(range(1000, 1000 + 3 * CHUNK))
+    kvs = _store(engine, prompt)
+    sched = SchedulerConnector(engine, BLOCK)
+    req = Request("a", prompt)
+    offered, meta = _schedule(sched, req, computed=0)
+    assert offered == 3 * CHUNK - 1
+    (load,) = meta.loads
+    assert [s.shape[0] for s in load.slot_mappings] == [CHUNK, CHUNK, CHUNK - 1]
+    assert load.skips == [0, 0, 0]
+    assert torch.equal(load.slot_mappings[2], torch.arange(2 * CHUNK, 3 * CHUNK - 1) + 100 * BLOCK)
+    # the worker writes exactly tokens [0, 3 * CHUNK - 1) into paged memory
+    kv_cache = torch.zeros(2, 2, 200, BLOCK, 1, 4)
+    worker = WorkerConnector(engine)
+    worker.register_kv_caches(BlockPagedMemory(kv_cache))
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv()
+    flat = kv_cache.permute(1, 0, 2, 3, 4, 5).reshape(2, 2, -1, 1, 4)[:, :, 100 * BLOCK :]
+    for i, kv in enumerate(kvs):
+        n = CHUNK - (i == 2)
+        assert torch.equal(flat[:, :, i * CHUNK : i * CHUNK + n], kv[:, :, :n])
+    assert not flat[:, :, 3 * CHUNK - 1].any()  # the last token's slot is left to the engine
+    sched.request_finished(req)
+    engine.pool.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_slots - 3  # only the hot cache holds them
+    engine.close()
+
+
+def test_a_hit_inside_the_engines_prefix_loads_only_the_tokens_beyond_it():
+    engine = _engine()
+    prompt = list(range(2000, 2000 + 2 * CHUNK))
+    _store(engine, prompt)
+    sched = SchedulerConnector(engine, BLOCK)
+    offered, meta = _schedule(sched, Request("b", prompt), computed=CHUNK + BLOCK)
+    assert offered == CHUNK - BLOCK - 1
+    (load,) = meta.loads
+    assert [s.shape[0] for s in load.slot_mappings] == [CHUNK - 1]
+    assert load.skips == [BLOCK]
+    for buf in load.chunks:
+        buf.release()
+    engine.close()
+
+
+def test_an_engine_taking_fewer_tokens_than_offered_loads_only_those():
+    engine = _engine()
+    prompt = list(range(3000, 3000 + 3 * CHUNK + 5))
+    _store(engine, prompt)
+    sched = SchedulerConnector(engine, BLOCK)
+    req = Request("c", prompt)
+    offered, meta = _schedule(sched, req, computed=0, take=CHUNK + BLOCK)
+    assert offered == 3 * CHUNK
+    (load,) = meta.loads
+    assert [s.shape[0] for s in load.slot_mappings] == [CHUNK, BLOCK]
+    for buf in load.chunks:
+        buf.release()
+    sched.request_finished(req)
+    engine.pool.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_slots - 3
+    # and none at all: every pinned chunk is given back
+    req = Request("d", prompt)
+    _, meta = _schedule(sched, req, computed=0, take=0)
+    assert not meta.loads
+    sched.request_finished(req)
+    engine.pool.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_slots - 3
+    engine.close()
