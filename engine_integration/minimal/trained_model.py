@@ -26,7 +26,7 @@ long-qa``, the same phase under its earlier name), where the answers appeared: 0
 at its step 500, 0.93/0.69 at step 1000 (kept), 0.90-0.93 short and 0.50-0.62 long after.
 So the recipe takes ~45 minutes on two cores, more than the ~30 it is meant to.
 
-A single uninterrupted run of all four phases, with ``--compile`` (session 5, 34.5 min on
+A single uninterrupted run of all four phases, with ``--compile`` (2026-11-24, 34.5 min on
 a quiet machine, ~29k tok/s in the 256-token phase against ~20k eager in session 4), did
 not get there: held-out single-document 0.28 short / 0.00 long at the end of "mix",
 0.15 / 0.25 after "long-qa", 0.20-0.35 / 0.06-0.25 through "long-qa-2". Going on from
