@@ -103,6 +103,16 @@ class LMKVEngine:
         if self.config.enable_prefetch:
             self.storage.prefetch(keys)
 
+    def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
+        self.metrics.record_lookup(prompt_tokens, hit_tokens)
+
+    def count_error(self, where: str, kind: str) -> None:
+        self.metrics.errors.labels(where, kind).inc()
+
+    def drain(self) -> None:
+        """Wait until every queued write below the hot cache has finished."""
+        self.storage.io.drain()
+
     def allocate(self) -> ChunkBuffer | None:
         return self.storage.allocate()
 

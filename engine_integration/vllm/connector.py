@@ -33,6 +33,7 @@ from lmkv.connector import ConnectorMetadata, SchedulerConnector, WorkerConnecto
 
 from .engines import SharedEngines, engine_spec
 from .paged import StridedPagedMemory, cpu_paged_memory, gpu_paged_memory
+from .pins import PinnedChunk, PinServer, RemoteEngine, socket_path
 from .requests import RequestViews
 
 if TYPE_CHECKING:
@@ -45,28 +46,61 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _show_lmkv_logs() -> None:
+    """vLLM sets up its own loggers only: lmkv's INFO lines (what it uses at start-up,
+    which process answers lookups) and warnings go to stderr beside vLLM's, unless the
+    application configured logging itself."""
+    if logging.getLogger().handlers:
+        return
+    for name in ("lmkv", "lmkv_engines"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+
+
+_show_lmkv_logs()
+
+
 class LMKVConnectorMetadata(KVConnectorMetadata):
-    """lmkv's per-step metadata. It holds chunk buffers of this process's hot cache, so the
-    scheduler and the worker must share a process (tensor_parallel_size 1)."""
+    """lmkv's per-step metadata. Where both roles share a process its loads hold chunk
+    buffers of the hot cache; across processes, PinnedChunk handles (key and flag) that
+    the worker resolves to the chunks its PinServer pinned."""
 
     def __init__(self, meta: ConnectorMetadata):
         self.meta = meta
+
+
+_LOCAL_WORKERS: set[str] = set()  # vLLM engine ids whose worker role lives in this process
 
 
 class LMKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        kv = vllm_config.kv_transfer_config
+        extra = dict(kv.kv_connector_extra_config or {})
         self.spec = engine_spec(vllm_config, extra)
-        self.engine = SharedEngines.acquire(self.spec)
+        self.engine_id = str(kv.engine_id)
         self.block_size = self.spec.block_size
         self.scheduler: SchedulerConnector | None = None
         self.worker: WorkerConnector | None = None
+        self.pins: PinServer | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # vLLM builds the scheduler after its workers: a worker role in this process
+            # means one engine for both; otherwise (vllm serve) the worker process answers
+            if self.engine_id in _LOCAL_WORKERS:
+                self.engine = SharedEngines.acquire(self.spec)
+            else:
+                self.engine = RemoteEngine(self.spec.config, socket_path(self.engine_id))
             self.scheduler = SchedulerConnector(self.engine, self.block_size)
             self.views = RequestViews()
         else:
+            self.engine = SharedEngines.acquire(self.spec)
+            _LOCAL_WORKERS.add(self.engine_id)
+            self.pins = PinServer(self.engine, socket_path(self.engine_id))
             self.worker = WorkerConnector(self.engine)
             self.layer_index: dict[str, int] = {}
             self.paged: StridedPagedMemory | None = None
@@ -88,7 +122,7 @@ class LMKVConnector(KVConnectorBase_V1):
             n, _ = self.scheduler.get_num_new_matched_tokens(view, num_computed_tokens)
         except Exception:
             log.exception("lmkv: lookup for request %s failed; computing it", request.request_id)
-            self.engine.metrics.errors.labels("connector", "lookup").inc()
+            self.engine.count_error("connector", "lookup")
             return 0, False
         if n:
             log.debug("lmkv: request %s: loading tokens [%d, %d) of %d", request.request_id,
@@ -167,7 +201,7 @@ class LMKVConnector(KVConnectorBase_V1):
             self.worker.wait_for_save()
         except Exception as e:
             log.warning("lmkv: saving KV failed (%s); those chunks will be recomputed next time", e)
-            self.engine.metrics.errors.labels("connector", "save").inc()
+            self.engine.count_error("connector", "save")
             self.worker.meta = ConnectorMetadata()
         finally:
             self._save_failed = False
@@ -175,27 +209,47 @@ class LMKVConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, LMKVConnectorMetadata)
-        self.worker.bind_connector_metadata(connector_metadata.meta)
+        meta = connector_metadata.meta
+        for spec in meta.loads:  # from another process: take the chunks pinned for it
+            taken = [self.pins.take(c.key) if isinstance(c, PinnedChunk) else c for c in spec.chunks]
+            keep = [i for i, c in enumerate(taken) if c is not None]
+            if len(keep) < len(taken):  # never expected: the scheduler pinned them here
+                log.error("lmkv: request %s: chunks pinned for its load are gone; vLLM recomputes "
+                          "their blocks", spec.request_id)
+                self.engine.count_error("connector", "load")
+                self._load_errors.update(self._blocks(
+                    [(spec.slot_mappings[i], spec.skips[i]) for i, c in enumerate(taken) if c is None]))
+            spec.chunks = [taken[i] for i in keep]
+            spec.slot_mappings = [spec.slot_mappings[i] for i in keep]
+            spec.skips = [spec.skips[i] for i in keep]
+        self.worker.bind_connector_metadata(meta)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def _failed_loads(self, meta: ConnectorMetadata) -> None:
-        self.engine.metrics.errors.labels("connector", "load").inc()
-        bs = self.block_size
+        self.engine.count_error("connector", "load")
         for spec in meta.loads:
-            for slots, skip in zip(spec.slot_mappings, spec.skips, strict=True):
-                self._load_errors.update((slots[skip:] // bs).unique().tolist())
+            self._load_errors.update(self._blocks(zip(spec.slot_mappings, spec.skips, strict=True)))
+
+    def _blocks(self, loads) -> set[int]:
+        """The vLLM blocks that (slot mapping, tokens to skip) pairs write into."""
+        return {b for slots, skip in loads for b in (slots[skip:] // self.block_size).unique().tolist()}
 
     # ==== both ==========================================================================
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.pins is not None:
+            self.pins.close()
         if self.worker is not None:
             self.worker.close()
-        SharedEngines.release(self.spec)
+        if isinstance(self.engine, RemoteEngine):
+            self.engine.close()
+        else:
+            SharedEngines.release(self.spec)
 
 
 def _check_cpu_layout(paged: StridedPagedMemory, like: torch.Tensor) -> None:

@@ -80,7 +80,7 @@ class SchedulerConnector:
         below = self.engine.lookup(st.keys[:first]) if first else 0
         chunks = self.engine.fetch(st.keys[first:]) if full > first else []
         found = first + len(chunks) if chunks else below
-        self.engine.metrics.record_lookup(len(request.prompt_token_ids), found * c)
+        self.engine.record_lookup(len(request.prompt_token_ids), found * c)
         st.saved_chunks = max(st.saved_chunks, found)  # not saved again
         st.lossy = st.lossy or any(b.lossy for b in chunks)
         st.pinned, st.pinned_from = chunks, first
@@ -171,7 +171,7 @@ class SchedulerConnector:
             self._drop_plan(st)
         if self.engine.config.kv_role == "producer":
             # the consumer may ask as soon as this request is reported done
-            self.engine.storage.io.drain()
+            self.engine.drain()
         return False, None
 
     def _state(self, request: Any) -> _RequestState:

@@ -221,3 +221,96 @@ def test_lmkv_server_shares_kv_between_vllm_and_the_bundled_engine(runs, model_d
     finally:
         server.kill()
         server.wait(timeout=10)
+
+
+class _Server:
+    """vLLM's OpenAI server as `vllm serve` runs it: scheduler (engine core) and worker in
+    separate processes (V1 multiprocessing on), lmkv configured by LMKV_CONFIG_FILE."""
+
+    def __init__(self, model_dir: Path, config: Path, log: Path):
+        import os
+
+        from tests.redis_server import free_port
+
+        self.port = free_port()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "LMKV_CONFIG_FILE": str(config)}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        kv = {"kv_connector": "LMKVConnector", "kv_role": "kv_both",
+              "kv_connector_module_path": "lmkv_engines.vllm.connector",
+              "kv_load_failure_policy": "recompute"}
+        self.log = log
+        self.proc = subprocess.Popen(
+            [str(VENV_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+             "--dtype", "float32", "--port", str(self.port), "--max-model-len", "2048",
+             "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kv)],
+            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vLLM server exited:\n{self.log.read_text()[-6000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise AssertionError(f"vLLM server not ready:\n{self.log.read_text()[-6000:]}")
+
+    def complete(self, ids: list[int]) -> str:
+        import urllib.request
+
+        body = json.dumps({"model": self.model, "prompt": ids, "max_tokens": 8, "temperature": 0})
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body.encode(),
+                                     {"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["text"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+def test_openai_server_with_scheduler_and_worker_in_separate_processes(model_dir, tmp_path):
+    """As `vllm serve` runs: the scheduler role asks the worker process (which holds lmkv's
+    chunks) over a socket. Warm requests load from the hot cache, a restarted server from
+    disk, with the same completions as the cold requests that computed everything."""
+    from .vllm_workload import _scrape
+
+    metrics_port = _free_port()
+    config = tmp_path / "lmkv.yaml"
+    config.write_text(f"chunk_size: {CHUNK}\nmax_local_cpu_size: 0.1\nlocal_disk: {tmp_path / 'disk'}\n"
+                      f"max_local_disk_size: 1\nmetrics_port: {metrics_port}\n")
+    batch = prompts(N, LENGTH, 5)
+    texts = {}
+    for run in ("first", "restarted"):
+        server = _Server(model_dir, config, tmp_path / f"{run}.log")
+        server.model = str(model_dir)
+        try:
+            server.wait_ready()
+            for i, ids in enumerate(batch):
+                cold_or_disk = server.complete(ids)
+                warm = server.complete(ids)
+                assert warm == cold_or_disk, (run, i)
+                texts.setdefault(i, cold_or_disk)
+                assert cold_or_disk == texts[i], (run, i)
+            counters = _scrape(metrics_port)
+        finally:
+            server.stop()
+        log = server.log.read_text()
+        assert "serving the scheduler role's lookups" in log and "asks the worker process" in log
+        full = sum(_full(5))
+        # each prompt: its full chunks loaded once warm (and, restarted, once from disk:
+        # the new process's hot cache starts empty; prefetch may have pulled them up first)
+        assert counters["lmkv_loaded_tokens_total"] == full * (1 if run == "first" else 2)
+        read = counters.get('lmkv_tier_bytes_total{op="get",tier="disk"}', 0)
+        assert (read > 0) == (run == "restarted"), counters
+        assert not any(k.startswith("lmkv_errors_total") and v for k, v in counters.items()), counters

@@ -50,7 +50,7 @@ def _scrape(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         lines = r.read().decode().splitlines()
     return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines)
-            if name.startswith("lmkv_") and name.endswith("_total")}
+            if name.startswith("lmkv_") and name.split("{")[0].endswith("_total")}
 
 
 def main(spec: dict) -> None:
