@@ -7,9 +7,12 @@
 Configuration: lmkv's usual sources (defaults < YAML at LMKV_CONFIG_FILE < LMKV_* env),
 then ``kv_connector_extra_config`` on top, key for key (unknown keys fail, naming the key).
 
-vLLM builds this class twice per engine process, once per role; both delegate to lmkv's
-connector roles (``lmkv.connector``) over one LMKVEngine, so the scheduler finds what the
-worker stored. Loads are synchronous (done before the forward pass, or layer by layer with
+vLLM builds this class once per role; both delegate to lmkv's connector roles
+(``lmkv.connector``) over one LMKVEngine, so the scheduler finds what the worker stored:
+shared where vLLM runs both roles in one process, and in the worker's process, asked over
+a Unix socket (pins.py), where the scheduler runs in another (``vllm serve``).
+
+Loads are synchronous (done before the forward pass, or layer by layer with
 use_layerwise); saves gather the step's new full chunks into lmkv's hot cache at the end
 of the step, and lower tiers are written in the background. Any failure inside lmkv costs
 a recompute, never a failed request: lookups that fail report no hit, loads that fail

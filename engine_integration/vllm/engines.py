@@ -1,10 +1,12 @@
 """Which LMKVEngine a vLLM engine uses: its config, KV layout and model id, and the one
 instance per process that both connector roles share.
 
-vLLM constructs the scheduler role and the worker role separately, with nothing but the
+vLLM constructs the scheduler role and the worker role separately, with at most the
 process in common; they must use one hot cache (the scheduler finds what the worker
-stored, and hands the worker pinned chunks of it). That is why this module keeps a
-process-wide table of engines, reference-counted by the roles using them.
+stored, and hands the worker pinned chunks of it). Where they share a process, this
+module's process-wide table of engines, reference-counted by the roles using them, gives
+both the same one; where they do not (`vllm serve`), the worker's process holds the engine
+and the scheduler role asks it over a socket (pins.py).
 """
 
 from __future__ import annotations
