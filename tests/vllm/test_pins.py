@@ -1,0 +1,115 @@
+"""The lookup socket between vLLM's scheduler process and its worker process (pins.py), on
+a plain LMKVEngine: the scheduler role's plan through it equals the one made in-process,
+pins survive pickling as keys and come back as the worker's chunks, and bad messages or
+a missing worker cost an error, not a crash or a hang."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import socket
+import time
+
+import pytest
+import torch
+
+from lmkv.config import load_config
+from lmkv.connector import SchedulerConnector
+from lmkv.engine import LMKVEngine
+from lmkv.layout import KVLayout
+from lmkv_engines.vllm.pins import PinnedChunk, PinServer, RemoteEngine, socket_path
+
+CHUNK = 16
+
+
+@pytest.fixture
+def served(tmp_path):
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
+    engine = LMKVEngine(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
+    server = PinServer(engine, tmp_path / "pins.sock")
+    remote = RemoteEngine(cfg, server.path, connect_timeout=5)
+    yield engine, server, remote
+    remote.close()
+    server.close()
+    engine.close()
+
+
+def _store(engine: LMKVEngine, tokens: list[int]) -> None:
+    for key in engine.keys(tokens):
+        buf = engine.allocate()
+        buf.kv.normal_()
+        engine.store(key, buf)
+        buf.release()
+
+
+def test_a_load_planned_in_another_process_takes_the_chunks_pinned_there(served):
+    engine, server, remote = served
+    prompt = list(range(500, 500 + 3 * CHUNK))
+    _store(engine, prompt)
+    assert remote.keys(prompt) == engine.keys(prompt)
+    sched = SchedulerConnector(remote, 4)
+
+    class Req:
+        request_id, prompt_token_ids, all_token_ids = "r", prompt, prompt
+        block_ids, num_computed_tokens = list(range(3 * CHUNK // 4)), 0
+
+    offered, _ = sched.get_num_new_matched_tokens(Req, 0)
+    assert offered == 3 * CHUNK - 1
+    sched.update_state_after_alloc(Req, Req.block_ids, offered)
+    Req.num_computed_tokens = offered
+    meta = pickle.loads(pickle.dumps(sched.build_connector_meta([(Req, 1)])))  # as vLLM sends it
+    (load,) = meta.loads
+    assert all(isinstance(c, PinnedChunk) for c in load.chunks)
+    taken = [server.take(c.key) for c in load.chunks]
+    assert [b.ref_count for b in taken] == [2, 2, 2]  # the hot cache's and the load's
+    for b in taken:
+        b.release()
+    assert server.take(load.chunks[0].key) is None
+    sched.request_finished(Req)
+    engine.pool.check_integrity()
+    assert engine.metrics.registry.get_sample_value("lmkv_hit_tokens_total") == 3 * CHUNK
+
+
+def test_pins_a_request_never_loads_are_given_back(served):
+    engine, server, remote = served
+    prompt = list(range(900, 900 + 2 * CHUNK))
+    _store(engine, prompt)
+    pinned = remote.fetch(engine.keys(prompt))
+    assert [b.ref_count for b in (server._pinned[p.key][0] for p in pinned)] == [2, 2]
+    for p in pinned:
+        p.release()
+    assert not server._pinned
+    engine.pool.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_slots - 2
+
+
+def test_bad_messages_get_an_error_reply(served):
+    _, server, remote = served
+    with pytest.raises(RuntimeError, match="unknown op"):
+        remote.call("format_disk")
+    with pytest.raises(RuntimeError, match="KeyError"):
+        remote.call("keys")  # no tokens
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(server.path))
+        s.sendall(b"{not json\n")
+        reply = json.loads(s.makefile("rb").readline())
+    assert reply["ok"] is False
+    assert remote.lookup([]) == 0  # the server goes on
+
+
+def test_no_worker_process_fails_once_then_at_once(tmp_path):
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
+    remote = RemoteEngine(cfg, tmp_path / "nobody.sock", connect_timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="no worker process"):
+        remote.lookup(["k"])
+    with pytest.raises(ConnectionError):
+        remote.lookup(["k"])
+    assert time.monotonic() - start < 5
+    remote.count_error("connector", "lookup")  # counting where it cannot be reached: no raise
+
+
+def test_socket_path_is_private_and_named_after_the_engine_id(served):
+    _, server, _ = served
+    assert server.path.stat().st_mode & 0o777 == 0o600
+    assert socket_path("abc/../x y").name == "lmkv-abcxy.sock"  # no path tricks
