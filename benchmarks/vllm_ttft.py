@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # vLLM would report usage to its stats host
+os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

@@ -233,8 +233,8 @@ class _Server:
         from tests.redis_server import free_port
 
         self.port = free_port()
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "LMKV_CONFIG_FILE": str(config)}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               "VLLM_CPU_KVCACHE_SPACE": "1", "LMKV_CONFIG_FILE": str(config)}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         kv = {"kv_connector": "LMKVConnector", "kv_role": "kv_both",
               "kv_connector_module_path": "lmkv_engines.vllm.connector",

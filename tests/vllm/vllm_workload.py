@@ -18,7 +18,9 @@ import os
 import signal
 import sys
 
-VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# offline, no usage reports (vLLM would try to send them to its stats host), one process
+VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
