@@ -87,6 +87,7 @@ class LMKVConnector(KVConnectorBase_V1):
         extra = dict(kv.kv_connector_extra_config or {})
         self.spec = engine_spec(vllm_config, extra)
         self.engine_id = str(kv.engine_id)
+        path = socket_path(self.engine_id, getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
         self.block_size = self.spec.block_size
         self.scheduler: SchedulerConnector | None = None
         self.worker: WorkerConnector | None = None
@@ -97,13 +98,17 @@ class LMKVConnector(KVConnectorBase_V1):
             if self.engine_id in _LOCAL_WORKERS:
                 self.engine = SharedEngines.acquire(self.spec)
             else:
-                self.engine = RemoteEngine(self.spec.config, socket_path(self.engine_id))
+                self.engine = RemoteEngine(self.spec.config, path)
             self.scheduler = SchedulerConnector(self.engine, self.block_size)
             self.views = RequestViews()
         else:
             self.engine = SharedEngines.acquire(self.spec)
             _LOCAL_WORKERS.add(self.engine_id)
-            self.pins = PinServer(self.engine, socket_path(self.engine_id))
+            try:
+                self.pins = PinServer(self.engine, path)
+            except OSError as e:  # only a scheduler in another process needs it
+                log.warning("lmkv: cannot serve lookups on %s (%s); a scheduler role in another "
+                            "process will find no hits", path, e)
             self.worker = WorkerConnector(self.engine)
             self.layer_index: dict[str, int] = {}
             self.paged: StridedPagedMemory | None = None
@@ -214,7 +219,8 @@ class LMKVConnector(KVConnectorBase_V1):
         assert isinstance(connector_metadata, LMKVConnectorMetadata)
         meta = connector_metadata.meta
         for spec in meta.loads:  # from another process: take the chunks pinned for it
-            taken = [self.pins.take(c.key) if isinstance(c, PinnedChunk) else c for c in spec.chunks]
+            taken = [(self.pins.take(c.key) if self.pins else None) if isinstance(c, PinnedChunk) else c
+                     for c in spec.chunks]
             keep = [i for i, c in enumerate(taken) if c is not None]
             if len(keep) < len(taken):  # never expected: the scheduler pinned them here
                 log.error("lmkv: request %s: chunks pinned for its load are gone; vLLM recomputes "

@@ -21,6 +21,8 @@ The socket is created with mode 0600. Where vLLM runs both roles in one process
 from __future__ import annotations
 
 import atexit
+import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -42,9 +44,28 @@ MAX_LINE = 64 << 20  # a prompt's token ids, or its keys, fit many times over
 CALL_TIMEOUT = 60.0  # seconds for one answer (a fetch may read lower tiers)
 
 
-def socket_path(engine_id: str) -> Path:
-    safe = "".join(ch for ch in engine_id if ch.isalnum() or ch in "-_")[:64]
-    return Path(tempfile.gettempdir()) / f"lmkv-{safe}.sock"
+PIN_TTL = 600.0  # seconds: a pin neither taken by a load nor released by then is dropped
+
+
+def socket_path(engine_id: str, dp_rank: int = 0) -> Path:
+    """Short (AF_UNIX paths are limited to ~107 bytes) and distinct per vLLM engine and
+    data-parallel rank."""
+    digest = hashlib.sha256(f"{engine_id}/{dp_rank}".encode()).hexdigest()[:20]
+    return Path(tempfile.gettempdir()) / f"lmkv-{digest}.sock"
+
+
+def _unlink_if_dead(path: Path) -> None:
+    """Remove a socket file left by a process that is gone; one that still answers is
+    another live server's, and binding over it fails loudly instead."""
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink(missing_ok=True)
+    finally:
+        probe.close()
 
 
 class PinServer:
@@ -53,13 +74,18 @@ class PinServer:
     def __init__(self, engine: LMKVEngine, path: Path):
         self.engine = engine
         self.path = path
-        self._pinned: dict[str, list[ChunkBuffer]] = defaultdict(list)
+        # key -> [(chunk, when pinned)]: one entry per pin, taken by a load or released
+        self._pinned: dict[str, list[tuple[ChunkBuffer, float]]] = defaultdict(list)
         self._lock = threading.Lock()
-        path.unlink(missing_ok=True)
+        self._conns: set[socket.socket] = set()
+        _unlink_if_dead(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
             self._sock.bind(str(path))
+        except OSError:
+            self._sock.close()
+            raise
         finally:
             os.umask(old)
         self._sock.listen(4)
@@ -71,27 +97,50 @@ class PinServer:
     def take(self, key: str) -> ChunkBuffer | None:
         """A chunk the scheduler pinned for a load: the caller now owns its reference."""
         with self._lock:
-            bufs = self._pinned.get(key)
-            if not bufs:
+            pins = self._pinned.get(key)
+            if not pins:
                 return None
-            buf = bufs.pop()
-            if not bufs:
+            buf, _ = pins.pop(0)
+            if not pins:
                 del self._pinned[key]
             return buf
+
+    def pinned(self) -> int:
+        with self._lock:
+            return sum(len(p) for p in self._pinned.values())
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._sock.close()
-        finally:
-            self.path.unlink(missing_ok=True)
+        atexit.unregister(self.close)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
+        self._sock.close()
+        self.path.unlink(missing_ok=True)
         with self._lock:
-            bufs = [b for bs in self._pinned.values() for b in bs]
-            self._pinned.clear()
-        for buf in bufs:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._release_where(lambda _: True)
+
+    def _release_where(self, stale) -> None:
+        """Release the pins for which ``stale(when pinned)`` holds."""
+        dropped = []
+        with self._lock:
+            for key in list(self._pinned):
+                keep = [(b, t) for b, t in self._pinned[key] if not stale(t)]
+                dropped += [b for b, t in self._pinned[key] if stale(t)]
+                if keep:
+                    self._pinned[key] = keep
+                else:
+                    del self._pinned[key]
+        for buf in dropped:
             buf.release()
+        if dropped and not self._closed:
+            log.warning("lmkv: released %d chunks pinned over %.0f s ago and never loaded",
+                        len(dropped), PIN_TTL)
 
     def _accept(self) -> None:
         while not self._closed:
@@ -99,24 +148,41 @@ class PinServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="lmkv-pins-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rb") as rfile, conn.makefile("wb") as wfile:
-            while True:
-                line = rfile.readline(MAX_LINE + 1)
-                if not line:
-                    return
-                try:
-                    if len(line) > MAX_LINE or not line.endswith(b"\n"):
-                        raise ValueError(f"message longer than {MAX_LINE} bytes")
-                    msg = json.loads(line)
-                    reply = {"ok": True, **self._handle(msg)}
-                except Exception as e:  # a bad message gets an error reply, never a crash
-                    log.warning("lmkv: bad request on %s: %s", self.path, e)
-                    reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-                wfile.write(json.dumps(reply).encode() + b"\n")
-                wfile.flush()
+        try:
+            with conn, conn.makefile("rb") as rfile, conn.makefile("wb") as wfile:
+                while not self._closed:
+                    line = rfile.readline(MAX_LINE + 1)
+                    if not line:
+                        return
+                    oversized = len(line) > MAX_LINE or not line.endswith(b"\n")
+                    msg = None
+                    try:
+                        if oversized:
+                            raise ValueError(f"message longer than {MAX_LINE} bytes")
+                        msg = json.loads(line)
+                        reply = {"ok": True, **self._handle(msg)}
+                    except Exception as e:  # a bad message gets an error reply, never a crash
+                        log.warning("lmkv: bad request on %s: %s", self.path, e)
+                        reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                    if isinstance(msg, dict) and "id" in msg:  # the client matches replies by it
+                        reply["id"] = msg["id"]
+                    wfile.write(json.dumps(reply).encode() + b"\n")
+                    wfile.flush()
+                    if oversized:  # the rest of that line is not a message: hang up
+                        return
+        except OSError:
+            return  # the client went away
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         op, e = msg.get("op"), self.engine
@@ -126,10 +192,12 @@ class PinServer:
         if op == "lookup":
             return {"found": e.lookup(keys)}
         if op == "fetch":
+            now = time.monotonic()
+            self._release_where(lambda t: now - t > PIN_TTL)
             bufs = e.fetch(keys)
             with self._lock:
                 for key, buf in zip(keys, bufs, strict=False):
-                    self._pinned[key].append(buf)
+                    self._pinned[key].append((buf, now))
             return {"lossy": [b.lossy for b in bufs]}
         if op == "release":
             for key in keys:
@@ -160,8 +228,9 @@ class PinnedChunk:
         self.key, self.lossy, self._owner = key, lossy, owner
 
     def release(self) -> None:
+        """Best effort: a pin whose release is lost expires in the worker (PIN_TTL)."""
         if self._owner is not None:
-            self._owner.call("release", keys=[self.key])
+            self._owner.best_effort("release", keys=[self.key])
             self._owner = None
 
     def __getstate__(self) -> dict:
@@ -184,6 +253,7 @@ class RemoteEngine:
         self.connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._next_id = 0
 
     def keys(self, tokens: list[int]) -> list[str]:
         return self.call("keys", tokens=list(tokens))["keys"]
@@ -195,37 +265,48 @@ class RemoteEngine:
         lossy = self.call("fetch", keys=keys)["lossy"]
         return [PinnedChunk(k, f, self) for k, f in zip(keys, lossy, strict=False)]
 
+    # the calls below are best effort: a failure is logged, never raised into vLLM's
+    # scheduler (a lost release expires in the worker; a lost drain only means a consumer
+    # may miss chunks still being written)
     def prefetch(self, keys: list[str]) -> None:
         if self.config.enable_prefetch:
-            self.call("prefetch", keys=keys)
+            self.best_effort("prefetch", keys=keys)
 
     def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
-        self.call("record_lookup", prompt_tokens=prompt_tokens, hit_tokens=hit_tokens)
+        self.best_effort("record_lookup", prompt_tokens=prompt_tokens, hit_tokens=hit_tokens)
 
     def drain(self) -> None:
-        self.call("drain")
+        self.best_effort("drain")
 
     def count_error(self, where: str, kind: str) -> None:
-        """Counted in the worker process's metrics, where it can be reached."""
+        self.best_effort("count_error", where=where, kind=kind)
+
+    def best_effort(self, op: str, **args: Any) -> None:
         try:
-            self.call("count_error", where=where, kind=kind)
-        except (OSError, RuntimeError) as e:
-            log.debug("lmkv: could not count an error in the worker process: %s", e)
+            self.call(op, **args)
+        except Exception as e:
+            log.warning("lmkv: %s in the worker process failed: %s", op, e)
 
     def call(self, op: str, **args: Any) -> dict[str, Any]:
-        line = json.dumps({"op": op, **args}).encode() + b"\n"
+        """One request and its reply. Any failure closes the connection (the next call
+        opens a new one), so no late reply is ever read as another call's."""
         with self._lock:
+            self._next_id += 1
+            line = json.dumps({"op": op, "id": self._next_id, **args}).encode() + b"\n"
+            if len(line) > MAX_LINE:
+                raise ValueError(f"lmkv: {op} message of {len(line)} bytes exceeds {MAX_LINE}")
             try:
                 sock = self._connect()
                 sock.sendall(line)
                 reply = self._rfile.readline(MAX_LINE + 1)
-            except OSError:
+                if not reply:
+                    raise ConnectionError(f"lmkv worker process closed {self.path}")
+                out = json.loads(reply)
+                if not isinstance(out, dict) or out.get("id") != self._next_id:
+                    raise ConnectionError(f"lmkv: reply out of step on {self.path}")
+            except BaseException:
                 self.close()
                 raise
-        if not reply:
-            self.close()
-            raise ConnectionError(f"lmkv worker process closed {self.path}")
-        out = json.loads(reply)
         if not out.get("ok"):
             raise RuntimeError(f"lmkv worker process: {out.get('error')}")
         return out

@@ -72,18 +72,20 @@ class SchedulerConnector:
         if not self.loads:
             return 0, False
         c = self.engine.chunk_size
-        full = len(st.keys)  # the prompt's full chunks; any of them may be loaded
+        # the prompt's full chunks, any of which may be loaded (after a preemption, st.keys
+        # may also name chunks of generated tokens: they are recomputed)
+        full = min(len(st.keys), len(request.prompt_token_ids) // c)
         # Chunks wholly below num_computed_tokens are in the engine's own prefix cache: only
         # ask whether lmkv has them (for the hit metric and to skip re-saving them); fetch
         # from the first chunk the engine lacks.
         first = min(num_computed_tokens // c, full)
         below = self.engine.lookup(st.keys[:first]) if first else 0
-        chunks = self.engine.fetch(st.keys[first:]) if full > first else []
+        chunks = self.engine.fetch(st.keys[first:full]) if full > first else []
+        st.pinned, st.pinned_from = chunks, first  # at once: whatever follows, they are released
         found = first + len(chunks) if chunks else below
         self.engine.record_lookup(len(request.prompt_token_ids), found * c)
         st.saved_chunks = max(st.saved_chunks, found)  # not saved again
         st.lossy = st.lossy or any(b.lossy for b in chunks)
-        st.pinned, st.pinned_from = chunks, first
         hit = min((first + len(chunks)) * c, len(request.prompt_token_ids) - 1)
         if hit <= num_computed_tokens:
             self._unpin(st)
@@ -147,7 +149,12 @@ class SchedulerConnector:
             full = done // c
             if full > st.saved_chunks:
                 if full > len(st.keys):
-                    st.keys = self.engine.keys(request.all_token_ids[: full * c])
+                    try:
+                        st.keys = self.engine.keys(request.all_token_ids[: full * c])
+                    except Exception as e:  # saves are optional: this step's are skipped
+                        log.warning("lmkv: request %s: not saving its new chunks (%s)",
+                                    request.request_id, e)
+                        continue
                 idx = range(st.saved_chunks, full)
                 meta.saves.append(SaveSpec(
                     request.request_id,
@@ -184,6 +191,9 @@ class SchedulerConnector:
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """[end - start] int64 paged-memory slots of tokens [start, end)."""
         bs = self.block_size
+        if len(block_ids) * bs < end:
+            raise ValueError(f"tokens [{start}, {end}) need {-(-end // bs)} blocks, the request has "
+                             f"{len(block_ids)}")
         blocks = torch.tensor(block_ids[start // bs : -(-end // bs)], dtype=torch.int64)
         offsets = torch.arange(bs, dtype=torch.int64)
         return (blocks[:, None] * bs + offsets[None, :]).flatten()[: end - start]

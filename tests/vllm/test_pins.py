@@ -17,6 +17,7 @@ from lmkv.config import load_config
 from lmkv.connector import SchedulerConnector
 from lmkv.engine import LMKVEngine
 from lmkv.layout import KVLayout
+from lmkv_engines.vllm import pins
 from lmkv_engines.vllm.pins import PinnedChunk, PinServer, RemoteEngine, socket_path
 
 CHUNK = 16
@@ -70,17 +71,24 @@ def test_a_load_planned_in_another_process_takes_the_chunks_pinned_there(served)
     assert engine.metrics.registry.get_sample_value("lmkv_hit_tokens_total") == 3 * CHUNK
 
 
-def test_pins_a_request_never_loads_are_given_back(served):
+def test_pins_a_request_never_loads_are_given_back(served, monkeypatch):
     engine, server, remote = served
     prompt = list(range(900, 900 + 2 * CHUNK))
     _store(engine, prompt)
     pinned = remote.fetch(engine.keys(prompt))
-    assert [b.ref_count for b in (server._pinned[p.key][0] for p in pinned)] == [2, 2]
+    assert server.pinned() == 2 and engine.pool.num_free == engine.pool.num_slots - 2
     for p in pinned:
         p.release()
-    assert not server._pinned
+    assert server.pinned() == 0
     engine.pool.check_integrity()
-    assert engine.pool.num_free == engine.pool.num_slots - 2
+    # a pin whose release never comes (a lost reply, a dead scheduler) expires
+    remote.fetch(engine.keys(prompt))
+    assert server.pinned() == 2
+    with monkeypatch.context() as m:
+        m.setattr(pins, "PIN_TTL", -1.0)
+        remote.fetch([])  # any fetch sweeps expired pins first
+    assert server.pinned() == 0
+    engine.pool.check_integrity()
 
 
 def test_bad_messages_get_an_error_reply(served):
@@ -95,6 +103,28 @@ def test_bad_messages_get_an_error_reply(served):
         reply = json.loads(s.makefile("rb").readline())
     assert reply["ok"] is False
     assert remote.lookup([]) == 0  # the server goes on
+    # a line over the size limit: an error reply, then the server hangs up
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(server.path))
+        s.sendall(b"x" * (pins.MAX_LINE + 10))
+        f = s.makefile("rb")
+        assert json.loads(f.readline())["ok"] is False
+        assert f.readline() == b""
+    # replies are matched to their call: a stray reply closes the connection, the next
+    # call opens a new one
+    remote.lookup([])
+    remote._rfile = _Stray(b'{"ok": true, "id": -5, "found": 7}\n')
+    with pytest.raises(ConnectionError, match="out of step"):
+        remote.lookup([])
+    assert remote.lookup([]) == 0
+
+
+class _Stray:
+    def __init__(self, line: bytes):
+        self.line = line
+
+    def readline(self, limit: int) -> bytes:
+        return self.line
 
 
 def test_no_worker_process_fails_once_then_at_once(tmp_path):
@@ -112,4 +142,6 @@ def test_no_worker_process_fails_once_then_at_once(tmp_path):
 def test_socket_path_is_private_and_named_after_the_engine_id(served):
     _, server, _ = served
     assert server.path.stat().st_mode & 0o777 == 0o600
-    assert socket_path("abc/../x y").name == "lmkv-abcxy.sock"  # no path tricks
+    name = socket_path("abc/../x y" * 40).name
+    assert name.startswith("lmkv-") and len(name) < 40 and "/" not in name
+    assert socket_path("e", 0) != socket_path("e", 1)  # data-parallel ranks apart
