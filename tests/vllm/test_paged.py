@@ -66,6 +66,23 @@ def test_load_then_save_round_trip(kind, aligned, skip):
 
 
 @pytest.mark.parametrize("kind", ["cpu", "gpu"])
+@pytest.mark.parametrize("layer", [None, 2])
+def test_a_load_ending_inside_the_chunk_writes_only_the_mapped_tokens(kind, layer):
+    """The last chunk of a prompt of whole chunks is loaded but for its last token: a slot
+    mapping shorter than the chunk (here it ends inside a block, after skipping a block)."""
+    raw, paged, reference = _memories(kind)
+    chunk = torch.randn(2, L, T, H, D)
+    slots = torch.arange(2 * BS, 2 * BS + T - 1)
+    paged.load(chunk, slots, BS, layer)
+    got = reference(raw, torch.arange(2 * BS, 2 * BS + T) // BS, torch.arange(2 * BS, 2 * BS + T) % BS)
+    layers = slice(None) if layer is None else slice(layer, layer + 1)
+    assert torch.equal(got[:, layers, BS : T - 1], chunk[:, layers, BS : T - 1])
+    assert not got[:, :, : BS].any() and not got[:, :, T - 1].any()  # skipped, and not mapped
+    if layer is not None:
+        assert not got[:, :layer].any()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "gpu"])
 def test_single_layer(kind):
     raw, paged, reference = _memories(kind)
     chunk = torch.randn(2, L, T, H, D)
