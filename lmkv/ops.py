@@ -60,7 +60,7 @@ def chunk_to_paged(
     if (launcher := kernel_launcher(kv_cache, chunk, slot_mapping)) is not None:
         from lmkv_cuda import kv_copy
 
-        # the kernel reads a dense chunk; a load ending inside one passes a narrowed view
+        # the kernel reads a dense chunk; a load ending inside a stored chunk passes a view
         return kv_copy.chunk_to_paged(launcher, chunk.contiguous(), kv_cache, slot_mapping, skip,
                                       check=check)
     ops_torch.chunk_to_paged(chunk, kv_cache, slot_mapping, skip)

@@ -1,9 +1,9 @@
 """An engine's paged KV memory as lmkv sees it: chunks go in and out by slot mapping.
 
-Each engine layout is one implementation. A chunk is [2, L, T, Hkv, D]; ``slots`` [n] int64
-are the paged-memory slots of its first n tokens (n = T but for a load that ends inside the
-chunk, n < T); tokens [0, skip) are left alone; ``layer`` restricts the copy to one layer
-(layer-wise mode), None = all layers.
+Each engine layout is one implementation. A chunk is [2, L, T, Hkv, D] (possibly a view of
+a stored chunk's first T tokens, not contiguous); ``slots`` [T] int64 are the paged-memory
+slots of its tokens; tokens [0, skip) are left alone; ``layer`` restricts the copy to one
+layer (layer-wise mode), None = all layers.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class PagedMemory(ABC):
     @abstractmethod
     def load(self, chunk: torch.Tensor, slots: torch.Tensor, skip: int = 0,
              layer: int | None = None) -> None:
-        """Write tokens [skip, n) of ``chunk`` into paged memory, n = len(slots) <= T."""
+        """Write tokens [skip, T) of ``chunk`` into paged memory."""
 
     @abstractmethod
     def save(self, slots: torch.Tensor, chunk: torch.Tensor, skip: int = 0,
@@ -43,7 +43,6 @@ class BlockPagedMemory(PagedMemory):
         self.dtype = kv_cache.dtype
 
     def load(self, chunk, slots, skip=0, layer=None):
-        chunk = chunk[:, :, : slots.shape[0]]
         if layer is None:
             ops.chunk_to_paged(chunk, self.kv_cache, slots, skip)
         else:

@@ -219,8 +219,7 @@ class LMKVConnector(KVConnectorBase_V1):
         assert isinstance(connector_metadata, LMKVConnectorMetadata)
         meta = connector_metadata.meta
         for spec in meta.loads:  # from another process: take the chunks pinned for it
-            taken = [(self.pins.take(c.key) if self.pins else None) if isinstance(c, PinnedChunk) else c
-                     for c in spec.chunks]
+            taken = [self._take(c) for c in spec.chunks]
             keep = [i for i, c in enumerate(taken) if c is not None]
             if len(keep) < len(taken):  # never expected: the scheduler pinned them here
                 log.error("lmkv: request %s: chunks pinned for its load are gone; vLLM recomputes "
@@ -232,6 +231,13 @@ class LMKVConnector(KVConnectorBase_V1):
             spec.slot_mappings = [spec.slot_mappings[i] for i in keep]
             spec.skips = [spec.skips[i] for i in keep]
         self.worker.bind_connector_metadata(meta)
+
+    def _take(self, chunk):
+        """A chunk buffer of this process's hot cache, or None where a PinnedChunk handle
+        finds no pin (never expected)."""
+        if not isinstance(chunk, PinnedChunk):
+            return chunk
+        return self.pins.take(chunk.key) if self.pins is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -255,6 +261,7 @@ class LMKVConnector(KVConnectorBase_V1):
             self.pins.close()
         if self.worker is not None:
             self.worker.close()
+            _LOCAL_WORKERS.discard(self.engine_id)
         if isinstance(self.engine, RemoteEngine):
             self.engine.close()
         else:

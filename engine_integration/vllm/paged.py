@@ -39,7 +39,6 @@ class StridedPagedMemory(PagedMemory):
         self.k_all, self.v_all = _all_layers(k), _all_layers(v)
 
     def load(self, chunk, slots, skip=0, layer=None):
-        chunk = chunk[:, :, : slots.shape[0]]  # a load may end inside the chunk
         blocks, offsets = self._index(slots[skip:])
         if layer is None and self.k_all is not None:
             pairs = [(chunk[0, :, skip:], self.k_all), (chunk[1, :, skip:], self.v_all)]

@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 
 MAX_LINE = 64 << 20  # a prompt's token ids, or its keys, fit many times over
 CALL_TIMEOUT = 60.0  # seconds for one answer (a fetch may read lower tiers)
-
-
 PIN_TTL = 600.0  # seconds: a pin neither taken by a load nor released by then is dropped
 
 

@@ -57,9 +57,7 @@ class WorkerConnector:
         self.engine.metrics.loaded_tokens.inc(n)
         if not self.layerwise:
             try:
-                for spec in loads:
-                    for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips, strict=True):
-                        self.paged.load(buf.kv, slots, skip)
+                self._load(loads)
             finally:  # a failed load still returns its chunks to the pool
                 for spec in loads:
                     for buf in spec.chunks:
@@ -71,10 +69,7 @@ class WorkerConnector:
     def _load_layers(self, loads, events: list[threading.Event]) -> None:
         try:
             for layer, event in enumerate(events):
-                for spec in loads:
-                    for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips,
-                                                strict=True):
-                        self.paged.load(buf.kv, slots, skip, layer)
+                self._load(loads, layer)
                 event.set()
         finally:
             for event in events:
@@ -82,6 +77,13 @@ class WorkerConnector:
             for spec in loads:
                 for buf in spec.chunks:
                     buf.release()
+
+    def _load(self, loads, layer: int | None = None) -> None:
+        for spec in loads:
+            for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips, strict=True):
+                # a mapping shorter than the chunk (a load ending before the last prompt
+                # token) loads that many of its tokens
+                self.paged.load(buf.kv[:, :, : slots.shape[0]], slots, skip, layer)
 
     def wait_for_layer_load(self, layer: int) -> None:
         if self._layer_loaded:
