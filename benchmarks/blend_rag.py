@@ -9,8 +9,9 @@ document's KV is precomputed alone (``LLM.precompute``), so in a prompt it sits 
 position and never saw the documents before it.
 
 - QA accuracy (first generated word == the answer, benchmarks/quality/metrics.py): full
-  prefill vs naive reuse (ratio 0: no recompute) vs blending at 5, 15 and 30%. Meaningful
-  on a trained model only: off by default on the default (random) model.
+  prefill vs naive reuse (ratio 0: no recompute) vs blending at 5, 15 and 30%, on questions
+  answered from one document or (--answer-documents 2) from two. Meaningful on a trained
+  model only: off by default on the default (random) model.
 - TTFT over one document set in --ttft-prompts distinct orders: blending at 15% with the
   chunks in the hot cache vs full prefill (target >= 3x), and vs prefix caching alone (the
   engine's prefix cache plus lmkv's prefix chunks, warmed with each document as a prompt).
@@ -70,8 +71,8 @@ def shuffled(prompt: QAPrompt, rng: random.Random) -> QAPrompt:
 
 def qa_accuracy(model: str, args: argparse.Namespace) -> str:
     rng = random.Random(args.seed)
-    prompts = [shuffled(p, rng) for p in heldout_prompts(args.qa_prompts, NUM_DOCUMENTS, 1,
-                                                         LONG_FILLER)]
+    prompts = [shuffled(p, rng) for p in heldout_prompts(args.qa_prompts, NUM_DOCUMENTS,
+                                                         args.answer_documents, LONG_FILLER)]
     full = open_llm(model)
     blend = blend_llm(model, args, 0.0)
     names = ["full", "naive"] + [f"blend{round(r * 100)}" for r in RATIOS]
@@ -88,7 +89,8 @@ def qa_accuracy(model: str, args: argparse.Namespace) -> str:
     full.close()
     blend.close()
     scores = ", ".join(f"{name} {a:.1f}%" for name, a in acc.items())
-    return (f"QA accuracy over {len(prompts)} prompts: {scores}: "
+    kind = "single-document" if args.answer_documents == 1 else "two-document (neighbor)"
+    return (f"QA accuracy over {len(prompts)} {kind} prompts: {scores}: "
             f"blend15 - full = {acc['blend15'] - acc['full']:+.1f} points")
 
 
@@ -148,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help="a Hugging Face Llama directory (default: the realistic-shape "
                    "random model, TTFT only)")
     p.add_argument("--qa-prompts", type=int, help="QA prompts (default 40 with --model, else 0)")
+    p.add_argument("--answer-documents", type=int, choices=(1, 2), default=1,
+                   help="questions answered from one document, or from two (a neighbor's fact: "
+                   "the first document names the neighbor, the second holds the answer)")
     p.add_argument("--ttft-prompts", type=int, default=4, help="orders timed (default 4)")
     p.add_argument("--separator", default="\n\n", help="blend_special_str (default: blank line)")
     p.add_argument("--chunk-size", type=int, default=256)

@@ -169,3 +169,34 @@ def test_phase_validation_and_learning_rate_schedule():
     assert held.lr_at(50, warmup=10) == held.lr_at(80, warmup=10) == pytest.approx(1e-3)
     assert held.lr_at(100, warmup=10) == pytest.approx(1e-4)
     assert TrainConfig().scaled(0.1).steps == round(TrainConfig().steps * 0.1)
+
+
+def test_a_restart_phase_trains_as_a_second_run_from_the_saved_model(tiny_trained, tmp_path):
+    """A phase with ``restart`` in one run gives, bit for bit, the model that a second run
+    (--init the first's output, --seed + 1) gives: how the shipped model was first made."""
+    first, second = TINY.phases[0], replace(TINY.phases[1], restart=True, steps=3)
+    train(replace(TINY, phases=(first, second)), tmp_path / "one", log_every=1)
+    train(replace(TINY, phases=(first,)), tmp_path / "a", log_every=1)
+    train(replace(TINY, phases=(second,), seed=TINY.seed + 1), tmp_path / "b", log_every=1,
+          init=tmp_path / "a")
+    one = (tmp_path / "one" / "model.safetensors").read_bytes()
+    assert one == (tmp_path / "b" / "model.safetensors").read_bytes()
+    # and the restart is not a no-op: without it the same phases end elsewhere
+    train(replace(TINY, phases=(first, replace(second, restart=False))), tmp_path / "plain", log_every=1)
+    assert one != (tmp_path / "plain" / "model.safetensors").read_bytes()
+
+
+def test_a_grown_model_starts_with_the_same_logits(tiny_trained, tmp_path):
+    """Layers added on top of a trained model start as the identity (then train); a model
+    with more layers than configured is refused."""
+    frozen = replace(TINY.phases[0], lr=0.0)  # weight decay scales with lr: nothing moves
+    train(replace(TINY, num_layers=3, phases=(frozen,)), tmp_path, log_every=1, init=tiny_trained)
+    assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 3
+    ids = heldout_prompts(1, 3, 1, seed=5)[0].text
+    logits = []
+    for d in (tiny_trained, tmp_path):
+        with LLM(str(d), kv_cache_memory=4 << 20, max_model_len=512) as llm:
+            logits.append(prefill(llm, llm.tokenizer.encode(ids)).logits)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="3 layers, more than the 2"):
+        train(TINY, tmp_path / "x", init=tmp_path)
