@@ -71,8 +71,11 @@ def shuffled(prompt: QAPrompt, rng: random.Random) -> QAPrompt:
 
 def qa_accuracy(model: str, args: argparse.Namespace) -> str:
     rng = random.Random(args.seed)
-    prompts = [shuffled(p, rng) for p in heldout_prompts(args.qa_prompts, NUM_DOCUMENTS,
-                                                         args.answer_documents, LONG_FILLER)]
+    if args.linked:  # in their generated order: a linked document follows the one it names
+        prompts = heldout_prompts(args.qa_prompts, NUM_DOCUMENTS, 2, LONG_FILLER, linked=True)
+    else:
+        prompts = [shuffled(p, rng) for p in heldout_prompts(args.qa_prompts, NUM_DOCUMENTS,
+                                                             args.answer_documents, LONG_FILLER)]
     full = open_llm(model)
     blend = blend_llm(model, args, 0.0)
     names = ["full", "naive"] + [f"blend{round(r * 100)}" for r in RATIOS]
@@ -89,7 +92,8 @@ def qa_accuracy(model: str, args: argparse.Namespace) -> str:
     full.close()
     blend.close()
     scores = ", ".join(f"{name} {a:.1f}%" for name, a in acc.items())
-    kind = "single-document" if args.answer_documents == 1 else "two-document (neighbor)"
+    kind = ("linked-document" if args.linked else
+            "single-document" if args.answer_documents == 1 else "two-document (neighbor)")
     return (f"QA accuracy over {len(prompts)} {kind} prompts: {scores}: "
             f"blend15 - full = {acc['blend15'] - acc['full']:+.1f} points")
 
@@ -153,6 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--answer-documents", type=int, choices=(1, 2), default=1,
                    help="questions answered from one document, or from two (a neighbor's fact: "
                    "the first document names the neighbor, the second holds the answer)")
+    p.add_argument("--linked", action="store_true",
+                   help="questions about a document introduced only as an earlier document's "
+                   "neighbor (\"The capital of it is ...\"): its KV means something only after "
+                   "that document, the case naive reuse cannot serve")
     p.add_argument("--ttft-prompts", type=int, default=4, help="orders timed (default 4)")
     p.add_argument("--separator", default="\n\n", help="blend_special_str (default: blank line)")
     p.add_argument("--chunk-size", type=int, default=256)

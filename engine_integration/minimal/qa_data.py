@@ -16,6 +16,14 @@ A question ends the way its fact's sentence does up to the answer, so that a mod
 by finding the matching sentence and copying the word after it (or, for the neighbor, by
 first finding the neighbor's name).
 
+Optionally (``linked``) a document is introduced only as an earlier document's neighbor:
+
+    Document 4: The neighbor of Zorvia. The capital of it is Fous. ...
+
+and "Q: The capital of Tarnia is" (Zorvia's document says its neighbor is Tarnia) is
+answered from it: its facts mean something only after the document it names, as a RAG
+chunk that says "it" needs the chunk before (what CacheBlend recomputes).
+
 Names and values are drawn from closed vocabularies of made-up words, fixed for all seeds,
 so that a model trained on one seed's examples is tested on another seed's examples with
 the same words but new facts. Filler sentences come from the documentation topics shipped
@@ -97,11 +105,16 @@ def make_example(
     filler_per_fact: tuple[int, int] = (0, 0),
     two_doc_fraction: float = 0.3,
     distinct: bool = False,
+    linked: float = 0.0,
 ) -> QAExample:
     """One prompt's documents and questions. Countries, facts and neighbors are random; each
     fact may be followed by ``filler_per_fact`` = [lo, hi] filler sentences. ``distinct``:
     no (country, attribute) is asked twice (at most ``num_documents * 5`` questions), so a
-    later question cannot be answered by copying an earlier question's line."""
+    later question cannot be answered by copying an earlier question's line. ``linked``:
+    the chance that a document after the first is introduced only as an earlier document's
+    neighbor ("Document 4: The neighbor of Kelia. The capital of it is Melk."): its name is
+    then written only in that earlier document, so its facts mean something only after it,
+    and a question about it needs both (as a RAG chunk that says "it" needs the one before)."""
     vocab = vocabulary()
     names = rng.sample(vocab.countries, num_documents)
     countries = []
@@ -110,10 +123,20 @@ def make_example(
         if num_documents > 1:
             facts["neighbor"] = names[(i + rng.randrange(1, num_documents)) % num_documents]
         countries.append(Country(name, facts))
+    aliases: dict[int, str] = {}  # document -> "the neighbor of <an earlier one>"
+    if linked:
+        sources: set[int] = set()
+        for j in range(1, num_documents):
+            free = [i for i in range(j) if i not in aliases and i not in sources]
+            if free and rng.random() < linked:
+                i = rng.choice(free)
+                countries[i].facts["neighbor"] = names[j]
+                sources.add(i)
+                aliases[j] = f"the neighbor of {names[i]}"
     by_name = {c.name: c for c in countries}
-    documents = [
-        _document(i + 1, c, rng, filler, filler_per_fact) for i, c in enumerate(countries)
-    ]
+    documents = [_document(i + 1, c, rng, filler, filler_per_fact, aliases.get(i))
+                 for i, c in enumerate(countries)]
+    aliased = {names[j] for j in aliases}
     questions = []
     if distinct:
         asks = [(c, a) for c in countries for a in ATTRIBUTES]
@@ -127,15 +150,17 @@ def make_example(
             questions.append(Question(f"Q: The {attr} of the neighbor of {c.name} is",
                                       other.facts[attr], 2))
         else:
-            questions.append(Question(f"Q: The {attr} of {c.name} is", c.facts[attr], 1))
+            questions.append(Question(f"Q: The {attr} of {c.name} is", c.facts[attr],
+                                      2 if c.name in aliased else 1))
     return QAExample(documents, questions)
 
 
 def _document(index: int, c: Country, rng: random.Random, filler: list[str] | None,
-              filler_per_fact: tuple[int, int]) -> str:
-    facts = [f"The {a} of {c.name} is {v}." for a, v in c.facts.items()]
+              filler_per_fact: tuple[int, int], alias: str | None = None) -> str:
+    subject = "it" if alias else c.name
+    facts = [f"The {a} of {subject} is {v}." for a, v in c.facts.items()]
     rng.shuffle(facts)
-    parts = [f"Document {index}: {c.name}."]
+    parts = [f"Document {index}: {alias[0].upper() + alias[1:] if alias else c.name}."]
     for fact in facts:
         parts.append(fact)
         if filler:

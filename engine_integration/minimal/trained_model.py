@@ -60,6 +60,14 @@ the same sentence shapes in other documents are interference rather than context
 document computed alone is not disturbed by them), so no depth makes naive reuse worse;
 that needs a task whose documents depend on earlier ones. Not shipped.
 
+"linked-qa" (qa_data's ``linked`` documents: "Document 4: The neighbor of Zorvia. The
+capital of it is ...", so a question about Zorvia's neighbor by name needs Zorvia's
+document to make sense of the linked one) on that 4-layer model, 2026-11-24: 400 steps,
+then 2400 more (30 min in all): the held-out linked check stayed at chance among the
+linked documents (0.28-0.53 with two of four linked), and over 50 blend_rag ``--linked``
+prompts (6 documents, three linked: chance ~33%) full 34%, naive 30%, blend15 36%. The
+resolution across documents was not learned in this budget. Not shipped.
+
 What was measured before (sessions 2-3), so the next attempt starts from it:
 - A copy drill whose repeat sits at a fixed distance is learned as a positional shortcut;
   at a random distance (content-based induction) the loss stays at chance for ~2000 steps
@@ -112,6 +120,7 @@ class Phase:
     # weights rounded to fp16, a fresh optimizer, the data streams reseeded (see RECIPE)
     restart: bool = False
     two_doc: float = 0.3  # fraction of QA questions about a neighbor's fact (two documents)
+    linked: float = 0.0  # chance a QA document is introduced as an earlier one's neighbor
 
     def __post_init__(self) -> None:
         kinds = {k for k, _ in self.mix}
@@ -151,7 +160,12 @@ RECIPE = (
 # rows with more questions about a neighbor's fact, which need two lookups in sequence
 DEEP = Phase("deep-qa", steps=2400, seq_len=1024, batch_size=4, lr=1e-3, decay=0.2, two_doc=0.5,
              mix=(("text", 0.05), ("recall", 0.05), ("copy", 0.05), ("qa", 0.85)))
-PHASES = (*RECIPE, DEEP)
+# Also not in the default run: documents that are introduced only as an earlier document's
+# neighbor ("The capital of it is ..."), whose facts need that document to mean anything:
+# the case where a chunk's KV depends on the chunks before it (CacheBlend's)
+LINKED = Phase("linked-qa", steps=2400, seq_len=1024, batch_size=4, lr=1e-3, decay=0.2, linked=0.5,
+               mix=(("text", 0.05), ("recall", 0.05), ("copy", 0.05), ("qa", 0.85)))
+PHASES = (*RECIPE, DEEP, LINKED)
 
 
 @dataclass(frozen=True)
@@ -279,7 +293,8 @@ class Batches:
         while True:
             ex = qa_data.make_example(self.rng, docs, 5 * docs, self.filler, (0, filler_hi),
                                       two_doc_fraction=self.phase.two_doc,
-                                      distinct=self.phase.distinct_questions)
+                                      distinct=self.phase.distinct_questions,
+                                      linked=self.phase.linked)
             ids = self.tok.encode(ex.context()).ids
             if len(ids) <= n - 48 or (docs == 2 and filler_hi == 0):
                 break
@@ -309,20 +324,25 @@ EVAL_SEED = 500  # held-out prompts watched during training (benchmarks.quality 
 
 def qa_accuracy(model: TrainLlama, tok, n: int, num_documents: int,
                 filler_per_fact: tuple[int, int], device: torch.device | None = None,
-                two_doc: bool = False) -> float:
-    """Fraction of ``n`` held-out single-document (``two_doc``: neighbor) questions whose
-    answer's first token is the model's top prediction after the prompt (no sampling, no
-    engine: a quick check)."""
-    rng = random.Random(EVAL_SEED * 10 + num_documents + (100 if two_doc else 0))
+                two_doc: bool = False, linked: bool = False) -> float:
+    """Fraction of ``n`` held-out single-document (``two_doc``: neighbor; ``linked``: about a
+    document introduced as an earlier one's neighbor) questions whose answer's first token is
+    the model's top prediction after the prompt (no sampling, no engine: a quick check)."""
+    rng = random.Random(EVAL_SEED * 10 + num_documents + (100 if two_doc else 0) + (200 if linked else 0))
     filler = qa_data.filler_sentences("train") if filler_per_fact[1] else None
     was_training = model.training
     model.eval()
     hits = 0
     with torch.no_grad():
         for _ in range(n):
-            ex = qa_data.make_example(rng, num_documents, 1, filler, filler_per_fact,
-                                      two_doc_fraction=float(two_doc))
-            q = ex.questions[0]
+            if linked:
+                ex = qa_data.make_example(rng, num_documents, 5 * num_documents, filler,
+                                          filler_per_fact, 0.0, distinct=True, linked=1.0)
+                q = next(q for q in ex.questions if q.num_documents == 2)
+            else:
+                ex = qa_data.make_example(rng, num_documents, 1, filler, filler_per_fact,
+                                          two_doc_fraction=float(two_doc))
+                q = ex.questions[0]
             ids = torch.tensor([tok.encode(ex.context() + q.text).ids], device=device)
             logits = model(ids, torch.arange(ids.shape[1], device=device)[None])
             hits += int(logits[0, -1].argmax().item() == tok.encode(f" {q.answer}").ids[0])
@@ -394,11 +414,16 @@ def train(cfg: TrainConfig, out_dir: Path, log_every: int = 25, save_every: int 
         evals["qa_short"] = qa_accuracy(model, tok, 40, 4, (0, 0), dev)
         evals["qa_long"] = qa_accuracy(model, tok, 16, 6, (3, 3), dev)
         evals["qa_two_doc"] = qa_accuracy(model, tok, 40, 4, (0, 0), dev, two_doc=True)
+        linked = ""
+        if phase.linked:
+            evals["qa_linked"] = qa_accuracy(model, tok, 40, 4, (0, 0), dev, linked=True)
+            linked = f"; linked {evals['qa_linked']:.2f} (4 short documents)"
         print(f"held-out QA after {where}: single-document {evals['qa_short']:.2f} (4 short "
               f"documents), {evals['qa_long']:.2f} (6 documents with filler); two-document "
-              f"{evals['qa_two_doc']:.2f} (4 short documents)", flush=True)
-        # a phase mostly about neighbors' facts is judged on them too
-        picked = ("qa_short", "qa_long", "qa_two_doc") if phase.two_doc >= 0.5 else ("qa_short", "qa_long")
+              f"{evals['qa_two_doc']:.2f} (4 short documents){linked}", flush=True)
+        # a phase mostly about neighbors' facts, or with linked documents, is judged on them too
+        picked = ["qa_short", "qa_long"] + ["qa_two_doc"] * (phase.two_doc >= 0.5)
+        picked += ["qa_linked"] * bool(phase.linked)
         score = sum(evals[k] for k in picked) / len(picked)
         last_phase = phase is cfg.phases[-1]
         if last_phase and score > best["score"]:
@@ -515,7 +540,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="multiply every phase's steps by this (e.g. 0.1 for a quick trial)")
     p.add_argument("--phases", nargs="+", metavar="NAME",
                    help="run only these phases of the recipe (with --init: go on from a checkpoint); "
-                        f"the recipe is {' '.join(ph.name for ph in RECIPE)}; also {DEEP.name}")
+                        f"the recipe is {' '.join(ph.name for ph in RECIPE)}; also {DEEP.name}, "
+                        f"{LINKED.name}")
     p.add_argument("--layers", type=int, default=TrainConfig.num_layers,
                    help="decoder layers; with --init of a model with fewer, the new layers go on "
                         "top and start as the identity")

@@ -45,3 +45,24 @@ def test_text_splits_are_disjoint():
     train, heldout = qa_data.pydoc_topics("train"), qa_data.pydoc_topics("heldout")
     assert heldout and len(train) > 5 * len(heldout)
     assert not set(train) & set(heldout)
+
+
+def test_a_linked_document_is_named_only_in_the_document_before_it():
+    """Its header names an earlier document's neighbor, its facts say "it", its own name is
+    written only in that earlier document's neighbor fact; held-out linked questions ask
+    about it and are answered by its facts."""
+    for p in heldout_prompts(20, 6, 2, linked=True):
+        attr, name = re.search(r"Q: The (\w+) of (\w+) is$", p.text).groups()
+        docs = p.text.split("\n\n")[:-1]
+        headers = [re.match(r"Document \d+: ([^.]+)\.", d).group(1) for d in docs]
+        assert name not in headers  # never introduced by its name
+        sources = [i for i, d in enumerate(docs) if f"The neighbor of {headers[i]} is {name}." in d]
+        assert len(sources) == 1
+        src = sources[0]
+        linked = headers.index(f"The neighbor of {headers[src]}")
+        assert linked > src and name not in docs[linked]
+        assert f"The {attr} of it is {p.answer}." in docs[linked]
+        assert p.num_documents == 2
+    plain = qa_data.make_example(random.Random(5), 6, 8)
+    assert plain == qa_data.make_example(random.Random(5), 6, 8, linked=0.0)  # same draws
+    assert not any("of it is" in d for d in plain.documents)
