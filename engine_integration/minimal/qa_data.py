@@ -113,8 +113,9 @@ def make_example(
     later question cannot be answered by copying an earlier question's line. ``linked``:
     the chance that a document after the first is introduced only as an earlier document's
     neighbor ("Document 4: The neighbor of Kelia. The capital of it is Melk."): its name is
-    then written only in that earlier document, so its facts mean something only after it,
-    and a question about it needs both (as a RAG chunk that says "it" needs the one before)."""
+    then written only in neighbor facts, that earlier document's among them, so its facts
+    mean something only after that document, and a question about it needs both (as a RAG
+    chunk that says "it" needs the one before)."""
     vocab = vocabulary()
     names = rng.sample(vocab.countries, num_documents)
     countries = []

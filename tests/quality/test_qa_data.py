@@ -47,10 +47,10 @@ def test_text_splits_are_disjoint():
     assert not set(train) & set(heldout)
 
 
-def test_a_linked_document_is_named_only_in_the_document_before_it():
+def test_a_linked_document_is_named_only_by_the_document_before_it():
     """Its header names an earlier document's neighbor, its facts say "it", its own name is
-    written only in that earlier document's neighbor fact; held-out linked questions ask
-    about it and are answered by its facts."""
+    never a header (only neighbor facts, the earlier document's among them); held-out linked
+    questions ask about it and are answered by its facts."""
     for p in heldout_prompts(20, 6, 2, linked=True):
         attr, name = re.search(r"Q: The (\w+) of (\w+) is$", p.text).groups()
         docs = p.text.split("\n\n")[:-1]
