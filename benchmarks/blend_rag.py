@@ -69,19 +69,25 @@ def shuffled(prompt: QAPrompt, rng: random.Random) -> QAPrompt:
     return dataclasses.replace(prompt, documents=tuple(docs))
 
 
-def qa_accuracy(model: str, args: argparse.Namespace) -> str:
+def qa_accuracy(model: str, args: argparse.Namespace) -> list[str]:
     rng = random.Random(args.seed)
+    filler = (args.filler, args.filler)
     if args.linked:  # in their generated order: a linked document follows the one it names
-        prompts = heldout_prompts(args.qa_prompts, NUM_DOCUMENTS, 2, LONG_FILLER, linked=True)
+        prompts = heldout_prompts(args.qa_prompts, NUM_DOCUMENTS, 2, filler, linked=True)
+    elif args.continued:  # documents shuffled whole: a second paragraph follows its first
+        prompts = [shuffled(p, rng) for p in heldout_prompts(args.qa_prompts, NUM_DOCUMENTS, 1,
+                                                             filler, continued=True)]
     else:
         prompts = [shuffled(p, rng) for p in heldout_prompts(args.qa_prompts, NUM_DOCUMENTS,
-                                                             args.answer_documents, LONG_FILLER)]
+                                                             args.answer_documents, filler)]
     full = open_llm(model)
     blend = blend_llm(model, args, 0.0)
     names = ["full", "naive"] + [f"blend{round(r * 100)}" for r in RATIOS]
     outputs: dict[str, list[str]] = {name: [] for name in names}
+    lengths = []
     for p in prompts:  # one prompt at a time: the hot cache only needs its documents
         ids, docs = rag_ids(blend, p, args.separator)
+        lengths.append(len(ids))
         blend.precompute(docs, progress=False)
         outputs["full"].append(full.tokenizer.decode(greedy(full, [ids], 4)[0]))
         for name, ratio in zip(names[1:], (0.0, *RATIOS), strict=True):
@@ -93,9 +99,12 @@ def qa_accuracy(model: str, args: argparse.Namespace) -> str:
     blend.close()
     scores = ", ".join(f"{name} {a:.1f}%" for name, a in acc.items())
     kind = ("linked-document" if args.linked else
+            "second-paragraph (12 chunks)" if args.continued else
             "single-document" if args.answer_documents == 1 else "two-document (neighbor)")
-    return (f"QA accuracy over {len(prompts)} {kind} prompts: {scores}: "
-            f"blend15 - full = {acc['blend15'] - acc['full']:+.1f} points")
+    return [f"QA accuracy over {len(prompts)} {kind} prompts of {statistics.mean(lengths):.0f} "
+            f"tokens: {scores}: blend15 - full = {acc['blend15'] - acc['full']:+.1f} points",
+            f"QA accuracy blend15 {acc['blend15']:.1f}% vs naive reuse {acc['naive']:.1f}%: "
+            f"blend15 - naive = {acc['blend15'] - acc['naive']:+.1f} points"]
 
 
 def ttft_ms(llm: LLM, ids: list[int], clock: str) -> float:
@@ -161,6 +170,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="questions about a document introduced only as an earlier document's "
                    "neighbor (\"The capital of it is ...\"): its KV means something only after "
                    "that document, the case naive reuse cannot serve")
+    p.add_argument("--continued", action="store_true",
+                   help="every document in two paragraphs, so two chunks, the second saying "
+                   "\"it\"; the question asks about a fact in a second paragraph: its KV means "
+                   "something only after its first paragraph, which naive reuse never shows it")
+    p.add_argument("--filler", type=int, default=LONG_FILLER[0],
+                   help=f"filler sentences after each fact of a QA prompt's documents (default "
+                   f"{LONG_FILLER[0]}: ~512-token documents)")
     p.add_argument("--ttft-prompts", type=int, default=4, help="orders timed (default 4)")
     p.add_argument("--separator", default="\n\n", help="blend_special_str (default: blank line)")
     p.add_argument("--chunk-size", type=int, default=256)
@@ -178,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model or str(realistic_model_dir())
     print(f"model {model}", flush=True)
     if args.qa_prompts:
-        print(qa_accuracy(model, args), flush=True)
+        for line in qa_accuracy(model, args):
+            print(line, flush=True)
     if args.ttft_prompts:
         for line in ttft(model, args):
             print(line, flush=True)

@@ -28,13 +28,20 @@ class QAPrompt:
 
 def heldout_prompts(n: int, num_documents: int, answer_documents: int,
                     filler_per_fact: tuple[int, int] = (0, 0), seed: int = HELDOUT_SEED,
-                    linked: bool = False) -> list[QAPrompt]:
+                    linked: bool = False, continued: bool = False) -> list[QAPrompt]:
     """``n`` prompts of ``num_documents`` documents whose question needs ``answer_documents``
     (1 or 2) of them. Filler is the training split's prose (the facts are what is held out).
     ``linked``: the question asks about a document introduced only as an earlier document's
-    neighbor (qa_data.make_example's ``linked``), in the documents' generated order."""
+    neighbor (qa_data.make_example's ``linked``), in the documents' generated order.
+    ``continued``: every document is two paragraphs (qa_data's ``continued``), and the
+    question asks about a fact in a second paragraph, which says "it": the answer needs that
+    document's first paragraph too."""
     if answer_documents not in (1, 2):
         raise ValueError("answer_documents must be 1 or 2")
+    if continued:
+        if answer_documents != 1 or linked:
+            raise ValueError("a continued question is about one document, not linked ones")
+        return _continued_prompts(n, num_documents, filler_per_fact, seed)
     if linked:
         if answer_documents != 2 or num_documents < 2:
             raise ValueError("a linked question needs two documents of at least two")
@@ -71,5 +78,18 @@ def _linked_prompts(n: int, num_documents: int, filler_per_fact: tuple[int, int]
         ex = qa_data.make_example(rng, num_documents, 5 * num_documents, filler, filler_per_fact,
                                   two_doc_fraction=0.0, distinct=True, linked=1.0)
         q = next(q for q in ex.questions if q.num_documents == 2)  # about a linked document
+        out.append(QAPrompt(tuple(ex.documents), q.text, q.answer, q.num_documents))
+    return out
+
+
+def _continued_prompts(n: int, num_documents: int, filler_per_fact: tuple[int, int],
+                       seed: int) -> list[QAPrompt]:
+    rng = random.Random(seed * 10 + 6)
+    filler = qa_data.filler_sentences("train") if filler_per_fact[1] else None
+    out = []
+    for _ in range(n):
+        ex = qa_data.make_example(rng, num_documents, 5 * num_documents, filler, filler_per_fact,
+                                  two_doc_fraction=0.0, distinct=True, continued=1.0)
+        q = next(q for q in ex.questions if q.continued)
         out.append(QAPrompt(tuple(ex.documents), q.text, q.answer, q.num_documents))
     return out

@@ -78,10 +78,12 @@ class LLMEngine:
         if lmkv_config is not None:
             from .kv_connector import KVConnector
 
-            self.blend_separator = (
-                self.tokenizer.encode(lmkv_config.blend_special_str, add_special_tokens=False)
-                if lmkv_config.enable_blending else []
-            )
+            from lmkv.blend.segments import separator_tokens
+
+            self.blend_separator = separator_tokens(
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                lmkv_config.blend_special_str,
+            ) if lmkv_config.enable_blending else []
             self.kv_connector = KVConnector(
                 lmkv_config, self.model_config, self.dtype, config.block_size, model_dir,
                 self.kv_cache, self.metrics.registry, self.blend_separator,

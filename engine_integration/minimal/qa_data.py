@@ -24,6 +24,16 @@ and "Q: The capital of Tarnia is" (Zorvia's document says its neighbor is Tarnia
 answered from it: its facts mean something only after the document it names, as a RAG
 chunk that says "it" needs the chunk before (what CacheBlend recomputes).
 
+Optionally (``continued``) a document is written as two paragraphs, as a retriever that
+splits at blank lines would cut it into two chunks; the second names no country, its facts
+say "it":
+
+    Document 3: Zorvia. The neighbor of Zorvia is Tarnia. The capital of Zorvia is Melk.
+
+    The river of it is Tal. The language of it is Quen. ...
+
+and "Q: The river of Zorvia is" needs the first paragraph to make sense of the second.
+
 Names and values are drawn from closed vocabularies of made-up words, fixed for all seeds,
 so that a model trained on one seed's examples is tested on another seed's examples with
 the same words but new facts. Filler sentences come from the documentation topics shipped
@@ -65,6 +75,7 @@ class Question:
     text: str  # "Q: The capital of Zorvia is"
     answer: str  # "Melk"
     num_documents: int  # 1 or 2: how many documents the answer needs
+    continued: bool = False  # the answer is in a document's second paragraph (says "it")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +117,7 @@ def make_example(
     two_doc_fraction: float = 0.3,
     distinct: bool = False,
     linked: float = 0.0,
+    continued: float = 0.0,
 ) -> QAExample:
     """One prompt's documents and questions. Countries, facts and neighbors are random; each
     fact may be followed by ``filler_per_fact`` = [lo, hi] filler sentences. ``distinct``:
@@ -115,7 +127,8 @@ def make_example(
     neighbor ("Document 4: The neighbor of Kelia. The capital of it is Melk."): its name is
     then written only in neighbor facts, that earlier document's among them, so its facts
     mean something only after that document, and a question about it needs both (as a RAG
-    chunk that says "it" needs the one before)."""
+    chunk that says "it" needs the one before). ``continued``: the chance that a document
+    is written as two paragraphs, the second saying "it" (see the module docstring)."""
     vocab = vocabulary()
     names = rng.sample(vocab.countries, num_documents)
     countries = []
@@ -135,9 +148,18 @@ def make_example(
                 sources.add(i)
                 aliases[j] = f"the neighbor of {names[i]}"
     by_name = {c.name: c for c in countries}
-    documents = [_document(i + 1, c, rng, filler, filler_per_fact, aliases.get(i))
+    # a document's split point (its first paragraph's facts), drawn only when asked for: the
+    # examples without continued documents are the same draws as before it existed
+    splits = {i: 0 for i in range(num_documents)}
+    if continued:
+        for i in splits:
+            if i not in aliases and rng.random() < continued:
+                splits[i] = rng.randint(2, len(countries[i].facts) - 2)
+    documents = [_document(i + 1, c, rng, filler, filler_per_fact, aliases.get(i), splits[i])
                  for i, c in enumerate(countries)]
     aliased = {names[j] for j in aliases}
+    later = {(c.name, a) for c, doc in zip(countries, documents, strict=True)
+             for a in ATTRIBUTES if f"The {a} of it is" in doc.partition("\n\n")[2]}
     questions = []
     if distinct:
         asks = [(c, a) for c in countries for a in ATTRIBUTES]
@@ -152,21 +174,28 @@ def make_example(
                                       other.facts[attr], 2))
         else:
             questions.append(Question(f"Q: The {attr} of {c.name} is", c.facts[attr],
-                                      2 if c.name in aliased else 1))
+                                      2 if c.name in aliased else 1, (c.name, attr) in later))
     return QAExample(documents, questions)
 
 
 def _document(index: int, c: Country, rng: random.Random, filler: list[str] | None,
-              filler_per_fact: tuple[int, int], alias: str | None = None) -> str:
+              filler_per_fact: tuple[int, int], alias: str | None = None, split: int = 0) -> str:
+    """One document's text. ``split`` > 0: its first ``split`` facts (the neighbor first,
+    so that the last country named before the second paragraph is this one) in a paragraph
+    under the header, the others in a second paragraph that says "it"."""
     subject = "it" if alias else c.name
-    facts = [f"The {a} of {subject} is {v}." for a, v in c.facts.items()]
-    rng.shuffle(facts)
+    attrs = list(c.facts)
+    rng.shuffle(attrs)
+    if split:
+        attrs.sort(key=lambda a: a != "neighbor")  # stable: the others keep their order
     parts = [f"Document {index}: {alias[0].upper() + alias[1:] if alias else c.name}."]
-    for fact in facts:
-        parts.append(fact)
+    for k, a in enumerate(attrs):
+        if split and k == split:
+            parts.append("\n\n")
+        parts.append(f"The {a} of {'it' if split and k >= split else subject} is {c.facts[a]}.")
         if filler:
             parts.extend(rng.choice(filler) for _ in range(rng.randint(*filler_per_fact)))
-    return " ".join(parts)
+    return " ".join(parts).replace(" \n\n ", "\n\n")
 
 
 def training_text(example: QAExample) -> str:

@@ -121,6 +121,7 @@ class Phase:
     restart: bool = False
     two_doc: float = 0.3  # fraction of QA questions about a neighbor's fact (two documents)
     linked: float = 0.0  # chance a QA document is introduced as an earlier one's neighbor
+    continued: float = 0.0  # chance a QA document is two paragraphs, the second saying "it"
 
     def __post_init__(self) -> None:
         kinds = {k for k, _ in self.mix}
@@ -165,7 +166,11 @@ DEEP = Phase("deep-qa", steps=2400, seq_len=1024, batch_size=4, lr=1e-3, decay=0
 # the case where a chunk's KV depends on the chunks before it (CacheBlend's)
 LINKED = Phase("linked-qa", steps=2400, seq_len=1024, batch_size=4, lr=1e-3, decay=0.2, linked=0.5,
                mix=(("text", 0.05), ("recall", 0.05), ("copy", 0.05), ("qa", 0.85)))
-PHASES = (*RECIPE, DEEP, LINKED)
+# Also not in the default run: documents written as two paragraphs (two RAG chunks), the
+# second saying "it", so that its facts are about the country the first one names
+CONTINUED = Phase("continued-qa", steps=3000, seq_len=1024, batch_size=4, lr=2e-3, decay=0.2,
+                  continued=1.0, mix=(("text", 0.05), ("recall", 0.05), ("copy", 0.05), ("qa", 0.85)))
+PHASES = (*RECIPE, DEEP, LINKED, CONTINUED)
 
 
 @dataclass(frozen=True)
@@ -294,7 +299,8 @@ class Batches:
             ex = qa_data.make_example(self.rng, docs, 5 * docs, self.filler, (0, filler_hi),
                                       two_doc_fraction=self.phase.two_doc,
                                       distinct=self.phase.distinct_questions,
-                                      linked=self.phase.linked)
+                                      linked=self.phase.linked,
+                                      continued=self.phase.continued)
             ids = self.tok.encode(ex.context()).ids
             if len(ids) <= n - 48 or (docs == 2 and filler_hi == 0):
                 break
@@ -324,11 +330,13 @@ EVAL_SEED = 500  # held-out prompts watched during training (benchmarks.quality 
 
 def qa_accuracy(model: TrainLlama, tok, n: int, num_documents: int,
                 filler_per_fact: tuple[int, int], device: torch.device | None = None,
-                two_doc: bool = False, linked: bool = False) -> float:
+                two_doc: bool = False, linked: bool = False, continued: bool = False) -> float:
     """Fraction of ``n`` held-out single-document (``two_doc``: neighbor; ``linked``: about a
-    document introduced as an earlier one's neighbor) questions whose answer's first token is
-    the model's top prediction after the prompt (no sampling, no engine: a quick check)."""
-    rng = random.Random(EVAL_SEED * 10 + num_documents + (100 if two_doc else 0) + (200 if linked else 0))
+    document introduced as an earlier one's neighbor; ``continued``: about a fact in a
+    document's second paragraph) questions whose answer's first token is the model's top
+    prediction after the prompt (no sampling, no engine: a quick check)."""
+    rng = random.Random(EVAL_SEED * 10 + num_documents + (100 if two_doc else 0) + (200 if linked else 0)
+                        + (300 if continued else 0))
     filler = qa_data.filler_sentences("train") if filler_per_fact[1] else None
     was_training = model.training
     model.eval()
@@ -339,6 +347,10 @@ def qa_accuracy(model: TrainLlama, tok, n: int, num_documents: int,
                 ex = qa_data.make_example(rng, num_documents, 5 * num_documents, filler,
                                           filler_per_fact, 0.0, distinct=True, linked=1.0)
                 q = next(q for q in ex.questions if q.num_documents == 2)
+            elif continued:
+                ex = qa_data.make_example(rng, num_documents, 5 * num_documents, filler,
+                                          filler_per_fact, 0.0, distinct=True, continued=1.0)
+                q = next(q for q in ex.questions if q.continued)
             else:
                 ex = qa_data.make_example(rng, num_documents, 1, filler, filler_per_fact,
                                           two_doc_fraction=float(two_doc))
@@ -418,12 +430,18 @@ def train(cfg: TrainConfig, out_dir: Path, log_every: int = 25, save_every: int 
         if phase.linked:
             evals["qa_linked"] = qa_accuracy(model, tok, 40, 4, (0, 0), dev, linked=True)
             linked = f"; linked {evals['qa_linked']:.2f} (4 short documents)"
+        if phase.continued:
+            evals["qa_continued"] = qa_accuracy(model, tok, 40, 4, (0, 0), dev, continued=True)
+            evals["qa_continued_long"] = qa_accuracy(model, tok, 16, 6, (3, 3), dev, continued=True)
+            linked += (f"; second paragraphs {evals['qa_continued']:.2f} (4 short documents), "
+                       f"{evals['qa_continued_long']:.2f} (6 documents with filler)")
         print(f"held-out QA after {where}: single-document {evals['qa_short']:.2f} (4 short "
               f"documents), {evals['qa_long']:.2f} (6 documents with filler); two-document "
               f"{evals['qa_two_doc']:.2f} (4 short documents){linked}", flush=True)
         # a phase mostly about neighbors' facts, or with linked documents, is judged on them too
         picked = ["qa_short", "qa_long"] + ["qa_two_doc"] * (phase.two_doc >= 0.5)
         picked += ["qa_linked"] * bool(phase.linked)
+        picked += ["qa_continued", "qa_continued_long"] * bool(phase.continued)
         score = sum(evals[k] for k in picked) / len(picked)
         last_phase = phase is cfg.phases[-1]
         if last_phase and score > best["score"]:
@@ -541,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--phases", nargs="+", metavar="NAME",
                    help="run only these phases of the recipe (with --init: go on from a checkpoint); "
                         f"the recipe is {' '.join(ph.name for ph in RECIPE)}; also {DEEP.name}, "
-                        f"{LINKED.name}")
+                        f"{LINKED.name}, {CONTINUED.name}")
     p.add_argument("--layers", type=int, default=TrainConfig.num_layers,
                    help="decoder layers; with --init of a model with fewer, the new layers go on "
                         "top and start as the identity")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 
@@ -42,3 +43,19 @@ def join_segments(parts: list[list[int]], separator: list[int]) -> list[int]:
             out.extend(separator)
         out.extend(part)
     return out
+
+
+def separator_tokens(encode: Callable[[str], list[int]], separator: str) -> list[int]:
+    """The separator's token ids as running text has them: what it becomes between two
+    words, where the tokenizer splits cleanly on both sides of it (then a prompt's parts,
+    tokenized one by one and joined with these ids, are tokenized exactly as the whole text
+    would be); its ids alone otherwise. A byte-level BPE, for one, makes "\\n\\n" alone one
+    token that running text, where it is followed by a word, never has: two "\\n" tokens.
+    ``encode`` tokenizes without special tokens."""
+    alone = encode(separator)
+    left, right = encode("x"), encode("y")
+    between = encode(f"x{separator}y")
+    if (len(between) > len(left) + len(right) and between[: len(left)] == left
+            and between[len(between) - len(right) :] == right):
+        return between[len(left) : len(between) - len(right)]
+    return alone

@@ -156,6 +156,22 @@ def test_partial_recompute_text_prompts_metrics_and_idempotent_precompute(tiny_m
         assert miss.num_external_tokens == 0
 
 
+def test_a_blank_line_separator_keeps_the_prompt_tokenized_as_running_text(tiny_model_dir):
+    """A byte-level BPE makes "\\n\\n" alone one token that running text never has (there it
+    is two "\\n" before the next word); the blending engine joins the parts with the
+    separator's running-text ids, so the prompt it tokenizes part by part is the prompt the
+    model would see without blending, and a separator that does not split cleanly keeps
+    its ids alone."""
+    text = "Document 1: Zorvia. Its capital is Melk.\n\nThe river of it is Tal.\n\nQ: The river of"
+    with _blend_llm(tiny_model_dir, 0.15, blend_special_str="\n\n") as llm:
+        tok = llm.tokenizer
+        assert tok.encode("\n\n", add_special_tokens=False) != llm.engine.blend_separator
+        assert llm.engine.tokenize(text) == tok.encode(text)
+        assert len(split_segments(llm.engine.tokenize(text), llm.engine.blend_separator)) == 3
+    with _blend_llm(tiny_model_dir, 0.15) as llm:  # " # # ": its trailing space joins the next word
+        assert llm.engine.blend_separator == llm.tokenizer.encode(" # # ", add_special_tokens=False)
+
+
 def test_rag_request_through_engine_serve_after_cli_precompute(tiny_model_dir, tmp_path):
     """`engine precompute` stores two documents; `engine serve` then blends them into a RAG
     prompt given in the other order, and exports the hit counts."""

@@ -66,3 +66,23 @@ def test_a_linked_document_is_named_only_by_the_document_before_it():
     plain = qa_data.make_example(random.Random(5), 6, 8)
     assert plain == qa_data.make_example(random.Random(5), 6, 8, linked=0.0)  # same draws
     assert not any("of it is" in d for d in plain.documents)
+
+
+def test_a_continued_document_names_its_country_only_in_its_first_paragraph():
+    """Every document is two paragraphs; the second says "it" and names no country; the
+    question asks about a fact of a second paragraph; the last country named before a second
+    paragraph is its own document's (the neighbor fact comes first)."""
+    for p in heldout_prompts(20, 6, 1, (0, 1), continued=True):
+        attr, name = re.search(r"Q: The (\w+) of (\w+) is$", p.text).groups()
+        assert all(d.count("\n\n") == 1 for d in p.documents)
+        doc = next(d for d in p.documents if d.startswith(f"Document {p.documents.index(d) + 1}: "
+                                                          f"{name}."))
+        first, second = doc.split("\n\n")
+        assert f"The {attr} of it is {p.answer}." in second
+        assert f"The {attr} of" not in first
+        countries = set(qa_data.vocabulary().countries)
+        assert not countries & set(re.findall(r"\w+", second))
+        named = [w for w in re.findall(r"\w+", first) if w in countries]
+        assert named[-1] == name and len(named) >= 3  # header, neighbor fact, a named fact
+    plain = qa_data.make_example(random.Random(5), 6, 8)
+    assert plain == qa_data.make_example(random.Random(5), 6, 8, continued=0.0)  # same draws
