@@ -76,9 +76,9 @@ class LLMEngine:
         self.kv_connector = None
         self.blend_separator: list[int] = []
         if lmkv_config is not None:
-            from .kv_connector import KVConnector
-
             from lmkv.blend.segments import separator_tokens
+
+            from .kv_connector import KVConnector
 
             self.blend_separator = separator_tokens(
                 lambda text: self.tokenizer.encode(text, add_special_tokens=False),
