@@ -1,17 +1,23 @@
 """CacheBlend on RAG prompts: answer quality and time to first token, one line per result.
 
     python -m benchmarks.blend_rag [--model DIR] [--qa-prompts N] [--ttft-prompts N]
+        [--continued [--filler N]]
 
 A prompt is a held-out QA example (benchmarks/quality/qa.py): 6 documents of ~512 tokens
-(LONG_FILLER) in a shuffled order, then the question, separated by the blend separator
-(default "\\n\\n": then the text is exactly the QA format, only the order is new). Each
-document's KV is precomputed alone (``LLM.precompute``), so in a prompt it sits at another
-position and never saw the documents before it.
+(LONG_FILLER; ``--filler``) in a shuffled order, then the question, separated by the blend
+separator (default "\\n\\n", joined as running text has it: then the prompt is tokenized
+exactly as the QA format, only the order is new). Each chunk's KV is precomputed alone
+(``LLM.precompute``), so in a prompt it sits at another position and never saw the chunks
+before it.
 
 - QA accuracy (first generated word == the answer, benchmarks/quality/metrics.py): full
   prefill vs naive reuse (ratio 0: no recompute) vs blending at 5, 15 and 30%, on questions
-  answered from one document or (--answer-documents 2) from two. Meaningful on a trained
-  model only: off by default on the default (random) model.
+  answered from one document or (--answer-documents 2) from two; with ``--continued``,
+  every document is two paragraphs, so two chunks, the second saying "it", and the
+  question asks about a second paragraph's fact: what the chunk means depends on the chunk
+  before it, which naive reuse never shows it (default model: the shipped
+  qa-2layer-continued). A second line: blend15 against naive reuse. Meaningful on a
+  trained model only: off by default on the default (random) model.
 - TTFT over one document set in --ttft-prompts distinct orders: blending at 15% with the
   chunks in the hot cache vs full prefill (target >= 3x), and vs prefix caching alone (the
   engine's prefix cache plus lmkv's prefix chunks, warmed with each document as a prompt).
@@ -33,12 +39,13 @@ from lmkv.blend.segments import split_segments
 from lmkv.config import load_config
 from lmkv_engines.minimal.llm import LLM
 
-from .common import realistic_model_dir
+from .common import realistic_model_dir, trained_model_dir
 from .quality import metrics
 from .quality.probe import greedy, open_llm
 from .quality.qa import LONG_FILLER, QAPrompt, heldout_prompts
 
 RATIOS = (0.05, 0.15, 0.30)
+CONTINUED_MODEL = "qa-2layer-continued"  # --continued's default model (benchmarks/quality/models)
 NUM_DOCUMENTS = 6
 
 
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.blend_rag", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a Hugging Face Llama directory (default: the realistic-shape "
-                   "random model, TTFT only)")
+                   f"random model, TTFT only; with --continued the shipped {CONTINUED_MODEL})")
     p.add_argument("--qa-prompts", type=int, help="QA prompts (default 40 with --model, else 0)")
     p.add_argument("--answer-documents", type=int, choices=(1, 2), default=1,
                    help="questions answered from one document, or from two (a neighbor's fact: "
@@ -189,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.continued and not args.model and (shipped := trained_model_dir(CONTINUED_MODEL)):
+        args.model = str(shipped)
     if args.qa_prompts is None:
         args.qa_prompts = 40 if args.model else 0
     model = args.model or str(realistic_model_dir())

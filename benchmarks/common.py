@@ -21,13 +21,16 @@ REALISTIC = dict(
 )
 
 
-TRAINED_MODEL = Path(__file__).resolve().parent / "quality" / "models" / "qa-2layer"
+MODELS = Path(__file__).resolve().parent / "quality" / "models"
+TRAINED_MODEL = MODELS / "qa-2layer"
 
 
-def trained_model_dir() -> Path | None:
-    """The QA model shipped with the benchmarks (trained by lmkv_engines.minimal.trained_model),
-    or None when this checkout lacks it."""
-    return TRAINED_MODEL if (TRAINED_MODEL / "model.safetensors").is_file() else None
+def trained_model_dir(name: str = TRAINED_MODEL.name) -> Path | None:
+    """A QA model shipped with the benchmarks (trained by lmkv_engines.minimal.trained_model):
+    "qa-2layer", or "qa-2layer-continued" (also trained on documents in two paragraphs);
+    None when this checkout lacks it."""
+    path = MODELS / name
+    return path if (path / "model.safetensors").is_file() else None
 
 
 def realistic_model_dir(root: Path | None = None, **overrides) -> Path:

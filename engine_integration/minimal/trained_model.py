@@ -15,7 +15,8 @@ Training runs in phases (RECIPE): "induction" (the copy drill alone, 64-token ro
 "long-qa-2" (1024-token rows, QA with filler between facts, distinct questions; the second
 starts as a restart). "deep-qa" (not in the default run) goes on from a trained model grown
 by ``--layers`` (new layers on top, starting as the identity), with half the questions
-about a neighbor's fact. Held-out
+about a neighbor's fact; "linked-qa" and "continued-qa" (neither in the default run) add
+documents that need the one before them. Held-out
 QA accuracy (its own prompts, not the benchmarks') is printed every 500 steps; the saved
 model is the last phase's best of those evaluations. A token of loss weight w < 1 is
 supervised with probability w, and logits are computed only for supervised tokens (most of
@@ -67,6 +68,20 @@ then 2400 more (30 min in all): the held-out linked check stayed at chance among
 linked documents (0.28-0.53 with two of four linked), and over 50 blend_rag ``--linked``
 prompts (6 documents, three linked: chance ~33%) full 34%, naive 30%, blend15 36%. The
 resolution across documents was not learned in this budget. Not shipped.
+
+"continued-qa" (qa_data's ``continued`` documents: two paragraphs, the second saying "it",
+as a retriever that splits at blank lines cuts a document into two chunks), from the
+shipped model, 2 layers (2026-11-24): this is where a chunk's KV depends on the chunk
+before it in a way a 2-layer model learns. At lr 1e-3 (half the documents continued, or 4
+layers) held-out second-paragraph questions stayed at ~0.5 (4 short documents; 0.15
+before); at lr 2e-3 with every document continued (the phase as written, 3000 steps) they
+reach ~0.95 short, while over long documents (6 with 3 filler sentences per fact) they stay
+near chance (~0.2): the "it" is resolved across a few facts, not across hundreds of tokens
+of filler (measured by filler per fact, 32 prompts: 6 documents 0: 0.81, 1: 0.56, 2: 0.41;
+2 documents 3: 0.62). 2000 more steps with 1-3 filler sentences per fact (1024- or
+2048-token rows) did not move the long figure (0.12-0.50 over 16 prompts, no trend). The
+model this phase makes from the shipped one is benchmarks/quality/models/qa-2layer-continued
+(CacheBlend's quality benchmark and test).
 
 What was measured before (sessions 2-3), so the next attempt starts from it:
 - A copy drill whose repeat sits at a fixed distance is learned as a positional shortcut;
