@@ -41,11 +41,11 @@ def heldout_prompts(n: int, num_documents: int, answer_documents: int,
     if continued:
         if answer_documents != 1 or linked:
             raise ValueError("a continued question is about one document, not linked ones")
-        return _continued_prompts(n, num_documents, filler_per_fact, seed)
+        return _dependent_prompts(n, num_documents, filler_per_fact, seed, "continued")
     if linked:
         if answer_documents != 2 or num_documents < 2:
             raise ValueError("a linked question needs two documents of at least two")
-        return _linked_prompts(n, num_documents, filler_per_fact, seed)
+        return _dependent_prompts(n, num_documents, filler_per_fact, seed, "linked")
     rng = random.Random(seed * 10 + answer_documents)
     filler = qa_data.filler_sentences("train") if filler_per_fact[1] else None
     out = []
@@ -69,27 +69,18 @@ def qa_text(n: int, num_documents: int = 6, filler_per_fact: tuple[int, int] = L
                      for _ in range(n))
 
 
-def _linked_prompts(n: int, num_documents: int, filler_per_fact: tuple[int, int],
-                    seed: int) -> list[QAPrompt]:
-    rng = random.Random(seed * 10 + 5)
+def _dependent_prompts(n: int, num_documents: int, filler_per_fact: tuple[int, int], seed: int,
+                       form: str) -> list[QAPrompt]:
+    """Prompts whose question is about a document (or paragraph) that needs the one before:
+    ``form`` "linked" (a document introduced as a neighbor) or "continued" (a second
+    paragraph), every document in that form."""
+    rng = random.Random(seed * 10 + {"linked": 5, "continued": 6}[form])
     filler = qa_data.filler_sentences("train") if filler_per_fact[1] else None
     out = []
     for _ in range(n):
         ex = qa_data.make_example(rng, num_documents, 5 * num_documents, filler, filler_per_fact,
-                                  two_doc_fraction=0.0, distinct=True, linked=1.0)
-        q = next(q for q in ex.questions if q.num_documents == 2)  # about a linked document
-        out.append(QAPrompt(tuple(ex.documents), q.text, q.answer, q.num_documents))
-    return out
-
-
-def _continued_prompts(n: int, num_documents: int, filler_per_fact: tuple[int, int],
-                       seed: int) -> list[QAPrompt]:
-    rng = random.Random(seed * 10 + 6)
-    filler = qa_data.filler_sentences("train") if filler_per_fact[1] else None
-    out = []
-    for _ in range(n):
-        ex = qa_data.make_example(rng, num_documents, 5 * num_documents, filler, filler_per_fact,
-                                  two_doc_fraction=0.0, distinct=True, continued=1.0)
-        q = next(q for q in ex.questions if q.continued)
+                                  two_doc_fraction=0.0, distinct=True, **{form: 1.0})
+        q = next(q for q in ex.questions
+                 if (q.num_documents == 2 if form == "linked" else q.continued))
         out.append(QAPrompt(tuple(ex.documents), q.text, q.answer, q.num_documents))
     return out
