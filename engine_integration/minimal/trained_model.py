@@ -79,7 +79,12 @@ reach ~0.95 short, while over long documents (6 with 3 filler sentences per fact
 near chance (~0.2): the "it" is resolved across a few facts, not across hundreds of tokens
 of filler (measured by filler per fact, 32 prompts: 6 documents 0: 0.81, 1: 0.56, 2: 0.41;
 2 documents 3: 0.62). 2000 more steps with 1-3 filler sentences per fact (1024- or
-2048-token rows) did not move the long figure (0.12-0.50 over 16 prompts, no trend). The
+2048-token rows) did not move the long figure (0.12-0.50 over 16 prompts, no trend). Nor
+did a layout with no filler at the cut, asked about the fact right after it (the phase
+retrained on it: 1.00 short, ~0.2 long), and its blend_rag lines were worse (313 tokens:
+full 98%, naive 50%, blend15 86%), so the layout stayed. In layer 0 one head attends from
+a second paragraph's value to the country named just before the cut (0.6 of its weight
+with no filler, ~0 with filler): a local mechanism, which is why long documents fail. The
 model this phase makes from the shipped one is benchmarks/quality/models/qa-2layer-continued
 (CacheBlend's quality benchmark and test).
 
