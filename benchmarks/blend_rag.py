@@ -173,11 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--answer-documents", type=int, choices=(1, 2), default=1,
                    help="questions answered from one document, or from two (a neighbor's fact: "
                    "the first document names the neighbor, the second holds the answer)")
-    p.add_argument("--linked", action="store_true",
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--linked", action="store_true",
                    help="questions about a document introduced only as an earlier document's "
                    "neighbor (\"The capital of it is ...\"): its KV means something only after "
                    "that document, the case naive reuse cannot serve")
-    p.add_argument("--continued", action="store_true",
+    form.add_argument("--continued", action="store_true",
                    help="every document in two paragraphs, so two chunks, the second saying "
                    "\"it\"; the question asks about a fact in a second paragraph: its KV means "
                    "something only after its first paragraph, which naive reuse never shows it")

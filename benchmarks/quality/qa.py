@@ -78,9 +78,6 @@ def _dependent_prompts(n: int, num_documents: int, filler_per_fact: tuple[int, i
     filler = qa_data.filler_sentences("train") if filler_per_fact[1] else None
     out = []
     for _ in range(n):
-        ex = qa_data.make_example(rng, num_documents, 5 * num_documents, filler, filler_per_fact,
-                                  two_doc_fraction=0.0, distinct=True, **{form: 1.0})
-        q = next(q for q in ex.questions
-                 if (q.num_documents == 2 if form == "linked" else q.continued))
+        ex, q = qa_data.dependent_example(rng, num_documents, filler, filler_per_fact, form)
         out.append(QAPrompt(tuple(ex.documents), q.text, q.answer, q.num_documents))
     return out

@@ -155,11 +155,13 @@ def make_example(
         for i in splits:
             if i not in aliases and rng.random() < continued:
                 splits[i] = rng.randint(2, len(countries[i].facts) - 2)
-    documents = [_document(i + 1, c, rng, filler, filler_per_fact, aliases.get(i), splits[i])
-                 for i, c in enumerate(countries)]
+    documents = []
+    later: set[tuple[str, str]] = set()  # (country, attribute) written in a second paragraph
+    for i, c in enumerate(countries):
+        text, second = _document(i + 1, c, rng, filler, filler_per_fact, aliases.get(i), splits[i])
+        documents.append(text)
+        later.update((c.name, a) for a in second)
     aliased = {names[j] for j in aliases}
-    later = {(c.name, a) for c, doc in zip(countries, documents, strict=True)
-             for a in ATTRIBUTES if f"The {a} of it is" in doc.partition("\n\n")[2]}
     questions = []
     if distinct:
         asks = [(c, a) for c in countries for a in ATTRIBUTES]
@@ -178,24 +180,41 @@ def make_example(
     return QAExample(documents, questions)
 
 
+def dependent_example(rng: random.Random, num_documents: int, filler: list[str] | None,
+                      filler_per_fact: tuple[int, int], form: str) -> tuple[QAExample, Question]:
+    """An example with every document in ``form`` ("linked": introduced as an earlier
+    document's neighbor; "continued": two paragraphs), and its first question that needs
+    the document or paragraph before (held-out checks of those forms)."""
+    if form not in ("linked", "continued"):
+        raise ValueError(f"form must be linked or continued, not {form!r}")
+    ex = make_example(rng, num_documents, 5 * num_documents, filler, filler_per_fact,
+                      two_doc_fraction=0.0, distinct=True, **{form: 1.0})
+    return ex, next(q for q in ex.questions
+                    if (q.num_documents == 2 if form == "linked" else q.continued))
+
+
 def _document(index: int, c: Country, rng: random.Random, filler: list[str] | None,
-              filler_per_fact: tuple[int, int], alias: str | None = None, split: int = 0) -> str:
-    """One document's text. ``split`` > 0: its first ``split`` facts (the neighbor first,
-    so that the last country named before the second paragraph is this one) in a paragraph
-    under the header, the others in a second paragraph that says "it"."""
-    subject = "it" if alias else c.name
+              filler_per_fact: tuple[int, int], alias: str | None = None,
+              split: int = 0) -> tuple[str, list[str]]:
+    """One document's text, and the attributes of its second paragraph. ``split`` > 0: its
+    first ``split`` facts (the neighbor first, so that the last country named before the
+    second paragraph is this one) in a paragraph under the header, the others in a second
+    paragraph that says "it"."""
     attrs = list(c.facts)
     rng.shuffle(attrs)
     if split:
         attrs.sort(key=lambda a: a != "neighbor")  # stable: the others keep their order
-    parts = [f"Document {index}: {alias[0].upper() + alias[1:] if alias else c.name}."]
+    first = [f"Document {index}: {alias[0].upper() + alias[1:] if alias else c.name}."]
+    second: list[str] = []
     for k, a in enumerate(attrs):
-        if split and k == split:
-            parts.append("\n\n")
-        parts.append(f"The {a} of {'it' if split and k >= split else subject} is {c.facts[a]}.")
+        in_second = bool(split) and k >= split
+        subject = "it" if alias or in_second else c.name
+        part = second if in_second else first
+        part.append(f"The {a} of {subject} is {c.facts[a]}.")
         if filler:
-            parts.extend(rng.choice(filler) for _ in range(rng.randint(*filler_per_fact)))
-    return " ".join(parts).replace(" \n\n ", "\n\n")
+            part.extend(rng.choice(filler) for _ in range(rng.randint(*filler_per_fact)))
+    text = " ".join(first) + ("\n\n" + " ".join(second) if second else "")
+    return text, attrs[split:] if split else []
 
 
 def training_text(example: QAExample) -> str:

@@ -365,14 +365,9 @@ def qa_accuracy(model: TrainLlama, tok, n: int, num_documents: int,
     hits = 0
     with torch.no_grad():
         for _ in range(n):
-            if linked:
-                ex = qa_data.make_example(rng, num_documents, 5 * num_documents, filler,
-                                          filler_per_fact, 0.0, distinct=True, linked=1.0)
-                q = next(q for q in ex.questions if q.num_documents == 2)
-            elif continued:
-                ex = qa_data.make_example(rng, num_documents, 5 * num_documents, filler,
-                                          filler_per_fact, 0.0, distinct=True, continued=1.0)
-                q = next(q for q in ex.questions if q.continued)
+            if linked or continued:
+                ex, q = qa_data.dependent_example(rng, num_documents, filler, filler_per_fact,
+                                                  "linked" if linked else "continued")
             else:
                 ex = qa_data.make_example(rng, num_documents, 1, filler, filler_per_fact,
                                           two_doc_fraction=float(two_doc))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 import re
 
+import pytest
+
 from benchmarks.quality.qa import heldout_prompts
 from lmkv_engines.minimal import qa_data
 
@@ -75,8 +77,7 @@ def test_a_continued_document_names_its_country_only_in_its_first_paragraph():
     for p in heldout_prompts(20, 6, 1, (0, 1), continued=True):
         attr, name = re.search(r"Q: The (\w+) of (\w+) is$", p.text).groups()
         assert all(d.count("\n\n") == 1 for d in p.documents)
-        doc = next(d for d in p.documents if d.startswith(f"Document {p.documents.index(d) + 1}: "
-                                                          f"{name}."))
+        doc = next(d for d in p.documents if re.match(rf"Document \d+: {name}\.", d))
         first, second = doc.split("\n\n")
         assert f"The {attr} of it is {p.answer}." in second
         assert f"The {attr} of" not in first
@@ -86,3 +87,5 @@ def test_a_continued_document_names_its_country_only_in_its_first_paragraph():
         assert named[-1] == name and len(named) >= 3  # header, neighbor fact, a named fact
     plain = qa_data.make_example(random.Random(5), 6, 8)
     assert plain == qa_data.make_example(random.Random(5), 6, 8, continued=0.0)  # same draws
+    with pytest.raises(ValueError, match="form must be linked or continued"):
+        qa_data.dependent_example(random.Random(5), 4, None, (0, 0), "chained")
