@@ -36,8 +36,10 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         model_dir = resolve_model(config.model)
         gguf = GGUFCheckpoint(model_dir) if is_gguf(model_dir) else None
+        if not model_dir.exists():
+            raise FileNotFoundError(f"model {model_dir} does not exist")
         if gguf is None and not model_dir.is_dir():
-            raise FileNotFoundError(f"model {model_dir} is neither a directory nor a GGUF file")
+            raise ValueError(f"model {model_dir} is neither a checkpoint directory nor a GGUF file")
         self.model_dir = model_dir  # a checkpoint directory or a .gguf file
         self.model_config = mc = gguf.model_config() if gguf else ModelConfig.from_dir(model_dir)
         self.model_name = config.served_model_name or config.model or DEFAULT_MODEL_NAME

@@ -55,9 +55,11 @@ def hf(gguf_path, tmp_path_factory):
     d = tmp_path_factory.mktemp("gguf")
     (d / gguf_path.name).symlink_to(gguf_path)
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=gguf_path.name)
+    # transformers >= 5 keeps GGUF blocks packed unless asked to dequantize; older ones always do
+    dense = ({"quantization_config": transformers.GgufConfig(dequantize=True)}
+             if hasattr(transformers, "GgufConfig") else {})
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        d, gguf_file=gguf_path.name, dtype=torch.float32,
-        quantization_config=transformers.GgufConfig(dequantize=True))
+        d, gguf_file=gguf_path.name, dtype=torch.float32, **dense)
     return tok, model.eval()
 
 
