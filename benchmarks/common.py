@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: a realistic-shape random Llama and timing helpers."""
+"""Shared pieces of the benchmarks: the model they run (SmolLM2-135M-Instruct by default, or a
+realistic-shape random Llama), transformers on the same weights, and timing helpers."""
 
 from __future__ import annotations
 
@@ -55,6 +56,29 @@ def realistic_model_dir(root: Path | None = None, **overrides) -> Path:
         shutil.copy(demo / name, tmp / name)
     tmp.rename(path)
     return path
+
+
+def bench_model(name: str | None) -> Path:
+    """The model a benchmark runs: None is SmolLM2-135M-Instruct (the engine's default GGUF
+    file), "realistic" the random-weight ~75M Llama above, anything else a path."""
+    if name == "realistic":
+        return realistic_model_dir()
+    from lmkv_engines.minimal.default_model import resolve_model
+
+    return resolve_model(name)
+
+
+def hf_model(path: Path):
+    """transformers' dense float32 model of a checkpoint directory or a GGUF file (its
+    blocks dequantized at load, as the engine does)."""
+    import transformers
+
+    if path.is_dir():
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    dense = ({"quantization_config": transformers.GgufConfig(dequantize=True)}
+             if hasattr(transformers, "GgufConfig") else {})
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, **dense).eval()
 
 
 def _times(fn: Callable[[], object], repeats: int) -> list[float]:

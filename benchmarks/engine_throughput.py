@@ -1,7 +1,9 @@
 """Bundled engine vs Hugging Face transformers on the same weights, side by side.
 
-Prints prefill tokens/s (ratio target >= 0.8x) and decode throughput of 16 concurrent
-sequences vs transformers generating them one after another (target >= 3x).
+Prints prefill tokens/s (ratio target >= 0.8x; transformers computes the last position's
+logits only, as the engine does) and decode throughput of 16 concurrent sequences vs
+transformers generating them one after another (target >= 3x). The model is
+SmolLM2-135M-Instruct unless --model names another (or "realistic").
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import random_prompt, realistic_model_dir, timed  # noqa: E402
+from common import bench_model, hf_model, random_prompt, timed  # noqa: E402
 
 from lmkv_engines.minimal.llm import LLM  # noqa: E402
 from lmkv_engines.minimal.sampling_params import SamplingParams  # noqa: E402
@@ -26,16 +28,16 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", help="a directory, a .gguf file, or 'realistic' "
+                    "(default: SmolLM2-135M-Instruct)")
     args = ap.parse_args()
 
-    from transformers import AutoModelForCausalLM
-
-    model_dir = realistic_model_dir()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model_dir = bench_model(args.model)
+    hf = hf_model(model_dir)
     llm = LLM(str(model_dir), kv_cache_memory=2 << 30, enable_prefix_caching=False)
     vocab = hf.config.vocab_size
     n_params = sum(p.numel() for p in hf.parameters())
-    print(f"model: {n_params / 1e6:.0f}M params, {hf.config.num_hidden_layers} layers, "
+    print(f"model {model_dir.name}: {n_params / 1e6:.0f}M params, {hf.config.num_hidden_layers} layers, "
           f"hidden {hf.config.hidden_size}, GQA {hf.config.num_attention_heads}:"
           f"{hf.config.num_key_value_heads}; torch threads {torch.get_num_threads()}")
 
@@ -46,7 +48,7 @@ def main() -> None:
 
     def hf_prefill():
         with torch.inference_mode():
-            hf(ids, use_cache=True)
+            hf(ids, use_cache=True, logits_to_keep=1)  # the last position's logits, as the engine
 
     t_engine = timed(lambda: llm.generate([prompt], one), args.repeats)
     t_hf = timed(hf_prefill, args.repeats)
@@ -63,7 +65,7 @@ def main() -> None:
             for p in prompts:
                 hf.generate(torch.tensor([p]), max_new_tokens=args.decode_tokens,
                             min_new_tokens=args.decode_tokens, do_sample=False,
-                            pad_token_id=0)
+                            eos_token_id=None, pad_token_id=0)
 
     t_engine = timed(lambda: llm.generate(prompts, gen), 1)
     start = time.perf_counter()

@@ -1,4 +1,5 @@
-"""lmkv TTFT and retrieve bandwidth on a realistic-shape model, side by side in one run.
+"""lmkv TTFT and retrieve bandwidth on SmolLM2-135M-Instruct (or --model), side by side in
+one run.
 
 Prints, for a long prompt (default 4096 tokens):
 - TTFT cold (no lmkv) vs warm from the hot cache (target >= 20x) and from disk in a fresh
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_page_cache, random_prompt, realistic_model_dir  # noqa: E402
+from common import bench_model, drop_page_cache, random_prompt  # noqa: E402
 
 from lmkv import ops  # noqa: E402
 from lmkv.config import load_config  # noqa: E402
@@ -90,8 +91,9 @@ def memcpy_gbps(nbytes: int) -> float:
 def child(args) -> None:
     """A fresh process: TTFT of the prompt with only the disk tier holding its chunks."""
     llm = disk_llm(args.model_dir, args.disk, args.chunk)
-    prompt = random_prompt(args.prompt_len, 32000, seed=0)
-    ttft(llm, random_prompt(args.chunk - 1, 32000, seed=77))  # the process's first forward pass
+    vocab = llm.engine.model_config.vocab_size
+    prompt = random_prompt(args.prompt_len, vocab, seed=0)
+    ttft(llm, random_prompt(args.chunk - 1, vocab, seed=77))  # the process's first forward pass
     drop_page_cache(sorted(args.disk.glob("*.kv")))
     t = ttft(llm, prompt)
     out = llm.generate([prompt], FIRST_TOKEN)[0]
@@ -104,6 +106,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", help="a directory, a .gguf file, or 'realistic' "
+                    "(default: SmolLM2-135M-Instruct)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--disk", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -111,17 +115,19 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    model_dir = realistic_model_dir()
+    model_dir = bench_model(args.model)
     n, reps = args.prompt_len, args.repeats
-    prompt = random_prompt(n, 32000, seed=0)
-    fresh = [random_prompt(n, 32000, seed=1000 + i) for i in range(2 * reps + 1)]
     tmp = Path(tempfile.mkdtemp(prefix="lmkv-bench-"))
     disk = tmp / "disk"
 
     plain = LLM(str(model_dir), kv_cache_memory=1 << 30, enable_prefix_caching=False)
     llm = disk_llm(model_dir, disk, args.chunk)
     lay = llm.engine.kv_connector.engine.layout
-    print(f"prompt {n} tokens, chunk {args.chunk}, KV {lay.bytes_per_token * n / 1e6:.1f} MB "
+    vocab = llm.engine.model_config.vocab_size
+    prompt = random_prompt(n, vocab, seed=0)
+    fresh = [random_prompt(n, vocab, seed=1000 + i) for i in range(2 * reps + 1)]
+    print(f"model {model_dir.name}, prompt {n} tokens, chunk {args.chunk}, "
+          f"KV {lay.bytes_per_token * n / 1e6:.1f} MB "
           f"({lay.num_layers} layers, {lay.num_kv_heads} KV heads, {lay.dtype}); "
           f"torch threads {torch.get_num_threads()}")
 
