@@ -213,6 +213,11 @@ def main() -> None:
     for e, o, ok in list(zip(examples, outs, correct, strict=True))[: args.show]:
         print(f"{'ok ' if ok else 'BAD'} {e.question} want {e.answer!r} got {o.text!r}")
     docs = [len(e.documents) for e in examples]
+    for lo, hi in ((4, 5), (6, 8)):
+        part = [ok for ok, d in zip(correct, docs, strict=True) if lo <= d <= hi]
+        if part:
+            print(f"{lo}-{hi} documents: {sum(part)}/{len(part)} correct: "
+                  f"accuracy = {sum(part) / len(part):.1%}")
     print(f"{path.name} full prefill, {args.n} {args.split} prompts ({min(docs)}-{max(docs)} "
           f"documents, {min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}; "
           f"{seconds:.0f}s): accuracy = {sum(correct) / len(correct):.1%}")
