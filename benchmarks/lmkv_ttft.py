@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -207,6 +208,7 @@ def main() -> None:
         capture_output=True, text=True, check=True,
     )
     child_out = json.loads(res.stdout.strip().splitlines()[-1])
+    shutil.rmtree(tmp, ignore_errors=True)  # the disk tier's files (~1 GB)
     t_disk = child_out["ttft"]
     floor_disk = kv_bytes / (bw_disk * 1e9) + t_tail
 
