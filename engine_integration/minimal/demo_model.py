@@ -2,8 +2,8 @@
 built deterministically offline and cached on disk (tests and shape benchmarks).
 
 Their text is gibberish, but they exercise every code path of a real checkpoint
-(safetensors, config.json, tokenizer.json) at any geometry. The engine's default model is
-the trained one (trained_model.py).
+(safetensors, config.json, tokenizer.json) at any geometry. The model name "demo" picks
+this one (default_model.py); the engine's default is SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
