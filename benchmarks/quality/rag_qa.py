@@ -26,6 +26,7 @@ from functools import cache
 SPLITS = ("dev", "heldout")
 DOC_TOKENS = (300, 600)
 NUM_DOCUMENTS = (4, 8)
+MAX_TOKENS = 32  # a reply long enough for a sentence that ends in a two-word answer
 
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr",
            "gr", "kr", "tr", "th", "st", "qu", "sh", "pl")
@@ -207,7 +208,7 @@ def main() -> None:
         prompts = [tok.apply_chat_template(e.messages()) for e in examples]
         lengths = [len(tok.encode(p)) for p in prompts]
         start = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
         seconds = time.perf_counter() - start
     correct = [e.is_correct(o.text) for e, o in zip(examples, outs, strict=True)]
     for e, o, ok in list(zip(examples, outs, correct, strict=True))[: args.show]:
