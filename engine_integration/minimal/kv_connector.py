@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -20,6 +21,12 @@ from .model_runner import ModelRunner
 from .scheduler import SchedulerOutput
 
 
+class StepResult(NamedTuple):
+    sampled: dict[str, int]  # request id -> token sampled this step
+    failed: list  # requests that must be recomputed (a load into their pages failed)
+    failed_blocks: set[int]  # the pages that load was writing: their contents are unknown
+
+
 class KVConnector:
     def __init__(self, config: LMKVConfig, mc: ModelConfig, dtype: torch.dtype, block_size: int,
                  model_dir: Path, kv_cache: torch.Tensor, registry: CollectorRegistry,
@@ -30,8 +37,11 @@ class KVConnector:
         self.worker = WorkerConnector(self.engine)
         self.worker.register_kv_caches(BlockPagedMemory(kv_cache))
 
-    def execute(self, runner: ModelRunner, sched: SchedulerOutput) -> dict[str, int]:
-        """One step with lmkv: load what was matched, run the model, save new chunks."""
+    def execute(self, runner: ModelRunner, sched: SchedulerOutput) -> StepResult:
+        """One step with lmkv: load what was matched, run the model, save new chunks. If a
+        load failed, the requests whose pages it was writing ran over stale KV: they are
+        returned as ``failed`` (the engine recomputes them) and their new chunks are not
+        saved."""
         meta = self.scheduler.build_connector_meta(
             (s.request, s.num_new_tokens) for s in sched.scheduled if s.request.use_cache
         )
@@ -39,12 +49,33 @@ class KVConnector:
         self.worker.start_load_kv()
         hooks = _LayerHooks(self.worker) if self.worker.layerwise else None
         blended = [s.request for s in sched.scheduled if s.request.blend is not None]
+        failed, blocks = [], set()
         try:
-            return runner.execute(sched, hooks)
+            sampled = runner.execute(sched, hooks)
         finally:
-            self.worker.wait_for_save()
+            failed, blocks = self._failed_requests(sched)
+            self.worker.wait_for_save(skip={r.request_id for r in failed})
             for req in blended:
                 self.engine.metrics.blend_recomputed_tokens.inc(req.num_blend_recomputed)
+        for req in failed:
+            sampled.pop(req.request_id, None)
+        return StepResult(sampled, failed, blocks)
+
+    def _failed_requests(self, sched: SchedulerOutput) -> tuple[list, set[int]]:
+        """The pages a failed load was writing, and the requests of this step holding one
+        (the load's own requests, and any that shares their pages through the prefix cache)."""
+        failed = self.worker.failed_loads()
+        if not failed:
+            return [], set()
+        bs = self.scheduler.block_size
+        blocks = {b for spec in failed
+                  for slots, skip in zip(spec.slot_mappings, spec.skips, strict=True)
+                  for b in (slots[skip:] // bs).unique().tolist()}
+        return [s.request for s in sched.scheduled if blocks.intersection(s.request.block_ids)], blocks
+
+    def recompute(self, request) -> None:
+        """``request`` will be recomputed from the start without lmkv's KV."""
+        self.scheduler.recompute_without_loads(request)
 
     def close(self) -> None:
         self.worker.close()

@@ -183,7 +183,13 @@ class LLMEngine:
         if self.kv_connector is None:
             sampled = self.runner.execute(sched)
         else:
-            sampled = self.kv_connector.execute(self.runner, sched)
+            sampled, failed, blocks = self.kv_connector.execute(self.runner, sched)
+            if failed:  # they ran over pages lmkv failed to fill: recompute them from scratch
+                self.block_manager.forget(blocks)
+                for req in reversed(failed):
+                    self.scheduler.requeue(req)
+                    self.kv_connector.recompute(req)
+                sched.scheduled = [s for s in sched.scheduled if s.request not in failed]
         outputs = self._postprocess(sched, sampled)
         self.metrics.computed_tokens.inc(sched.num_tokens)
         self._update_gauges()

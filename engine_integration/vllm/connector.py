@@ -175,12 +175,7 @@ class LMKVConnector(KVConnectorBase_V1):
         self.worker.register_kv_caches(self.paged)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self.worker.meta
-        try:
-            self.worker.start_load_kv()
-        except Exception:
-            log.exception("lmkv: loading KV failed; vLLM recomputes those blocks")
-            self._failed_loads(meta)
+        self.worker.start_load_kv()  # a failure is reported by failed_loads in wait_for_save
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(self.layer_index[layer_name])
@@ -196,17 +191,15 @@ class LMKVConnector(KVConnectorBase_V1):
             self._save_failed = True
 
     def wait_for_save(self) -> None:
-        meta = self.worker.meta
-        job = self.worker.load_job
-        if job is not None:  # layer-wise: the load has finished (every layer was waited for)
-            self.worker.load_job = None
-            if job.exception() is not None:
-                log.error("lmkv: loading KV failed (%s); vLLM recomputes those blocks", job.exception())
-                self._failed_loads(meta)
+        # vLLM recomputes the blocks reported by get_block_ids_with_load_errors; chunks that
+        # those requests computed this step over unloaded pages are not stored
+        failed = self.worker.failed_loads()
+        for spec in failed:
+            self._load_errors.update(self._blocks(zip(spec.slot_mappings, spec.skips, strict=True)))
         try:
             if self._save_failed:
                 raise RuntimeError("a layer failed to save")
-            self.worker.wait_for_save()
+            self.worker.wait_for_save(skip={spec.request_id for spec in failed})
         except Exception as e:
             log.warning("lmkv: saving KV failed (%s); those chunks will be recomputed next time", e)
             self.engine.count_error("connector", "save")
@@ -242,11 +235,6 @@ class LMKVConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
-
-    def _failed_loads(self, meta: ConnectorMetadata) -> None:
-        self.engine.count_error("connector", "load")
-        for spec in meta.loads:
-            self._load_errors.update(self._blocks(zip(spec.slot_mappings, spec.skips, strict=True)))
 
     def _blocks(self, loads) -> set[int]:
         """The vLLM blocks that (slot mapping, tokens to skip) pairs write into."""

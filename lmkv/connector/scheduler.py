@@ -32,6 +32,7 @@ class _RequestState:
     plan: BlendPlan | None = None  # found by get_blend_plan, until the engine takes it
     blended: bool = False  # its KV is approximate: never saved as prefix chunks
     lossy: bool = False  # some loaded chunk was decoded from a lossy codec
+    no_loads: bool = False  # a load into its pages failed: it is recomputed without lmkv
 
 
 class SchedulerConnector:
@@ -69,7 +70,7 @@ class SchedulerConnector:
         token, not a chunk."""
         st = self._state(request)
         self._unpin(st)
-        if not self.loads:
+        if not self.loads or st.no_loads:
             return 0, False
         c = self.engine.chunk_size
         # the prompt's full chunks, any of which may be loaded (after a preemption, st.keys
@@ -180,6 +181,13 @@ class SchedulerConnector:
             # the consumer may ask as soon as this request is reported done
             self.engine.drain()
         return False, None
+
+    def recompute_without_loads(self, request: Any) -> None:
+        """A load into ``request``'s pages failed and the engine computes it again from its
+        first token: start its state afresh, and load nothing for it from now on."""
+        self.request_finished(request)
+        self.states[request.request_id] = _RequestState(self.engine.keys(request.prompt_token_ids),
+                                                        no_loads=True)
 
     def _state(self, request: Any) -> _RequestState:
         st = self.states.get(request.request_id)

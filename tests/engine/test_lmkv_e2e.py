@@ -248,3 +248,41 @@ def test_sigkill_while_writing_leaves_only_intact_entries(tiny_model_dir, refere
         assert sum(o.num_external_tokens for o in outs) > 0
         assert metric(llm, "lmkv_errors_total", tier="disk", kind="corrupt") == 0
     assert not list(disk.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_failed_load_is_recomputed_never_attended(tiny_model_dir, reference, layerwise):
+    """A load that fails (at layer 1 of 2 in layer-wise mode) leaves pages of unknown
+    contents: the requests holding them, including one that shares them through the
+    engine's prefix cache in the same step, are recomputed, none of their chunks computed
+    that step is stored, and the same tokens come out as without lmkv."""
+    ps = prompts()
+    with lmkv_llm(tiny_model_dir, use_layerwise=layerwise, prefix_caching=True) as llm:
+        llm.generate(ps, GREEDY)  # stores every full chunk
+        llm.engine.block_manager.reset_prefix_cache()  # so that lmkv, not the engine, serves them
+        worker = llm.engine.kv_connector.worker
+        real_load, failures = worker.paged.load, []
+
+        def broken(kv, slots, skip, layer=None):
+            if layer in (None, 1):
+                failures.append(layer)
+                raise OSError("injected load failure")
+            return real_load(kv, slots, skip, layer)
+
+        worker.paged.load = broken
+        stored = metric(llm, "lmkv_stored_chunks_total")
+        outs = llm.generate(ps + ps[:1], GREEDY)  # the repeat shares the first prompt's pages
+        worker.paged.load = real_load
+        assert failures, "the injected failure never ran"
+        assert [o.output_token_ids for o in outs] == reference() + reference()[:1]
+        assert all(o.num_external_tokens == 0 for o in outs)
+        assert metric(llm, "lmkv_errors_total", tier="connector", kind="load") >= 1
+        assert metric(llm, "lmkv_loaded_tokens_total") == 0
+        assert metric(llm, "lmkv_stored_chunks_total") == stored  # all were stored already
+        llm.engine.block_manager.check_integrity()
+        llm.engine.kv_connector.engine.pool.check_integrity()
+        # nothing stale was left in the engine's prefix cache or in lmkv
+        llm.engine.block_manager.reset_prefix_cache()
+        again = llm.generate(ps, GREEDY)
+        assert [o.output_token_ids for o in again] == reference()
+        assert [o.num_external_tokens for o in again] == [_full_chunks(p) for p in ps]
