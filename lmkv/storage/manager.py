@@ -89,12 +89,12 @@ class StorageManager:
                 codec = "zstd"
             frame = encode(buf, key, codec, table)
             start = time.perf_counter()
-            before = getattr(tier.backend, "num_evictions", 0)
+            before = tier.backend.num_evictions
             tier.backend.put([(key, frame)])
             self.metrics.tier_seconds.labels(tier.name, "put").observe(time.perf_counter() - start)
             self.metrics.tier_bytes.labels(tier.name, "put").inc(len(frame))
             self.metrics.evictions.labels(tier.name).inc(
-                getattr(tier.backend, "num_evictions", 0) - before)
+                max(0, tier.backend.num_evictions - before))
             tier.breaker.success()
         except BackendError as e:
             self._failed(tier, "put", e)
@@ -245,8 +245,10 @@ class StorageManager:
                 log.warning("lmkv: a chunk from %s is corrupt (%s); it will be recomputed",
                             tier.name, e)
                 self.metrics.errors.labels(tier.name, "corrupt").inc()
-                if hasattr(tier.backend, "remove"):
-                    tier.backend.remove(key)
+                try:
+                    tier.backend.remove([key])
+                except BackendError as e:
+                    log.warning("lmkv: cannot remove the corrupt chunk from %s (%s)", tier.name, e)
                 continue
             buf.lossy = data[CODEC_BYTE] == CODECS["cachegen"]
             self.metrics.tier_bytes.labels(tier.name, "get").inc(len(data))

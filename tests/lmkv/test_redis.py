@@ -53,3 +53,41 @@ def test_redis_cluster(tmp_path):
     finally:
         for s in servers:
             s.kill()
+
+
+def _read_counter(url: str):
+    """Client read events redis-server has processed so far (one per request batch it
+    received), less the ones this counter's own requests caused."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    client.ping()  # the connection's set-up requests are behind us
+    return lambda: int(client.info("stats")["total_reads_processed"])
+
+
+def test_a_batch_through_the_registry_is_one_exchange_with_the_server(redis_server):
+    """The backend lmkv builds from a URL (connecting lazily) forwards batched reads: 16
+    chunks cost the server one read event, not 16, and removes and contains pass too."""
+    from lmkv.backends.registry import create_backend
+
+    backend = create_backend(redis_server.url, timeout=2.0)
+    keys = [f"chunk-{i}" for i in range(16)]
+    backend.put([(k, k.encode() * 100) for k in keys])
+    outs = [memoryview(bytearray(4096)) for _ in keys]
+    reads = _read_counter(redis_server.url)
+    before = reads()
+    assert reads() - before == 1  # one INFO: the counter's own cost
+    before = reads()
+    lengths = backend.get_into_many(keys, outs)
+    batched = reads() - before - 1
+    assert lengths == [len(k) * 100 for k in keys]
+    assert bytes(outs[3][: lengths[3]]) == keys[3].encode() * 100
+    assert batched == 1, f"16 chunks took {batched} exchanges"
+    before = reads()
+    for k, out in zip(keys, outs, strict=True):
+        backend.get_into(k, out)
+    assert reads() - before - 1 == 16  # the unbatched path, for contrast
+    backend.remove(keys[:2])
+    assert backend.contains(keys[:3]) == [False, False, True]
+    assert backend.num_evictions == 0
+    backend.close()

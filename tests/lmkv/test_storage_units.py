@@ -151,7 +151,7 @@ def test_batched_loads_stop_at_the_first_missing_or_corrupt_chunk(tmp_path):
     for missing, cut in ((n, None), (LOAD_BATCH + 2, "remove"), (3, "corrupt")):
         manager.hot.clear()
         if cut == "remove":
-            disk.remove(keys[missing])
+            disk.remove([keys[missing]])
         elif cut == "corrupt":
             data = bytearray(disk.get([keys[missing]])[0])
             data[-1] ^= 0xFF
