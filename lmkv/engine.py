@@ -11,7 +11,7 @@ from .blend.plan import BlendPlan, CachedSegment
 from .blend.segments import split_segments
 from .codec.calibration import CacheGenTable
 from .codec.gate import QualityGate
-from .config import LMKVConfig
+from .config import ConfigError, LMKVConfig
 from .keys import KeyScope, content_hashes, prefix_hashes
 from .layout import KVLayout
 from .memory import ChunkBuffer, MemoryPool
@@ -32,16 +32,21 @@ class LMKVEngine:
         self.metrics = metrics or LMKVMetrics()
         self.pool = MemoryPool(layout, config.hot_cache_bytes)
         self.storage = StorageManager(self.pool, self._build_tiers(), self.metrics,
-                                      config.io_queue_size)
+                                      config.io_queue_size, keep_hot=config.local_cpu)
+        if config.enable_blending and config.blend_check_layer >= layout.num_layers:
+            raise ConfigError(
+                f"lmkv config key blend_check_layer is {config.blend_check_layer}, but the model "
+                f"has {layout.num_layers} layers (0..{layout.num_layers - 1})")
         self.gate: QualityGate | None = None
-        if config.codec_check_every and any(t.lossy for t in self.storage.tiers):
-            self.gate = QualityGate(config.codec_check_every, config.codec_min_agreement,
+        if config.quality_check_every and any(t.lossy for t in self.storage.tiers):
+            self.gate = QualityGate(config.quality_check_every, config.codec_min_agreement,
                                     self.metrics, self.storage.make_lossless)
         self._metrics_server = self._serve_metrics() if config.metrics_port else None
         log.info(
             "lmkv ready: chunk %d tokens (%.1f MB), hot cache %d chunks, tiers: %s",
             layout.chunk_size, layout.chunk_bytes / 1e6, self.pool.num_slots,
-            ", ".join(["hot"] + [t.name for t in self.storage.tiers]),
+            ", ".join((["hot"] if config.local_cpu else ["staging only"])
+                      + [t.name for t in self.storage.tiers]),
         )
 
     def _build_tiers(self) -> list[Tier]:

@@ -47,8 +47,11 @@ class Tier:
 
 class StorageManager:
     def __init__(self, pool: MemoryPool, tiers: list[Tier], metrics: LMKVMetrics,
-                 io_queue_size: int = 256):
+                 io_queue_size: int = 256, keep_hot: bool = True):
         self.hot = HotCache(pool)
+        # keep_hot False (LMCache's local_cpu: false): the pool only stages loads and saves;
+        # no chunk stays in it, and the tiers below serve every hit
+        self.keep_hot = keep_hot
         self.tiers = tiers
         self.metrics = metrics
         self.io = IOWorker(io_queue_size)
@@ -68,7 +71,8 @@ class StorageManager:
     def put(self, key: str, buf: ChunkBuffer) -> None:
         """Store ``buf`` under ``key``: hot now, lower tiers in the background. The caller
         keeps its own reference and releases it as usual."""
-        self.hot.put(key, buf)
+        if self.keep_hot:
+            self.hot.put(key, buf)
         self.metrics.stored_chunks.inc()
         self.metrics.hot_chunks.set(len(self.hot))
         for tier in self.tiers:
@@ -164,6 +168,8 @@ class StorageManager:
 
     def prefetch(self, keys: list[str]) -> None:
         """Pull the leading stored chunks of ``keys`` into the hot cache in the background."""
+        if not self.keep_hot:
+            return
         for key in keys:
             if self.hot.contains(key):
                 continue
@@ -252,7 +258,8 @@ class StorageManager:
                 continue
             buf.lossy = data[CODEC_BYTE] == CODECS["cachegen"]
             self.metrics.tier_bytes.labels(tier.name, "get").inc(len(data))
-            self.hot.put(key, buf)
+            if self.keep_hot:
+                self.hot.put(key, buf)
             loaded[key] = buf
             self.metrics.tier_hits.labels(tier.name).inc()
             if prefetch:

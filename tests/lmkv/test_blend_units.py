@@ -93,3 +93,12 @@ def test_select_recompute_takes_uncached_and_the_most_deviating():
     chosen = select_recompute(deviation, cached, 0.25)  # 2 of 8 cached tokens
     assert chosen.nonzero().flatten().tolist() == [0, 2, 4, 5]
     assert bool(select_recompute(deviation, cached, 1.0).all())
+
+
+def test_a_blend_check_layer_past_the_model_is_refused():
+    layout = KVLayout(2, 1, 8, torch.float32, 16)
+    cfg = load_config(env={}, chunk_size=16, max_local_cpu_size=0.001, enable_blending=True,
+                      blend_check_layer=2)
+    with pytest.raises(ValueError, match=r"blend_check_layer is 2, but the model has 2 layers \(0\.\.1\)"):
+        LMKVEngine(cfg, layout, "model")
+    LMKVEngine(cfg.__class__(**{**cfg.__dict__, "blend_check_layer": 1}), layout, "model").close()
