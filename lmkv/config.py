@@ -105,6 +105,21 @@ class LMKVConfig:
         return self.local_disk_codec == "cachegen" or (
             self.remote_url is not None and self.remote_serde == "cachegen")
 
+    def describe(self) -> str:
+        """One line naming the tiers and their bounds, for start-up logs."""
+        tiers = [f"hot cache {self.max_local_cpu_size:g} GB" if self.local_cpu
+                 else f"CPU staging only ({self.max_local_cpu_size:g} GB)"]
+        if self.local_disk:
+            tiers.append(f"disk {self.local_disk} ({self.max_local_disk_size:g} GB, "
+                         f"{self.local_disk_codec})")
+        if self.remote_url:
+            tiers.append(f"remote {self.remote_url} ({self.remote_serde})")
+        extras = [name for name, on in (("layer-wise", self.use_layerwise),
+                                        ("blending", self.enable_blending),
+                                        (f"role {self.kv_role}", self.kv_role != "both")) if on]
+        return (f"chunks of {self.chunk_size} tokens; tiers: {', '.join(tiers)}"
+                + (f"; {', '.join(extras)}" if extras else ""))
+
     @property
     def quality_check_every(self) -> int:
         """1 in how many greedy requests served lossy KV the quality gate re-runs (0: off)."""

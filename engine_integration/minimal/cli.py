@@ -37,8 +37,14 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * unit)
 
 
+LMKV_HELP = ("lmkv is on when the environment variable LMKV_CONFIG_FILE names its YAML config "
+             "(e.g. LMKV_CONFIG_FILE=examples/local_cpu_disk.yaml: a CPU hot cache over a disk "
+             "tier; keys in docs/configuration.md); without it the engine runs without lmkv.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="engine", description="lmkv's bundled LLM engine")
+    parser = argparse.ArgumentParser(prog="engine", description="lmkv's bundled LLM engine",
+                                     epilog=LMKV_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
 
     engine_args = argparse.ArgumentParser(add_help=False)
@@ -64,16 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
                    default=True, help="split long prompts over steps (default on)")
     g.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
 
-    serve = commands.add_parser("serve", parents=[engine_args],
+    serve = commands.add_parser("serve", parents=[engine_args], epilog=LMKV_HELP,
                                 help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="default 8000")
     serve.add_argument("--max-pending", type=int, default=ServerConfig.max_pending,
                        help="requests that may wait beyond --max-num-seqs; more get HTTP 503 "
                        "(default %(default)s)")
+    serve.add_argument("--max-request-body", type=parse_size, default=ServerConfig.max_request_body,
+                       help="largest request body accepted; larger ones get HTTP 413 (default 8MiB)")
     serve.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
-    gen = commands.add_parser("generate", parents=[engine_args],
+    gen = commands.add_parser("generate", parents=[engine_args], epilog=LMKV_HELP,
                               help="generate from one prompt and print the text")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, help="default 16")
@@ -85,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
 
-    pre = commands.add_parser("precompute", parents=[engine_args],
+    pre = commands.add_parser("precompute", parents=[engine_args], epilog=LMKV_HELP
+                              + " precompute needs it, with a disk or remote tier to outlive the process.",
                               help="compute and store the KV of RAG document chunks (lmkv)")
     pre.add_argument("files", nargs="+", help="text files; each is one chunk unless --split-on")
     pre.add_argument("--split-on", help="split each file into chunks at this string "
@@ -123,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             config = ServerConfig(
                 engine=engine_config(args), host=args.host, port=args.port,
                 max_pending=args.max_pending, log_level=args.log_level,
+                max_request_body=args.max_request_body,
                 lmkv_config_file=os.environ.get("LMKV_CONFIG_FILE") or None,
             )
         except ValueError as e:
