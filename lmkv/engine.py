@@ -108,8 +108,8 @@ class LMKVEngine:
         if self.config.enable_prefetch:
             self.storage.prefetch(keys)
 
-    def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
-        self.metrics.record_lookup(prompt_tokens, hit_tokens)
+    def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:
+        self.metrics.record_lookup(prompt_tokens, hit_tokens, engine_tokens)
 
     def count_error(self, where: str, kind: str) -> None:
         self.metrics.errors.labels(where, kind).inc()

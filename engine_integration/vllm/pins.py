@@ -207,7 +207,8 @@ class PinServer:
             e.prefetch(keys)
             return {}
         if op == "record_lookup":
-            e.record_lookup(int(msg["prompt_tokens"]), int(msg["hit_tokens"]))
+            e.record_lookup(int(msg["prompt_tokens"]), int(msg["hit_tokens"]),
+                            int(msg.get("engine_tokens", 0)))
             return {}
         if op == "drain":
             e.drain()
@@ -270,8 +271,9 @@ class RemoteEngine:
         if self.config.enable_prefetch:
             self.best_effort("prefetch", keys=keys)
 
-    def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
-        self.best_effort("record_lookup", prompt_tokens=prompt_tokens, hit_tokens=hit_tokens)
+    def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:
+        self.best_effort("record_lookup", prompt_tokens=prompt_tokens, hit_tokens=hit_tokens,
+                         engine_tokens=engine_tokens)
 
     def drain(self) -> None:
         self.best_effort("drain")

@@ -84,10 +84,12 @@ class SchedulerConnector:
         chunks = self.engine.fetch(st.keys[first:full]) if full > first else []
         st.pinned, st.pinned_from = chunks, first  # at once: whatever follows, they are released
         found = first + len(chunks) if chunks else below
-        self.engine.record_lookup(len(request.prompt_token_ids), found * c)
         st.saved_chunks = max(st.saved_chunks, found)  # not saved again
         st.lossy = st.lossy or any(b.lossy for b in chunks)
         hit = min((first + len(chunks)) * c, len(request.prompt_token_ids) - 1)
+        # lmkv's hit is what it can load beyond the engine's own prefix cache
+        self.engine.record_lookup(len(request.prompt_token_ids), max(0, hit - num_computed_tokens),
+                                  num_computed_tokens)
         if hit <= num_computed_tokens:
             self._unpin(st)
             return 0, False

@@ -286,3 +286,21 @@ def test_a_failed_load_is_recomputed_never_attended(tiny_model_dir, reference, l
         again = llm.generate(ps, GREEDY)
         assert [o.output_token_ids for o in again] == reference()
         assert [o.num_external_tokens for o in again] == [_full_chunks(p) for p in ps]
+
+
+def test_hits_of_the_engines_own_prefix_cache_are_not_counted_as_lmkvs(tiny_model_dir):
+    """A repeated prompt served by the engine's prefix cache loads nothing from lmkv: it
+    counts under lmkv_engine_cached_tokens, not lmkv_hit_tokens."""
+    p = prompts(n=1, length=4 * CHUNK + 5, seed=11)[0]
+    with lmkv_llm(tiny_model_dir, prefix_caching=True) as llm:
+        llm.generate([p], GREEDY)
+        assert metric(llm, "lmkv_hit_tokens_total") == 0
+        out = llm.generate([p], GREEDY)[0]
+        assert out.num_cached_tokens == 4 * CHUNK and out.num_external_tokens == 0
+        assert metric(llm, "lmkv_hit_tokens_total") == 0
+        assert metric(llm, "lmkv_loaded_tokens_total") == 0
+        assert metric(llm, "lmkv_engine_cached_tokens_total") == 4 * CHUNK
+        llm.engine.block_manager.reset_prefix_cache()
+        out = llm.generate([p], GREEDY)[0]
+        assert out.num_external_tokens == 4 * CHUNK
+        assert metric(llm, "lmkv_hit_tokens_total") == 4 * CHUNK == metric(llm, "lmkv_loaded_tokens_total")
