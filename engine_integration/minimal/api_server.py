@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -292,6 +293,10 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 # ---- the program ----------------------------------------------------------------------
 def serve(config: ServerConfig) -> None:
     """Load the model and serve HTTP until interrupted. Raises StartupError."""
+    # SIGTERM is a requested stop, not a failure (make, systemd and the like would report
+    # one): exit with status 0, also after uvicorn's graceful shutdown, which raises the
+    # signal again
+    signal.signal(signal.SIGTERM, _stopped)
     try:
         lmkv_config = None
         if config.lmkv_config_file is not None:
@@ -312,7 +317,18 @@ def serve(config: ServerConfig) -> None:
 
     server = APIServer(engine, config)
     log.info("serving %s on http://%s:%d", server.model_name, config.host, config.port)
-    uvicorn.run(
-        server.app, host=config.host, port=config.port, log_level=config.log_level,
-        timeout_graceful_shutdown=5,
-    )
+    try:
+        uvicorn.run(
+            server.app, host=config.host, port=config.port, log_level=config.log_level,
+            timeout_graceful_shutdown=5,
+        )
+    except SystemExit as e:
+        if e.code != 0:
+            raise
+    finally:
+        engine.close()  # lmkv finishes its background writes
+    log.info("engine serve: stopped")
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(0)

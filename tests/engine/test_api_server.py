@@ -327,22 +327,27 @@ def test_every_command_says_how_lmkv_is_turned_on(command):
     assert "LMKV_CONFIG_FILE" in " ".join(out.stdout.split())
 
 
-def test_serve_without_a_config_says_lmkv_is_off(tiny_model_dir, tmp_path):
+def test_serve_without_a_config_says_lmkv_is_off_and_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "LMKV_CONFIG_FILE"}
-    log = tmp_path / "serve.log"
+    log, port = tmp_path / "serve.log", free_port()
     with log.open("w") as out:
         proc = subprocess.Popen(
-            engine_command("serve", "--model", str(tiny_model_dir), "--port", str(free_port()),
+            engine_command("serve", "--model", str(tiny_model_dir), "--port", str(port),
                            "--kv-cache-memory", "8MiB"), env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
-        while "lmkv is off" not in log.read_text():
+        while True:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
     finally:
-        proc.terminate()
+        proc.terminate()  # SIGTERM: a requested stop, not a failure
         proc.wait(15)
     assert "LMKV_CONFIG_FILE is not set" in log.read_text()
+    assert proc.returncode == 0 and "engine serve: stopped" in log.read_text()
 
 
 def test_client_disconnect_aborts_the_stream(server):
