@@ -145,6 +145,7 @@ class LMKVEngine:
             part = kv[:, :, i * c : (i + 1) * c]
             buf.kv[:, :, : part.shape[2]].copy_(part)
             buf.kv[:, :, part.shape[2] :].zero_()
+            buf.num_tokens = part.shape[2]  # a tail is stored at its own size below the hot cache
             self.store(key, buf)
             buf.release()
         return True

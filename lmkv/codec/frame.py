@@ -37,9 +37,14 @@ def encode(buf: ChunkBuffer, key: str, codec: str = "raw",
            table: CacheGenTable | None = None) -> memoryview:
     """The frame of ``buf``'s chunk. For 'raw' it is written in place, in the slot's header
     area, and the returned view aliases the slot (valid while the caller holds a reference).
-    'cachegen' needs the model's calibration ``table``."""
+    'cachegen' needs the model's calibration ``table``. A chunk holding fewer tokens than
+    chunk_size (``buf.num_tokens``) is framed at that size, except by cachegen."""
     kv = buf.kv
     raw = memoryview(buf.frame.numpy())[HEADER_BYTES:]
+    n = buf.num_tokens
+    if n < kv.shape[2] and codec != "cachegen":  # a partial chunk travels at its own size
+        kv = kv[:, :, :n].contiguous()
+        raw = memoryview(kv.view(-1).view(torch.uint8).numpy())
     if codec == "raw":
         payload = raw
     elif codec == "zstd":
@@ -59,7 +64,7 @@ def encode(buf: ChunkBuffer, key: str, codec: str = "raw",
         MAGIC, VERSION, CODECS[codec], _DTYPES[kv.dtype], kv.dim(), *shape, len(payload),
         xxhash.xxh3_64_intdigest(payload), xxhash.xxh3_64_intdigest(key.encode()),
     ).ljust(HEADER_BYTES, b"\0")
-    if codec == "raw":
+    if codec == "raw" and n == buf.kv.shape[2]:
         frame = memoryview(buf.frame.numpy())
         frame[:HEADER_BYTES] = header
         return frame
@@ -81,9 +86,11 @@ def decode_into(data: bytes | memoryview, buf: ChunkBuffer, key: str,
         raise FrameError(f"not an lmkv frame (magic {magic!r}, version {version})")
     if codec not in CODECS.values():
         raise FrameError(f"unknown codec id {codec}")
-    if dtype != _DTYPES[kv.dtype] or tuple(shape[:ndim]) != tuple(kv.shape):
-        raise FrameError(f"frame holds shape {shape[:ndim]} dtype code {dtype}, expected "
-                         f"{tuple(kv.shape)} {kv.dtype}")
+    got, want = tuple(shape[:ndim]), tuple(kv.shape)
+    partial = ndim == 5 and got[:2] + got[3:] == want[:2] + want[3:] and 1 <= got[2] < want[2]
+    if dtype != _DTYPES[kv.dtype] or not (got == want or (partial and codec != CODECS["cachegen"])):
+        raise FrameError(f"frame holds shape {got} dtype code {dtype}, expected "
+                         f"{want} {kv.dtype} (or fewer tokens)")
     if key_hash != xxhash.xxh3_64_intdigest(key.encode()):
         raise FrameError("frame belongs to another key")
     payload = view[HEADER_BYTES:]
@@ -92,12 +99,16 @@ def decode_into(data: bytes | memoryview, buf: ChunkBuffer, key: str,
     if xxhash.xxh3_64_intdigest(payload) != checksum:
         raise FrameError("checksum mismatch: payload corrupted")
     out = memoryview(buf.frame.numpy())[HEADER_BYTES:]
-    if codec == CODECS["raw"]:
-        if len(payload) != len(out):
-            raise FrameError(f"raw payload of {len(payload)} bytes, chunk needs {len(out)}")
-        if not _same_memory(payload, out):
-            out[:] = payload
-    elif codec == CODECS["cachegen"]:
+    if partial:  # tokens [0, n): decoded apart, then placed; the rest of the slot is zeroed
+        n = got[2]
+        part = torch.empty(got, dtype=kv.dtype)
+        _decode_payload(codec, payload, memoryview(part.view(-1).view(torch.uint8).numpy()))
+        kv[:, :, :n].copy_(part)
+        kv[:, :, n:].zero_()
+        buf.num_tokens = n
+        return
+    buf.num_tokens = want[2]
+    if codec == CODECS["cachegen"]:
         from . import cachegen
 
         if table is None:
@@ -106,6 +117,17 @@ def decode_into(data: bytes | memoryview, buf: ChunkBuffer, key: str,
             cachegen.decode_into(payload, kv, table)
         except ValueError as e:
             raise FrameError(f"cachegen payload: {e}") from e
+        return
+    _decode_payload(codec, payload, out)
+
+
+def _decode_payload(codec: int, payload: memoryview, out: memoryview) -> None:
+    """A raw or zstd payload into ``out``, which it must fill exactly."""
+    if codec == CODECS["raw"]:
+        if len(payload) != len(out):
+            raise FrameError(f"raw payload of {len(payload)} bytes, chunk needs {len(out)}")
+        if not _same_memory(payload, out):
+            out[:] = payload
     else:
         import zstandard
 
