@@ -139,12 +139,12 @@ def lmkv_extra(a) -> dict:
 
 def role_lmkv(a) -> dict:
     """Warm from lmkv's hot cache (it stored the prompt in this process)."""
-    from lmkv_engines.vllm.engines import SharedEngines
+    from lmkv_engines.vllm.connector import worker_engine
 
     llm = make_llm(a.model, "lmkv", lmkv_extra(a), prefix_caching=True)
     ttft(llm, prompt(a.prompt_len, 99))  # warm-up
     ttft(llm, prompt(a.prompt_len, 0))  # cold: stores the prompt
-    engine = SharedEngines.engines()[0]
+    engine = worker_engine()
 
     def quiet() -> None:
         """vLLM's prefix cache emptied, and the previous cold prompt's disk writes (lmkv
@@ -163,10 +163,10 @@ def role_lmkv(a) -> dict:
 def role_lmkv_disk(a) -> dict:
     """A new process: warm from lmkv's disk tier only (hot cache emptied, files dropped from
     the page cache before each warm request)."""
-    from lmkv_engines.vllm.engines import SharedEngines
+    from lmkv_engines.vllm.connector import worker_engine
 
     llm = make_llm(a.model, "lmkv", lmkv_extra(a), prefix_caching=True)
-    engine = SharedEngines.engines()[0]
+    engine = worker_engine()
     disk = engine.storage.tiers[0].backend
     files = [disk.root / disk._name(k) for k in engine.keys(prompt(a.prompt_len, 0))]
     files = [f for f in files if f.exists()]

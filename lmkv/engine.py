@@ -17,6 +17,7 @@ from .layout import KVLayout
 from .memory import ChunkBuffer, MemoryPool
 from .metrics import LMKVMetrics
 from .storage.manager import StorageManager, Tier
+from .storage.pins import PinTable
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class LMKVEngine:
             raise ConfigError(
                 f"lmkv config key blend_check_layer is {config.blend_check_layer}, but the model "
                 f"has {layout.num_layers} layers (0..{layout.num_layers - 1})")
+        self.pins = PinTable()
         self.gate: QualityGate | None = None
         if config.quality_check_every and any(t.lossy for t in self.storage.tiers):
             self.gate = QualityGate(config.quality_check_every, config.codec_min_agreement,
@@ -103,6 +105,23 @@ class LMKVEngine:
     def fetch(self, keys: list[str]) -> list[ChunkBuffer]:
         """The longest loadable prefix of chunks, each retained for the caller."""
         return self.storage.fetch(keys)
+
+    # ---- pins: the scheduler role plans a load by key, the worker role takes the chunks ----
+    def pin(self, keys: list[str]) -> list[bool]:
+        """Pin the longest loadable prefix of ``keys`` in the hot cache (fetching from the
+        tiers below) for a load: one flag per pinned chunk, True where it was decoded from a
+        lossy codec. Each pin is taken by the load (``take``) or given back (``unpin``)."""
+        bufs = self.fetch(keys)
+        self.pins.add(keys[: len(bufs)], bufs)
+        return [b.lossy for b in bufs]
+
+    def take(self, key: str) -> ChunkBuffer | None:
+        """The chunk of one pin of ``key``, retained for the caller; None if none is pinned."""
+        return self.pins.take(key)
+
+    def unpin(self, keys: list[str]) -> None:
+        """Give back one pin of each key."""
+        self.pins.give_back(keys)
 
     def prefetch(self, keys: list[str]) -> None:
         if self.config.enable_prefetch:
@@ -185,6 +204,7 @@ class LMKVEngine:
         return server
 
     def close(self) -> None:
+        self.pins.clear()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

@@ -51,44 +51,55 @@ class WorkerConnector:
 
     # ---- loading --------------------------------------------------------------------
     def start_load_kv(self) -> None:
-        """Start this step's loads. Never raises: a failure is reported by failed_loads."""
+        """Start this step's loads: take each chunk the scheduler role pinned, by key.
+        Never raises: a failure is reported by failed_loads."""
         loads = self.meta.loads
         self._load_error = None
         self.load_job = None
+        self._layer_loaded = []
         if not loads:
-            self._layer_loaded = []
+            return
+        chunks = [[self.engine.take(key) for key in spec.keys] for spec in loads]
+        missing = [k for spec, bufs in zip(loads, chunks, strict=True)
+                   for k, b in zip(spec.keys, bufs, strict=True) if b is None]
+        if missing:  # never expected: the scheduler role pinned them
+            self._load_error = LookupError(f"{len(missing)} chunks planned for loading are not pinned")
+            self._release(chunks)
             return
         if not self.layerwise:
             try:
-                self._load(loads)
+                self._load(loads, chunks)
             except Exception as e:
                 self._load_error = e
             finally:  # a failed load still returns its chunks to the pool
-                for spec in loads:
-                    for buf in spec.chunks:
-                        buf.release()
+                self._release(chunks)
             return
         self._layer_loaded = [threading.Event() for _ in range(self.engine.layout.num_layers)]
-        self.load_job = self._executor.submit(self._load_layers, loads, self._layer_loaded)
+        self.load_job = self._executor.submit(self._load_layers, loads, chunks, self._layer_loaded)
 
-    def _load_layers(self, loads, events: list[threading.Event]) -> None:
+    def _load_layers(self, loads, chunks, events: list[threading.Event]) -> None:
         try:
             for layer, event in enumerate(events):
-                self._load(loads, layer)
+                self._load(loads, chunks, layer)
                 event.set()
         finally:  # after a failure the forward pass goes on; failed_loads tells the engine
             for event in events:
                 event.set()
-            for spec in loads:
-                for buf in spec.chunks:
-                    buf.release()
+            self._release(chunks)
 
-    def _load(self, loads, layer: int | None = None) -> None:
-        for spec in loads:
-            for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips, strict=True):
+    def _load(self, loads, chunks, layer: int | None = None) -> None:
+        for spec, bufs in zip(loads, chunks, strict=True):
+            for buf, slots, skip in zip(bufs, spec.slot_mappings, spec.skips, strict=True):
                 # a mapping shorter than the chunk (a load ending before the last prompt
                 # token) loads that many of its tokens
                 self.paged.load(buf.kv[:, :, : slots.shape[0]], slots, skip, layer)
+
+    @staticmethod
+    def _release(chunks: list[list[ChunkBuffer | None]]) -> None:
+        for bufs in chunks:
+            for buf in bufs:
+                if buf is not None:
+                    buf.release()
 
     def wait_for_layer_load(self, layer: int) -> None:
         if self._layer_loaded:
@@ -108,7 +119,7 @@ class WorkerConnector:
                     slots.shape[0] - skip for spec in self.meta.loads
                     for slots, skip in zip(spec.slot_mappings, spec.skips, strict=True)))
             return []
-        n = sum(len(spec.chunks) for spec in self.meta.loads)
+        n = sum(len(spec.keys) for spec in self.meta.loads)
         log.warning("lmkv: loading %d chunks of %d requests failed (%r); their tokens are "
                     "recomputed", n, len(self.meta.loads), self._load_error)
         self.engine.count_error("connector", "load")

@@ -60,6 +60,7 @@ def test_hot_cache_hit_gives_same_tokens(tiny_model_dir, reference, layerwise):
         assert [o.num_external_tokens for o in again] == [_full_chunks(p) for p in prompts()]
         assert metric(llm, "lmkv_hit_tokens_total") == sum(_full_chunks(p) for p in prompts())
         assert metric(llm, "lmkv_tier_hits_total", tier="hot") > 0
+        assert len(llm.engine.kv_connector.engine.pins) == 0  # every pin was taken by its load
         llm.engine.kv_connector.engine.pool.check_integrity()
 
 
