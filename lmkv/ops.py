@@ -1,6 +1,5 @@
 """Kernel entry points: CUDA tensors go to the kernels in cuda/ (``lmkv_cuda``), everything
-else to the same-signature torch code (``lmkv.ops_torch``, and the engine's attention in
-``lmkv_engines.minimal.attention``).
+else to the same-signature torch code in ``lmkv.ops_torch``.
 
 CuPy is imported only when a CUDA tensor arrives; if it (or the driver, or NVRTC) is
 unusable, one warning is printed and the torch code runs instead. Kernel-path extras, all
@@ -135,9 +134,7 @@ def paged_attention_decode(
             launcher, query.contiguous(), kv_layer, block_tables.to(dev), seq_lens.to(dev), scale,
             check=check, out=out,
         )  # fmt: skip
-    from lmkv_engines.minimal import attention as reference
-
-    result = reference.paged_attention_decode(query, kv_layer, block_tables, seq_lens, scale)
+    result = ops_torch.paged_attention_decode(query, kv_layer, block_tables, seq_lens, scale)
     return result if out is None else out.copy_(result)
 
 
@@ -156,9 +153,7 @@ def paged_attention_prefill(
             launcher, query.contiguous(), kv_layer, block_tables.to(dev), seq_lens.to(dev),
             query_start_loc.to(dev), scale, check=check, out=out,
         )  # fmt: skip
-    from lmkv_engines.minimal import attention as reference
-
-    result = reference.paged_attention_prefill(
+    result = ops_torch.paged_attention_prefill(
         query, kv_layer, block_tables, seq_lens, query_start_loc, scale
     )
     return result if out is None else out.copy_(result)
@@ -177,9 +172,7 @@ def reshape_and_cache(
         if not rows_ok or key.stride(0) != value.stride(0):  # the kernel takes [Hkv, D] rows
             key, value = key.contiguous(), value.contiguous()
         return kv_copy.reshape_and_cache(launcher, key, value, kv_layer, slot_mapping, check=check)
-    from lmkv_engines.minimal import attention as reference
-
-    reference.reshape_and_cache(key, value, kv_layer, slot_mapping)
+    ops_torch.reshape_and_cache(key, value, kv_layer, slot_mapping)
 
 
 # ---- cachegen quantize / dequantize (lmkv.codec.cachegen; kv [2, L, T, Hkv, D])

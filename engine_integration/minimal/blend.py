@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from lmkv.blend.plan import BlendPlan, select_recompute
-from lmkv.ops import rerotate_keys
+from lmkv.ops import rerotate_keys, reshape_and_cache
 
-from .attention import reshape_and_cache
 from .model import LlamaForCausalLM
 from .rope import RotaryEmbedding
 

@@ -3,6 +3,7 @@
     engine serve [--model DIR] [--port 8000] ...   OpenAI-compatible HTTP API
     engine generate PROMPT [--max-tokens N] ...    one generation, printed to stdout
     engine precompute FILE... [--split-on SEP]     store RAG chunks' KV for CacheBlend
+    engine calibrate [--error 0.06] ...            the cachegen codec's table for a model
 
 Every command reads ``LMKV_CONFIG_FILE`` when it is set (lmkv on); precompute needs it.
 """
@@ -15,6 +16,9 @@ import os
 import re
 import sys
 from dataclasses import asdict
+from pathlib import Path
+
+from lmkv.codec.calibration import CalibrationSettings
 
 from .config import EngineConfig
 from .sampling_params import SamplingParams
@@ -101,6 +105,23 @@ def build_parser() -> argparse.ArgumentParser:
                      "(e.g. a blank line: $'\\n\\n')")
     pre.add_argument("--batch-size", type=int, default=8)
     pre.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+
+    cal = commands.add_parser("calibrate", parents=[engine_args], epilog=LMKV_HELP,
+                              help="measure the model's KV for the cachegen codec (lmkv)")
+    cal.add_argument("--out", help="table file (default: lmkv's cachegen_calibration, else "
+                     "~/.cache/lmkv/calibration/<key scope>.safetensors, where lmkv looks)")
+    cal.add_argument("--prompts", type=int, default=8, help="calibration prompts (default 8)")
+    cal.add_argument("--length", type=int, default=1024, help="tokens per prompt (default 1024)")
+    cal.add_argument("--text", help="a text file to cut prompts from (default: random tokens)")
+    cal.add_argument("--error", type=float, default=CalibrationSettings.error,
+                     help="relative error target of layer 0 (default %(default)s)")
+    cal.add_argument("--deep-ratio", type=float, default=CalibrationSettings.deep_ratio,
+                     help="last layer's target / first layer's (default %(default)s)")
+    cal.add_argument("--value-ratio", type=float, default=CalibrationSettings.value_ratio,
+                     help="V's target / K's (default %(default)s)")
+    cal.add_argument("--group-size", type=int, default=CalibrationSettings.group_size,
+                     help="tokens per delta group (default %(default)s)")
+    cal.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     return parser
 
 
@@ -138,6 +159,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.error(str(e))
         return _serve(config)
+    if args.command == "calibrate":
+        try:
+            config = engine_config(args)
+            settings = CalibrationSettings(args.error, args.deep_ratio, args.value_ratio,
+                                           args.group_size)
+        except ValueError as e:
+            parser.error(str(e))
+        return _calibrate(config, settings, args)
     if args.command == "precompute":
         try:
             config = engine_config(args)
@@ -186,6 +215,26 @@ def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -> int:
         print(f"engine generate: error: {e}", file=sys.stderr)
         return 1
     print(out.text)
+    return 0
+
+
+def _calibrate(config: EngineConfig, settings: CalibrationSettings, args: argparse.Namespace) -> int:
+    from lmkv.config import load_config
+
+    from .calibrate import calibrate_model
+
+    try:
+        text = Path(args.text).read_text(encoding="utf-8") if args.text else None
+        engine_args = {k: v for k, v in asdict(config).items()
+                       if k not in ("model", "enable_prefix_caching")}
+        table, path = calibrate_model(config.model, _lmkv_config() or load_config(), settings,
+                                      args.prompts, args.length, text, args.out, **engine_args)
+    except (OSError, ValueError) as e:
+        print(f"engine calibrate: error: {e}", file=sys.stderr)
+        return 1
+    print(f"cachegen table {table.table_id:016x} -> {path}")
+    print("delta coding per layer (K):", table.delta[0].int().tolist(),
+          "(V):", table.delta[1].int().tolist())
     return 0
 
 

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import paged_attention_decode, paged_attention_prefill, reshape_and_cache
+from lmkv.ops import paged_attention_decode, paged_attention_prefill, reshape_and_cache
+
 from .attention_metadata import AttentionMetadata
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from lmkv.codec.calibrate import calibrate_model
 from lmkv.codec.calibration import CalibrationSettings
 from lmkv.config import load_config
+from lmkv_engines.minimal.calibrate import calibrate_model
 from lmkv_engines.minimal.llm import LLM
 
 from ..redis_server import RedisServer
@@ -80,12 +80,13 @@ def test_remote_serde_cachegen_through_redis(tiny_model_dir, reference, tmp_path
 
 
 def test_calibrate_cli_writes_where_the_engine_looks(tiny_model_dir, monkeypatch, tmp_path, capsys):
-    from lmkv.codec.calibrate import main
+    from lmkv_engines.minimal.cli import main
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the default table path is under ~
     monkeypatch.setenv("LMKV_CHUNK_SIZE", str(CHUNK))
     monkeypatch.setenv("LMKV_MAX_LOCAL_CPU_SIZE", "0.05")
-    main(["--model", str(tiny_model_dir), "--prompts", "2", "--length", "128", "--error", "0.01"])
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--prompts", "2", "--length", "128",
+                 "--error", "0.01", "--kv-cache-memory", "64MiB"]) == 0
     path = next((tmp_path / "home" / ".cache" / "lmkv" / "calibration").glob("*.safetensors"))
     assert path.name in capsys.readouterr().out
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", local_disk_codec="cachegen") as llm:
