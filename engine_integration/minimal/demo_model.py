@@ -3,7 +3,7 @@ built deterministically offline and cached on disk (tests and shape benchmarks).
 
 Their text is gibberish, but they exercise every code path of a real checkpoint
 (safetensors, config.json, tokenizer.json) at any geometry. The engine's default model is
-the trained one (trained_model.py).
+the trained one (benchmarks/quality/trained_model.py).
 """
 
 from __future__ import annotations
