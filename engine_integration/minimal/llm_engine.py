@@ -74,19 +74,12 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.metrics = metrics or EngineMetrics()
         self.kv_connector = None
-        self.blend_separator: list[int] = []
         if lmkv_config is not None:
-            from lmkv.blend.segments import separator_tokens
-
             from .kv_connector import KVConnector
 
-            self.blend_separator = separator_tokens(
-                lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                lmkv_config.blend_special_str,
-            ) if lmkv_config.enable_blending else []
             self.kv_connector = KVConnector(
                 lmkv_config, self.model_config, self.dtype, config.block_size, model_dir,
-                self.kv_cache, self.metrics.registry, self.blend_separator,
+                self.kv_cache, self.metrics.registry, self.tokenizer.encode,
             )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -100,7 +93,6 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
         self.requests: dict[str, Request] = {}
-        self._codec_checks: dict[str, list[int]] = {}  # quality-gate re-run id -> served tokens
         log.info(
             "engine ready: model %s (%d layers, %d/%d heads, head_dim %d, %s), KV memory %d "
             "blocks x %d tokens, max_model_len %d",
@@ -134,16 +126,15 @@ class LLMEngine:
         return req
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """With blending on, the parts between separators are tokenized separately (as they
-        were when precomputed) and joined with the separator's tokens. Thread-safe."""
-        sep = self.kv_connector.engine.config.blend_special_str if self.blend_separator else None
-        if not sep or sep not in text:
-            return self.tokenizer.encode(text, add_special_tokens)
-        parts = text.split(sep)
-        ids = self.tokenizer.encode(parts[0], add_special_tokens)
-        for part in parts[1:]:
-            ids += self.blend_separator + self.tokenizer.encode(part, add_special_tokens=False)
-        return ids
+        """As the tokenizer does, except where lmkv's blending splits the prompt into the
+        chunks it precomputed. Thread-safe."""
+        ids = self.kv_connector.tokenize(text, add_special_tokens) if self.kv_connector else None
+        return ids if ids is not None else self.tokenizer.encode(text, add_special_tokens)
+
+    @property
+    def blend_separator(self) -> list[int]:
+        """The ids that join a blended prompt's segments (prompts sent as ids use them)."""
+        return self.kv_connector.blend_separator if self.kv_connector else []
 
     def compute_kv(self, token_lists: list[list[int]], pre_rope: bool = False) -> list[torch.Tensor]:
         """KV of each token list computed alone at positions [0, n): [2, L, n, Hkv, D] each,
@@ -222,36 +213,17 @@ class LLMEngine:
             req.output_token_ids.append(token)
             self.metrics.generation_tokens.inc()
             reason = self._check_stop(req, token)
-            check = req.request_id in self._codec_checks
             if reason is not None:
-                self._codec_check(req)
+                rerun = self.kv_connector.request_finished(req) if self.kv_connector else None
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
                 self.metrics.requests_finished.labels(reason.value).inc()
-            if not check:
+                if rerun is not None:
+                    self.requests[rerun.request_id] = rerun
+                    self.scheduler.add(rerun)
+            if not req.internal:
                 outputs.append(self._output(req))
         return outputs
-
-    def _codec_check(self, req: Request) -> None:
-        """lmkv's quality gate (codec_check_every): re-run a sample of the greedy requests that
-        were served lossy KV, without any cached KV, and report both token lists. The re-run
-        is internal: it produces no output."""
-        gate = self.kv_connector.engine.gate if self.kv_connector is not None else None
-        if gate is None:
-            return
-        if req.request_id in self._codec_checks:
-            gate.record(req.output_token_ids, self._codec_checks.pop(req.request_id))
-            return
-        if not (req.params.greedy and self.kv_connector.scheduler.served_lossy(req)
-                and gate.sample()):
-            return
-        params = SamplingParams(max_tokens=len(req.output_token_ids), temperature=0,
-                                ignore_eos=True)
-        rerun = Request(f"{req.request_id}#codec-check", list(req.prompt_token_ids), params,
-                        arrival=time.monotonic(), cacheable=False, use_cache=False)
-        self._codec_checks[rerun.request_id] = list(req.output_token_ids)
-        self.requests[rerun.request_id] = rerun
-        self.scheduler.add(rerun)
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
