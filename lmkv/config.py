@@ -35,7 +35,7 @@ class LMKVConfig:
     local_disk: str | None = None  # directory (or file:// URL) of the disk tier; None = off
     max_local_disk_size: float = 0.0  # GB cap of the disk tier (required when local_disk is set)
     remote_url: str | None = None  # lm://, redis://, ... (issue: cross-instance sharing)
-    remote_serde: str = "naive"  # naive (raw frames) | zstd | cachegen (lossy, calibrated)
+    remote_serde: str = "raw"  # raw (LMCache's "naive" is read as raw) | zstd | cachegen (lossy)
     local_disk_codec: str = "raw"  # raw | zstd | cachegen: how chunks are written to disk
     cachegen_calibration: str | None = None  # table file; None = ~/.cache/lmkv/calibration/<scope>
     # quality gate: re-run 1 in N greedy requests served lossy KV; None = 16 with a lossy
@@ -66,8 +66,10 @@ class LMKVConfig:
         _require(self.kv_role in ("both", "producer", "consumer"), "kv_role",
                  "must be one of both, producer, consumer")
         _require(0 <= self.blend_recompute_ratio <= 1, "blend_recompute_ratio", "must be in [0, 1]")
-        _require(self.remote_serde in ("naive", "zstd", "cachegen"), "remote_serde",
-                 "must be one of naive, zstd, cachegen")
+        _require(self.remote_serde in ("naive", "raw", "zstd", "cachegen"), "remote_serde",
+                 "must be one of naive (= raw), zstd, cachegen")
+        if self.remote_serde == "naive":  # LMCache's name for the raw codec
+            object.__setattr__(self, "remote_serde", "raw")
         _require(not self.save_unfull_chunk, "save_unfull_chunk",
                  "is not supported: lmkv stores full chunks only")
         _require(self.local_cpu or self.local_disk is not None or self.remote_url is not None,

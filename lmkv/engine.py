@@ -9,6 +9,7 @@ import torch
 from .backends.base import BackendError, StorageBackend
 from .blend.plan import BlendPlan, CachedSegment
 from .blend.segments import split_segments
+from .codec import get_codec
 from .codec.calibration import CacheGenTable
 from .codec.gate import QualityGate
 from .config import ConfigError, LMKVConfig
@@ -16,8 +17,9 @@ from .keys import KeyScope, content_hashes, prefix_hashes
 from .layout import KVLayout
 from .memory import ChunkBuffer, MemoryPool
 from .metrics import LMKVMetrics
-from .storage.manager import StorageManager, Tier
+from .storage.manager import StorageManager
 from .storage.pins import PinTable
+from .storage.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +63,12 @@ class LMKVEngine:
                 backend = DiskBackend(self.config.local_disk, self.config.disk_bytes)
             except BackendError as e:
                 raise ValueError(f"lmkv config key local_disk: {e}") from e
-            tiers.append(_tier("disk", backend, self.config.local_disk_codec, table))
+            tiers.append(_tier("disk", backend, self.config.local_disk_codec, table, self.metrics))
         if self.config.remote_url:
             from .backends.registry import create_backend
 
-            codec = "raw" if self.config.remote_serde == "naive" else self.config.remote_serde
             backend = create_backend(self.config.remote_url, self.config.remote_timeout)
-            tiers.append(_tier("remote", backend, codec, table))
+            tiers.append(_tier("remote", backend, self.config.remote_serde, table, self.metrics))
         return tiers
 
     def _calibration(self) -> CacheGenTable | None:
@@ -80,7 +81,7 @@ class LMKVEngine:
             table.check_layout(self.layout.chunk_shape)
         except FileNotFoundError:
             log.warning("lmkv: no cachegen calibration at %s; storing lossless (zstd) instead. "
-                        "Calibrate with: python -m lmkv.codec.calibrate --model DIR", path)
+                        "Calibrate with: engine calibrate --model DIR", path)
             return None
         except ValueError as e:
             raise ValueError(f"lmkv config key cachegen_calibration: {path}: {e}") from e
@@ -212,8 +213,10 @@ class LMKVEngine:
         self.storage.close()
 
 
-def _tier(name: str, backend: StorageBackend, codec: str, table: CacheGenTable | None) -> Tier:
-    """A tier whose cachegen codec falls back to zstd when there is no calibration table."""
-    if codec == "cachegen" and table is None:
-        codec = "zstd"
-    return Tier(name, backend, codec, table=table if codec == "cachegen" else None)
+def _tier(name: str, backend: StorageBackend, codec: str, table: CacheGenTable | None,
+          metrics: LMKVMetrics) -> Tier:
+    """A tier whose lossy codec falls back to zstd when there is no calibration table."""
+    chosen = get_codec(codec)
+    if chosen.lossy and table is None:
+        chosen = get_codec("zstd")
+    return Tier(name, backend, chosen, table if chosen.lossy else None, metrics)

@@ -20,7 +20,7 @@ def calibrate_model(model: str | None, config: LMKVConfig, settings: Calibration
     ``config`` is the lmkv configuration the engine will serve with (its chunk_size and
     cache_salt name the table); no tier is written."""
     config = replace(config, local_disk=None, max_local_disk_size=0.0, remote_url=None,
-                     local_cpu=True, local_disk_codec="raw", remote_serde="naive",
+                     local_cpu=True, local_disk_codec="raw", remote_serde="raw",
                      codec_check_every=0, max_local_cpu_size=min(config.max_local_cpu_size, 0.5))
     with LLM(model, lmkv_config=config, enable_prefix_caching=False, **engine_args) as llm:
         engine = llm.engine

@@ -164,3 +164,27 @@ def test_batched_loads_stop_at_the_first_missing_or_corrupt_chunk(tmp_path):
     manager.close()
     pool.check_integrity()
     assert pool.num_free == pool.num_slots
+
+
+def test_a_chunk_written_to_two_tiers_with_one_codec_is_encoded_once(tmp_path, monkeypatch):
+    from lmkv.codec.base import Zstd
+    from lmkv.metrics import LMKVMetrics
+    from lmkv.storage.manager import StorageManager, Tier
+
+    calls = []
+    real = Zstd.encode
+    monkeypatch.setattr(Zstd, "encode", lambda self, kv, table: calls.append(1) or real(self, kv, table))
+    pool = MemoryPool(LAYOUT, 4 * (64 + LAYOUT.chunk_bytes))
+    tiers = [Tier("disk", DiskBackend(tmp_path / "a", 1 << 30), "zstd"),
+             Tier("remote", DiskBackend(tmp_path / "b", 1 << 30), "zstd"),
+             Tier("third", DiskBackend(tmp_path / "c", 1 << 30), "raw")]
+    manager = StorageManager(pool, tiers, LMKVMetrics())
+    for i in range(3):
+        buf = manager.allocate()
+        buf.kv.normal_()
+        manager.put(f"k{i}", buf)
+        buf.release()
+    manager.io.drain()
+    assert len(calls) == 3  # once per chunk, not once per tier
+    assert [t.backend.contains(["k0", "k1", "k2"]) for t in tiers] == [[True] * 3] * 3
+    manager.close()
