@@ -13,7 +13,7 @@ peers:
 	./scripts/setup_lmcache_venv.sh
 	./scripts/setup_vllm_venv.sh
 
-# Set up, then serve the built-in demo model with lmkv (CPU + disk tiers) on 127.0.0.1:8000.
+# Set up, then serve SmolLM2-135M-Instruct (the default model) with lmkv (CPU + disk tiers) on 127.0.0.1:8000.
 serve: setup
 	LMKV_CONFIG_FILE=$${LMKV_CONFIG_FILE:-examples/local_cpu_disk.yaml} exec .venv/bin/engine serve $(ARGS)
 

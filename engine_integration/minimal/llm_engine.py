@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .demo_model import ensure_demo_model
+from .default_model import DEFAULT_MODEL_NAME, resolve_model
+from .gguf_loader import GGUFCheckpoint, is_gguf
 from .loader import load_model
 from .metrics import EngineMetrics
 from .model_config import ModelConfig, parse_dtype
@@ -34,14 +34,18 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        model_dir = Path(config.model) if config.model else ensure_demo_model()
-        if not model_dir.is_dir():
-            raise FileNotFoundError(f"model directory {model_dir} does not exist")
-        self.model_dir = model_dir
-        self.model_config = mc = ModelConfig.from_dir(model_dir)
-        self.model_name = config.served_model_name or (config.model or "lmkv-demo-llama")
+        model_dir = resolve_model(config.model)
+        gguf = GGUFCheckpoint(model_dir) if is_gguf(model_dir) else None
+        if not model_dir.exists():
+            raise FileNotFoundError(f"model {model_dir} does not exist")
+        if gguf is None and not model_dir.is_dir():
+            raise ValueError(f"model {model_dir} is neither a checkpoint directory nor a GGUF file")
+        self.model_dir = model_dir  # a checkpoint directory or a .gguf file
+        self.model_config = mc = gguf.model_config() if gguf else ModelConfig.from_dir(model_dir)
+        self.model_name = config.served_model_name or config.model or DEFAULT_MODEL_NAME
         self.dtype = parse_dtype(config.dtype)
-        self.tokenizer = Tokenizer(model_dir, mc.eos_token_ids)
+        self.tokenizer = (gguf.tokenizer() if gguf
+                          else Tokenizer.from_dir(model_dir, mc.eos_token_ids))
 
         block_bytes = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim
         block_bytes *= self.dtype.itemsize
@@ -65,7 +69,9 @@ class LLMEngine:
             )
         self.max_model_len = max_len
 
-        self.model = load_model(model_dir, mc, self.dtype, mc.max_position_embeddings)
+        max_pos = mc.max_position_embeddings
+        self.model = (gguf.load_model(mc, self.dtype, max_pos) if gguf
+                      else load_model(model_dir, mc, self.dtype, max_pos))
         # [L, 2, num_blocks, block_size, Hkv, D]; zeros touches every page now, not mid-request
         self.kv_cache = torch.zeros(
             mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,

@@ -1,4 +1,5 @@
-"""The model's tokenizer (``tokenizer.json``) and chat template."""
+"""The model's tokenizer and chat template, from a ``tokenizer.json`` directory or built by a
+loader (gguf_tokenizer.py); chat templates render as Hugging Face transformers renders them."""
 
 from __future__ import annotations
 
@@ -18,21 +19,28 @@ FALLBACK_CHAT_TEMPLATE = (
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None = None,
+                 bos_token: str = "", eos_token: str = "", eos_token_ids: tuple[int, ...] = ()):
+        self._tok = tokenizer
+        self.chat_template: str = chat_template or FALLBACK_CHAT_TEMPLATE
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        eos = set(eos_token_ids)
+        if eos_token and (tid := tokenizer.token_to_id(eos_token)) is not None:
+            eos.add(tid)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"model directory {model_dir} has no tokenizer.json")
-        self._tok = HFTokenizer.from_file(str(path))
         extra = _read_json(model_dir / "tokenizer_config.json")
-        self.chat_template: str = extra.get("chat_template") or FALLBACK_CHAT_TEMPLATE
-        self.bos_token: str = _token_text(extra.get("bos_token")) or ""
-        self.eos_token: str = _token_text(extra.get("eos_token")) or ""
-        eos = set(eos_token_ids)
-        if self.eos_token and (tid := self._tok.token_to_id(self.eos_token)) is not None:
-            eos.add(tid)
-        self.eos_token_ids: frozenset[int] = frozenset(eos)
-        self.vocab_size = self._tok.get_vocab_size()
+        return cls(HFTokenizer.from_file(str(path)), extra.get("chat_template"),
+                   _token_text(extra.get("bos_token")) or "",
+                   _token_text(extra.get("eos_token")) or "", eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -41,9 +49,20 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text for ``messages`` with the assistant's turn opened, rendered in
+        the sandboxed Jinja environment transformers uses (blocks trimmed, loop controls,
+        ``raise_exception``, ``tojson``)."""
         import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
+        def raise_exception(message: str):
+            raise jinja2.TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
+                                                                  indent=indent)
+        env.globals["raise_exception"] = raise_exception
         try:
             template = env.from_string(self.chat_template)
             return template.render(

@@ -1,0 +1,185 @@
+"""SmolLM2-135M-Instruct from its GGUF file: the engine's config, tokenizer, chat template,
+logits and greedy tokens equal Hugging Face transformers loading the same file (dense,
+dequantized); unsupported files get one clear error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lmkv.model_id import model_fingerprint
+from lmkv_engines.minimal.default_model import default_model_path
+from lmkv_engines.minimal.gguf_loader import GGUFCheckpoint, unpermute_rows
+from lmkv_engines.minimal.llm import LLM
+from lmkv_engines.minimal.sampling_params import SamplingParams
+
+from .test_model_vs_hf import _engine_logits
+
+TEXTS = [
+    "Hello world",
+    "The year 2024 had 366 days; 12345 + 678 = 13023.",
+    "  leading spaces,\ttabs\n\nand blank lines\r\n",
+    "Don't stop: it's THEIR'S, we'll see. ¿Qué tal? 東京 🙂",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "def f(x):\n    return x**2  # square",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in one word."},
+     {"role": "user", "content": "Name a primary color."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello. How can I help?"},
+     {"role": "user", "content": "Count from 1 to 5."}],
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path):
+    with LLM(str(gguf_path), kv_cache_memory=64 << 20, max_model_len=1024) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path, tmp_path_factory):
+    """transformers' tokenizer and dense float32 model from the same file."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    d = tmp_path_factory.mktemp("gguf")
+    (d / gguf_path.name).symlink_to(gguf_path)
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=gguf_path.name)
+    # transformers >= 5 keeps GGUF blocks packed unless asked to dequantize; older ones always do
+    dense = ({"quantization_config": transformers.GgufConfig(dequantize=True)}
+             if hasattr(transformers, "GgufConfig") else {})
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=gguf_path.name, dtype=torch.float32, **dense)
+    return tok, model.eval()
+
+
+def test_config_comes_from_the_metadata(llm):
+    mc = llm.engine.model_config
+    assert (mc.num_layers, mc.hidden_size, mc.intermediate_size) == (30, 576, 1536)
+    assert (mc.num_heads, mc.num_kv_heads, mc.head_dim) == (9, 3, 64)
+    assert (mc.vocab_size, mc.rope_theta, mc.max_position_embeddings) == (49152, 100000.0, 8192)
+    assert mc.tie_word_embeddings and mc.rope_scaling is None
+    assert mc.eos_token_ids == (2,)  # <|im_end|>
+    assert llm.engine.model.lm_head.weight is llm.engine.model.model.embed_tokens.weight
+
+
+def test_tokenizer_ids_equal_transformers(llm, hf):
+    tok, _ = hf
+    for text in TEXTS:
+        assert llm.tokenizer.encode(text) == tok(text).input_ids, text
+    ids = llm.tokenizer.encode(TEXTS[4])
+    assert ids[0] == 1 and ids[-2] == 2  # control tokens matched whole; no BOS added
+    assert llm.tokenizer.decode(ids) == "user\nhi\n"  # and dropped when decoding
+
+
+def test_chat_template_equals_transformers(llm, hf):
+    tok, _ = hf
+    for messages in CHATS:
+        want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert llm.tokenizer.apply_chat_template(messages) == want
+    assert llm.tokenizer.apply_chat_template(CHATS[0]).startswith(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+def test_logits_equal_transformers(llm, hf):
+    tok, model = hf
+    prompts = [TEXTS[1], llm.tokenizer.apply_chat_template(CHATS[0]), TEXTS[5]]
+    for text in prompts:
+        ids = llm.tokenizer.encode(text)
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0].float()
+        got = _engine_logits(llm, ids)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+
+
+def test_greedy_tokens_equal_transformers(llm, hf):
+    tok, model = hf
+    prompts = [llm.tokenizer.apply_chat_template(c) for c in CHATS] + [TEXTS[0]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    for text, out in zip(prompts, outs, strict=True):
+        ids = llm.tokenizer.encode(text)
+        with torch.no_grad():  # both stop after <|im_end|> (2) or 24 tokens
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                 eos_token_id=2, pad_token_id=2)
+        assert out.output_token_ids == ref[0, len(ids):].tolist(), text
+    assert any(out.output_token_ids[-1] == 2 for out in outs)
+    assert any(len(out.output_token_ids) == 24 for out in outs)
+
+
+def test_answers_the_capital_of_france(llm):
+    prompt = llm.tokenizer.apply_chat_template(CHATS[0])
+    out = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0))[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.output_token_ids[-1] == 2  # stopped at <|im_end|>
+
+
+def test_fingerprint_of_a_file_is_its_content(gguf_path, tmp_path):
+    copy = tmp_path / "renamed.gguf"
+    copy.write_bytes(gguf_path.read_bytes())
+    assert model_fingerprint(copy) == model_fingerprint(gguf_path)
+    with open(copy, "r+b") as f:  # one byte of the first tensor block
+        f.seek(copy.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    assert model_fingerprint(copy) != model_fingerprint(gguf_path)
+
+
+def test_unpermute_rows_inverts_llama_cpp_order():
+    heads, d, cols = 3, 8, 5
+    w = np.arange(heads * d * cols, dtype=np.float32).reshape(heads * d, cols)
+    # llama.cpp's convert script: rows of each head as (2, d/2) -> (d/2, 2)
+    stored = w.reshape(heads, 2, d // 2, cols).swapaxes(1, 2).reshape(w.shape)
+    np.testing.assert_array_equal(unpermute_rows(stored, heads), w)
+
+
+def _write_gguf(path, arch: str = "llama", tensor_type: str = "F32"):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_head_count(1)
+    w.add_feed_forward_length(64)
+    qt = gguf.GGMLQuantizationType[tensor_type]
+    data = np.zeros((4, 32), dtype=np.float32)
+    if tensor_type != "F32":
+        block, size = gguf.GGML_QUANT_SIZES[qt]
+        data = np.zeros((4, 32 // block * size), dtype=np.uint8)
+        w.add_tensor("token_embd.weight", data, raw_dtype=qt)  # bytes, [4, 32] values
+    else:
+        w.add_tensor("token_embd.weight", data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_other_architecture_is_refused_by_name(tmp_path):
+    path = _write_gguf(tmp_path / "m.gguf", arch="qwen2")
+    with pytest.raises(ValueError, match=r"architecture 'qwen2'.*'llama'"):
+        GGUFCheckpoint(path)
+    with pytest.raises(ValueError, match="architecture 'qwen2'"):
+        LLM(str(path))
+
+
+def test_unsupported_quant_type_is_refused_by_name(tmp_path):
+    path = _write_gguf(tmp_path / "m.gguf", tensor_type="Q5_0")
+    with pytest.raises(ValueError, match=r"type Q5_0; this engine dequantizes F32, F16, BF16"):
+        GGUFCheckpoint(path)
+
+
+def test_missing_model_path_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        LLM(str(tmp_path / "nope.gguf"))
