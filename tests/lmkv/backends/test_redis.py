@@ -6,9 +6,8 @@ import pytest
 
 from lmkv.backends.base import BackendError
 from lmkv.backends.redis import RedisBackend
-
-from ..backend_checks import check_batched_reads
-from ..redis_server import RedisServer, start_cluster
+from tests.backend_checks import check_batched_reads
+from tests.redis_server import RedisServer, start_cluster
 
 
 @pytest.fixture

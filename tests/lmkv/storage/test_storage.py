@@ -115,7 +115,7 @@ def test_disk_tier_batched_reads(tmp_path):
     """The disk tier's batch read (which first asks the kernel to read ahead every file of
     the batch) returns what get_into does, misses included; a file removed behind the
     tier's back is a miss it forgets."""
-    from ..backend_checks import check_batched_reads
+    from tests.backend_checks import check_batched_reads
 
     disk = DiskBackend(tmp_path, capacity_bytes=1 << 20)
     check_batched_reads(disk, [memoryview(bytearray(8192)) for _ in range(3)])
