@@ -101,3 +101,15 @@ def lmcache_server(venv, tmp_path_factory):
     yield f"lm://127.0.0.1:{port}"
     proc.kill()
     proc.wait()
+
+
+@pytest.fixture(scope="session")
+def emu():
+    """The CPU emulator launcher: the real cuda/*.cu built with g++ (cached by content hash)."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed to build the CUDA kernels for the CPU emulator")
+    from lmkv_cuda.emu import EmuLauncher
+
+    return EmuLauncher()

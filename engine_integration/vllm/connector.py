@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from lmkv.connector import ConnectorMetadata, SchedulerConnector, WorkerConnector
 from lmkv.engine import LMKVEngine
+from lmkv.paged import PagedMemory
 
 from .engines import engine_spec
 from .lookup_socket import LookupClient, LookupServer, socket_path
@@ -116,7 +117,7 @@ class LMKVConnector(KVConnectorBase_V1):
                             "find no hits", path, e)
             self.worker = WorkerConnector(self.engine)
             self.layer_index: dict[str, int] = {}
-            self.paged: StridedPagedMemory | None = None
+            self.paged: PagedMemory | None = None
             self._load_errors: set[int] = set()
             self._save_failed = False
         self._closed = False
