@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="split long prompts over steps (default on)")
     g.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
+    g.add_argument("--device", default=EngineConfig.device,
+                   help="auto (cuda when torch sees a GPU, else cpu), cpu, cuda, cuda:N, or emulate "
+                   "(lmkv's CUDA kernels under the CPU emulator: slow, for tests); default auto")
 
     serve = commands.add_parser("serve", parents=[engine_args], epilog=LMKV_HELP,
                                 help="serve the OpenAI-compatible HTTP API")
@@ -139,6 +142,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.num_threads,
+        device=args.device,
     )
 
 

@@ -38,7 +38,7 @@ class KVConnector:
 
     def __init__(self, config: LMKVConfig, mc: ModelConfig, dtype: torch.dtype, block_size: int,
                  model_dir: Path, kv_cache: torch.Tensor, registry: CollectorRegistry,
-                 encode: Callable[[str, bool], list[int]]):
+                 encode: Callable[[str, bool], list[int]], launcher=None):
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, config.chunk_size)
         self.engine = LMKVEngine(config, layout, model_fingerprint(model_dir), LMKVMetrics(registry))
         self._encode = encode
@@ -47,7 +47,7 @@ class KVConnector:
                                                 config.blend_special_str) if config.enable_blending else []
         self.scheduler = SchedulerConnector(self.engine, block_size, self.blend_separator)
         self.worker = WorkerConnector(self.engine)
-        self.worker.register_kv_caches(BlockPagedMemory(kv_cache))
+        self.worker.register_kv_caches(BlockPagedMemory(kv_cache, launcher))
         self._checks: dict[str, list[int]] = {}  # quality-gate re-run id -> the tokens served
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int] | None:

@@ -11,6 +11,7 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .default_model import DEFAULT_MODEL_NAME, resolve_model
+from .device import resolve_device
 from .gguf_loader import GGUFCheckpoint, is_gguf
 from .loader import load_model
 from .metrics import EngineMetrics
@@ -69,13 +70,16 @@ class LLMEngine:
             )
         self.max_model_len = max_len
 
+        self.device = device = resolve_device(config.device)
         max_pos = mc.max_position_embeddings
-        self.model = (gguf.load_model(mc, self.dtype, max_pos) if gguf
-                      else load_model(model_dir, mc, self.dtype, max_pos))
+        model = (gguf.load_model(mc, self.dtype, max_pos) if gguf
+                 else load_model(model_dir, mc, self.dtype, max_pos))
+        self.model = model.to(device.torch)
+        self.model.model.rope.to(device.torch)
         # [L, 2, num_blocks, block_size, Hkv, D]; zeros touches every page now, not mid-request
         self.kv_cache = torch.zeros(
             mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-            dtype=self.dtype,
+            dtype=self.dtype, device=device.torch,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.metrics = metrics or EngineMetrics()
@@ -85,7 +89,7 @@ class LLMEngine:
 
             self.kv_connector = KVConnector(
                 lmkv_config, self.model_config, self.dtype, config.block_size, model_dir,
-                self.kv_cache, self.metrics.registry, self.tokenizer.encode,
+                self.kv_cache, self.metrics.registry, self.tokenizer.encode, device.launcher,
             )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -97,12 +101,13 @@ class LLMEngine:
             self.block_manager,
             self.kv_connector.scheduler if self.kv_connector else None,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, device.launcher)
         self.requests: dict[str, Request] = {}
         log.info(
-            "engine ready: model %s (%d layers, %d/%d heads, head_dim %d, %s), KV memory %d "
+            "engine ready on %s: model %s (%d layers, %d/%d heads, head_dim %d, %s), KV memory %d "
             "blocks x %d tokens, max_model_len %d",
-            model_dir, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+            "emulated CUDA" if device.launcher else device.torch, model_dir, mc.num_layers,
+            mc.num_heads, mc.num_kv_heads, mc.head_dim,
             config.dtype, num_blocks, config.block_size, max_len,
         )
 
@@ -155,8 +160,10 @@ class LLMEngine:
         kvs = [r.captured_kv for r in reqs]
         if pre_rope:  # rotated back from [0, n) in fp32: exact up to one rounding to the dtype
             rope = self.model.model.rope
+            dev = self.device.torch
             for kv in kvs:
-                kv[0] = rope.rotate(kv[0], torch.arange(kv.shape[2]), inverse=True)
+                back = rope.rotate(kv[0].to(dev), torch.arange(kv.shape[2], device=dev), inverse=True)
+                kv[0] = back.cpu()
         return kvs
 
     def abort_request(self, request_id: str) -> None:
@@ -215,7 +222,8 @@ class LLMEngine:
                 if req.capture_kv:
                     slots = self.runner.slots(req, 0, req.num_prompt_tokens)
                     # [L, 2, n, Hkv, D] -> [2, L, n, Hkv, D]
-                    req.captured_kv = self.kv_cache.flatten(2, 3)[:, :, slots].transpose(0, 1).contiguous()
+                    kv = self.kv_cache.flatten(2, 3)[:, :, slots.to(self.kv_cache.device)]
+                    req.captured_kv = kv.transpose(0, 1).contiguous().cpu()  # lmkv stores host chunks
             req.output_token_ids.append(token)
             self.metrics.generation_tokens.inc()
             reason = self._check_stop(req, token)
