@@ -4,6 +4,7 @@
     engine generate PROMPT [--max-tokens N] ...    one generation, printed to stdout
     engine precompute FILE... [--split-on SEP]     store RAG chunks' KV for CacheBlend
     engine calibrate [--error 0.06] ...            the cachegen codec's table for a model
+    engine export --out DIR [--model FILE.gguf]    a GGUF model as a Hugging Face directory
 
 Every command reads ``LMKV_CONFIG_FILE`` when it is set (lmkv on); precompute needs it.
 """
@@ -109,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--batch-size", type=int, default=8)
     pre.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
 
+    exp = commands.add_parser("export", help="write a GGUF model (default: SmolLM2) as a Hugging "
+                              "Face directory, for other engines (vLLM) to run the same weights")
+    exp.add_argument("--model", help="a .gguf file (default: SmolLM2-135M-Instruct)")
+    exp.add_argument("--out", required=True, help="the directory to write")
+    exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    exp.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+
     cal = commands.add_parser("calibrate", parents=[engine_args], epilog=LMKV_HELP,
                               help="measure the model's KV for the cachegen codec (lmkv)")
     cal.add_argument("--out", help="table file (default: lmkv's cachegen_calibration, else "
@@ -163,6 +171,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.error(str(e))
         return _serve(config)
+    if args.command == "export":
+        from .export import export_hf
+
+        try:
+            print(export_hf(args.model, args.out, args.dtype))
+        except (OSError, ValueError) as e:
+            print(f"engine export: error: {e}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "calibrate":
         try:
             config = engine_config(args)
