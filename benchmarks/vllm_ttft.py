@@ -220,16 +220,19 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=128, help="lmkv chunk_size (a multiple of 128)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help="a Hugging Face model directory (SmolLM2-135M-Instruct: "
+                    "`.venv/bin/engine export --out DIR` writes it; default: a random model of "
+                    "realistic shape)")
     ap.add_argument("--disk", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.role:
         print(json.dumps(ROLES[a.role](a)), flush=True)
         return
 
-    from common import realistic_model_dir
+    if a.model is None:
+        from common import realistic_model_dir
 
-    a.model = str(realistic_model_dir(**SHAPE, tie_word_embeddings=True))
+        a.model = str(realistic_model_dir(**SHAPE, tie_word_embeddings=True))
     tmp = Path(tempfile.mkdtemp(prefix="lmkv-vllm-bench-"))
     hot = run_role(a, "lmkv", tmp / "lmkv")
     disk = run_role(a, "lmkv-disk", tmp / "lmkv")
@@ -237,6 +240,7 @@ def main() -> None:
 
     floor_hot = hot["kv_bytes"] / (hot["memcpy_gbps"] * 1e9) + hot["tail"]
     floor_disk = disk["file_bytes"] / (disk["disk_gbps"] * 1e9) + disk["tail"]
+    print(f"model {Path(a.model).name}")
     print(f"vLLM {_version()} CPU, {a.prompt_len}-token prompt, fp32, best of {a.repeats} alternating runs; "
           f"lmkv chunk {a.chunk}. Tokens loaded: lmkv hot {hot['hit']} ({hot['kv_bytes'] / 1e6:.1f} MB), "
           f"lmkv disk {disk['hit']}, ExampleConnector {ex['hit']}; the tails' vLLM prefix-cache hits "
