@@ -15,7 +15,7 @@ peers:
 
 # Set up, then serve SmolLM2-135M-Instruct (the default model) with lmkv (CPU + disk tiers) on 127.0.0.1:8000.
 serve: setup
-	LMKV_CONFIG_FILE=$${LMKV_CONFIG_FILE:-examples/local_cpu_disk.yaml} .venv/bin/engine serve $(ARGS)
+	LMKV_CONFIG_FILE=$${LMKV_CONFIG_FILE:-examples/local_cpu_disk.yaml} exec .venv/bin/engine serve $(ARGS)
 
 # Set up (lmkv and the peer systems), lint, and run the whole test suite.
 test: setup peers

@@ -27,7 +27,7 @@ TRAINED_MODEL = MODELS / "qa-2layer"
 
 
 def trained_model_dir(name: str = TRAINED_MODEL.name) -> Path | None:
-    """A QA model shipped with the benchmarks (trained by lmkv_engines.minimal.trained_model):
+    """A QA model shipped with the benchmarks (trained by benchmarks.quality.trained_model):
     "qa-2layer", or "qa-2layer-continued" (also trained on documents in two paragraphs);
     None when this checkout lacks it."""
     path = MODELS / name

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from lmkv import ops_torch
+from lmkv import ops_torch as engine_attention
 from lmkv_cuda import attention, kv_copy, rope
-from lmkv_engines.minimal import attention as engine_attention
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,12 +139,12 @@ def lmkv_extra(a) -> dict:
 
 def role_lmkv(a) -> dict:
     """Warm from lmkv's hot cache (it stored the prompt in this process)."""
-    from lmkv_engines.vllm.engines import SharedEngines
+    from lmkv_engines.vllm.connector import worker_engine
 
     llm = make_llm(a.model, "lmkv", lmkv_extra(a), prefix_caching=True)
     ttft(llm, prompt(a.prompt_len, 99))  # warm-up
     ttft(llm, prompt(a.prompt_len, 0))  # cold: stores the prompt
-    engine = SharedEngines.engines()[0]
+    engine = worker_engine()
 
     def quiet() -> None:
         """vLLM's prefix cache emptied, and the previous cold prompt's disk writes (lmkv
@@ -163,10 +163,10 @@ def role_lmkv(a) -> dict:
 def role_lmkv_disk(a) -> dict:
     """A new process: warm from lmkv's disk tier only (hot cache emptied, files dropped from
     the page cache before each warm request)."""
-    from lmkv_engines.vllm.engines import SharedEngines
+    from lmkv_engines.vllm.connector import worker_engine
 
     llm = make_llm(a.model, "lmkv", lmkv_extra(a), prefix_caching=True)
-    engine = SharedEngines.engines()[0]
+    engine = worker_engine()
     disk = engine.storage.tiers[0].backend
     files = [disk.root / disk._name(k) for k in engine.keys(prompt(a.prompt_len, 0))]
     files = [f for f in files if f.exists()]
@@ -220,16 +220,19 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=128, help="lmkv chunk_size (a multiple of 128)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help="a Hugging Face model directory (SmolLM2-135M-Instruct: "
+                    "`.venv/bin/engine export --out DIR` writes it; default: a random model of "
+                    "realistic shape)")
     ap.add_argument("--disk", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.role:
         print(json.dumps(ROLES[a.role](a)), flush=True)
         return
 
-    from common import realistic_model_dir
+    if a.model is None:
+        from common import realistic_model_dir
 
-    a.model = str(realistic_model_dir(**SHAPE, tie_word_embeddings=True))
+        a.model = str(realistic_model_dir(**SHAPE, tie_word_embeddings=True))
     tmp = Path(tempfile.mkdtemp(prefix="lmkv-vllm-bench-"))
     hot = run_role(a, "lmkv", tmp / "lmkv")
     disk = run_role(a, "lmkv-disk", tmp / "lmkv")
@@ -237,6 +240,7 @@ def main() -> None:
 
     floor_hot = hot["kv_bytes"] / (hot["memcpy_gbps"] * 1e9) + hot["tail"]
     floor_disk = disk["file_bytes"] / (disk["disk_gbps"] * 1e9) + disk["tail"]
+    print(f"model {Path(a.model).name}")
     print(f"vLLM {_version()} CPU, {a.prompt_len}-token prompt, fp32, best of {a.repeats} alternating runs; "
           f"lmkv chunk {a.chunk}. Tokens loaded: lmkv hot {hot['hit']} ({hot['kv_bytes'] / 1e6:.1f} MB), "
           f"lmkv disk {disk['hit']}, ExampleConnector {ex['hit']}; the tails' vLLM prefix-cache hits "

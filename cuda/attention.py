@@ -1,5 +1,5 @@
 """Wrappers of paged_attention.cu with the signatures of the engine's torch functions
-(``lmkv_engines.minimal.attention.paged_attention_decode`` / ``paged_attention_prefill``),
+(``lmkv.ops_torch.paged_attention_decode`` / ``paged_attention_prefill``),
 plus ``check`` (index-range checks; they need one device sync, so a caller that validates
 its metadata once per step passes False), ``out`` (an output buffer) and, for decode,
 ``partition_size`` (keys per split-K partition).

@@ -20,6 +20,9 @@ ENV_PREFIX = "LMKV_"
 _NOT_KEYS = {"CONFIG_FILE", "CACHE_DIR", "TEST_CACHE_DIR"}  # LMKV_* variables that are not keys
 
 
+DEFAULT_CHECK_EVERY = 16  # the quality gate's sampling rate when a lossy codec is on
+
+
 class ConfigError(ValueError):
     """A bad lmkv configuration; the message names the key."""
 
@@ -32,10 +35,12 @@ class LMKVConfig:
     local_disk: str | None = None  # directory (or file:// URL) of the disk tier; None = off
     max_local_disk_size: float = 0.0  # GB cap of the disk tier (required when local_disk is set)
     remote_url: str | None = None  # lm://, redis://, ... (issue: cross-instance sharing)
-    remote_serde: str = "naive"  # naive (raw frames) | zstd | cachegen (lossy, calibrated)
+    remote_serde: str = "raw"  # raw (LMCache's "naive" is read as raw) | zstd | cachegen (lossy)
     local_disk_codec: str = "raw"  # raw | zstd | cachegen: how chunks are written to disk
     cachegen_calibration: str | None = None  # table file; None = ~/.cache/lmkv/calibration/<scope>
-    codec_check_every: int = 0  # quality gate: check 1 in N requests served lossy KV; 0 = off
+    # quality gate: re-run 1 in N greedy requests served lossy KV; None = 16 with a lossy
+    # codec configured, else off; 0 = off
+    codec_check_every: int | None = None
     codec_min_agreement: float = 0.99  # below this token agreement, lossy tiers turn lossless
     remote_timeout: float = 2.0  # seconds for any one remote call
     save_decode_cache: bool = False  # also store chunks completed by generated tokens
@@ -61,11 +66,15 @@ class LMKVConfig:
         _require(self.kv_role in ("both", "producer", "consumer"), "kv_role",
                  "must be one of both, producer, consumer")
         _require(0 <= self.blend_recompute_ratio <= 1, "blend_recompute_ratio", "must be in [0, 1]")
-        _require(self.remote_serde in ("naive", "zstd", "cachegen"), "remote_serde",
-                 "must be one of naive, zstd, cachegen")
+        _require(self.remote_serde in ("naive", "raw", "zstd", "cachegen"), "remote_serde",
+                 "must be one of naive (= raw), zstd, cachegen")
+        if self.remote_serde == "naive":  # LMCache's name for the raw codec
+            object.__setattr__(self, "remote_serde", "raw")
         _require(not self.save_unfull_chunk, "save_unfull_chunk",
                  "is not supported: lmkv stores full chunks only")
-        _require(self.local_cpu, "local_cpu", "must be true: the hot CPU cache is always on")
+        _require(self.local_cpu or self.local_disk is not None or self.remote_url is not None,
+                 "local_cpu", "may be false only with local_disk or remote_url set (it keeps "
+                 "no chunk in CPU memory: the tiers below serve every hit)")
         if self.local_disk is not None:
             path = self.local_disk.removeprefix("file://")
             _require(bool(path), "local_disk", "must be a directory path")
@@ -81,7 +90,8 @@ class LMKVConfig:
                 raise ConfigError(f"lmkv config key remote_url: {e}") from None
         _require(self.local_disk_codec in ("raw", "zstd", "cachegen"), "local_disk_codec",
                  "must be one of raw, zstd, cachegen")
-        _require(self.codec_check_every >= 0, "codec_check_every", "must be >= 0 (0 = off)")
+        _require(self.codec_check_every is None or self.codec_check_every >= 0,
+                 "codec_check_every", "must be >= 0 (0 = off) or null (on with a lossy codec)")
         _require(0 <= self.codec_min_agreement <= 1, "codec_min_agreement", "must be in [0, 1]")
         _require(self.remote_timeout > 0, "remote_timeout", "must be > 0 (seconds)")
         _require(self.blend_check_layer >= 0, "blend_check_layer", "must be >= 0")
@@ -96,6 +106,28 @@ class LMKVConfig:
     def uses_cachegen(self) -> bool:
         return self.local_disk_codec == "cachegen" or (
             self.remote_url is not None and self.remote_serde == "cachegen")
+
+    def describe(self) -> str:
+        """One line naming the tiers and their bounds, for start-up logs."""
+        tiers = [f"hot cache {self.max_local_cpu_size:g} GB" if self.local_cpu
+                 else f"CPU staging only ({self.max_local_cpu_size:g} GB)"]
+        if self.local_disk:
+            tiers.append(f"disk {self.local_disk} ({self.max_local_disk_size:g} GB, "
+                         f"{self.local_disk_codec})")
+        if self.remote_url:
+            tiers.append(f"remote {self.remote_url} ({self.remote_serde})")
+        extras = [name for name, on in (("layer-wise", self.use_layerwise),
+                                        ("blending", self.enable_blending),
+                                        (f"role {self.kv_role}", self.kv_role != "both")) if on]
+        return (f"chunks of {self.chunk_size} tokens; tiers: {', '.join(tiers)}"
+                + (f"; {', '.join(extras)}" if extras else ""))
+
+    @property
+    def quality_check_every(self) -> int:
+        """1 in how many greedy requests served lossy KV the quality gate re-runs (0: off)."""
+        if self.codec_check_every is None:
+            return DEFAULT_CHECK_EVERY if self.uses_cachegen else 0
+        return self.codec_check_every
 
     @property
     def disk_bytes(self) -> int:

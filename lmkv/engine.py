@@ -9,14 +9,17 @@ import torch
 from .backends.base import BackendError, StorageBackend
 from .blend.plan import BlendPlan, CachedSegment
 from .blend.segments import split_segments
+from .codec import get_codec
 from .codec.calibration import CacheGenTable
 from .codec.gate import QualityGate
-from .config import LMKVConfig
+from .config import ConfigError, LMKVConfig
 from .keys import KeyScope, content_hashes, prefix_hashes
 from .layout import KVLayout
 from .memory import ChunkBuffer, MemoryPool
 from .metrics import LMKVMetrics
-from .storage.manager import StorageManager, Tier
+from .storage.manager import StorageManager
+from .storage.pins import PinTable
+from .storage.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +35,22 @@ class LMKVEngine:
         self.metrics = metrics or LMKVMetrics()
         self.pool = MemoryPool(layout, config.hot_cache_bytes)
         self.storage = StorageManager(self.pool, self._build_tiers(), self.metrics,
-                                      config.io_queue_size)
+                                      config.io_queue_size, keep_hot=config.local_cpu)
+        if config.enable_blending and config.blend_check_layer >= layout.num_layers:
+            raise ConfigError(
+                f"lmkv config key blend_check_layer is {config.blend_check_layer}, but the model "
+                f"has {layout.num_layers} layers (0..{layout.num_layers - 1})")
+        self.pins = PinTable()
         self.gate: QualityGate | None = None
-        if config.codec_check_every and any(t.lossy for t in self.storage.tiers):
-            self.gate = QualityGate(config.codec_check_every, config.codec_min_agreement,
+        if config.quality_check_every and any(t.lossy for t in self.storage.tiers):
+            self.gate = QualityGate(config.quality_check_every, config.codec_min_agreement,
                                     self.metrics, self.storage.make_lossless)
         self._metrics_server = self._serve_metrics() if config.metrics_port else None
         log.info(
             "lmkv ready: chunk %d tokens (%.1f MB), hot cache %d chunks, tiers: %s",
             layout.chunk_size, layout.chunk_bytes / 1e6, self.pool.num_slots,
-            ", ".join(["hot"] + [t.name for t in self.storage.tiers]),
+            ", ".join((["hot"] if config.local_cpu else ["staging only"])
+                      + [t.name for t in self.storage.tiers]),
         )
 
     def _build_tiers(self) -> list[Tier]:
@@ -54,13 +63,12 @@ class LMKVEngine:
                 backend = DiskBackend(self.config.local_disk, self.config.disk_bytes)
             except BackendError as e:
                 raise ValueError(f"lmkv config key local_disk: {e}") from e
-            tiers.append(_tier("disk", backend, self.config.local_disk_codec, table))
+            tiers.append(_tier("disk", backend, self.config.local_disk_codec, table, self.metrics))
         if self.config.remote_url:
             from .backends.registry import create_backend
 
-            codec = "raw" if self.config.remote_serde == "naive" else self.config.remote_serde
             backend = create_backend(self.config.remote_url, self.config.remote_timeout)
-            tiers.append(_tier("remote", backend, codec, table))
+            tiers.append(_tier("remote", backend, self.config.remote_serde, table, self.metrics))
         return tiers
 
     def _calibration(self) -> CacheGenTable | None:
@@ -73,7 +81,7 @@ class LMKVEngine:
             table.check_layout(self.layout.chunk_shape)
         except FileNotFoundError:
             log.warning("lmkv: no cachegen calibration at %s; storing lossless (zstd) instead. "
-                        "Calibrate with: python -m lmkv.codec.calibrate --model DIR", path)
+                        "Calibrate with: engine calibrate --model DIR", path)
             return None
         except ValueError as e:
             raise ValueError(f"lmkv config key cachegen_calibration: {path}: {e}") from e
@@ -99,12 +107,29 @@ class LMKVEngine:
         """The longest loadable prefix of chunks, each retained for the caller."""
         return self.storage.fetch(keys)
 
+    # ---- pins: the scheduler role plans a load by key, the worker role takes the chunks ----
+    def pin(self, keys: list[str]) -> list[bool]:
+        """Pin the longest loadable prefix of ``keys`` in the hot cache (fetching from the
+        tiers below) for a load: one flag per pinned chunk, True where it was decoded from a
+        lossy codec. Each pin is taken by the load (``take``) or given back (``unpin``)."""
+        bufs = self.fetch(keys)
+        self.pins.add(keys[: len(bufs)], bufs)
+        return [b.lossy for b in bufs]
+
+    def take(self, key: str) -> ChunkBuffer | None:
+        """The chunk of one pin of ``key``, retained for the caller; None if none is pinned."""
+        return self.pins.take(key)
+
+    def unpin(self, keys: list[str]) -> None:
+        """Give back one pin of each key."""
+        self.pins.give_back(keys)
+
     def prefetch(self, keys: list[str]) -> None:
         if self.config.enable_prefetch:
             self.storage.prefetch(keys)
 
-    def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
-        self.metrics.record_lookup(prompt_tokens, hit_tokens)
+    def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:
+        self.metrics.record_lookup(prompt_tokens, hit_tokens, engine_tokens)
 
     def count_error(self, where: str, kind: str) -> None:
         self.metrics.errors.labels(where, kind).inc()
@@ -140,6 +165,7 @@ class LMKVEngine:
             part = kv[:, :, i * c : (i + 1) * c]
             buf.kv[:, :, : part.shape[2]].copy_(part)
             buf.kv[:, :, part.shape[2] :].zero_()
+            buf.num_tokens = part.shape[2]  # a tail is stored at its own size below the hot cache
             self.store(key, buf)
             buf.release()
         return True
@@ -179,6 +205,7 @@ class LMKVEngine:
         return server
 
     def close(self) -> None:
+        self.pins.clear()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
@@ -186,8 +213,10 @@ class LMKVEngine:
         self.storage.close()
 
 
-def _tier(name: str, backend: StorageBackend, codec: str, table: CacheGenTable | None) -> Tier:
-    """A tier whose cachegen codec falls back to zstd when there is no calibration table."""
-    if codec == "cachegen" and table is None:
-        codec = "zstd"
-    return Tier(name, backend, codec, table=table if codec == "cachegen" else None)
+def _tier(name: str, backend: StorageBackend, codec: str, table: CacheGenTable | None,
+          metrics: LMKVMetrics) -> Tier:
+    """A tier whose lossy codec falls back to zstd when there is no calibration table."""
+    chosen = get_codec(codec)
+    if chosen.lossy and table is None:
+        chosen = get_codec("zstd")
+    return Tier(name, backend, chosen, table if chosen.lossy else None, metrics)

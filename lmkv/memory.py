@@ -47,6 +47,18 @@ class ChunkBuffer:
     def lossy(self, value: bool) -> None:
         self.pool._lossy[self.index] = value
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens [0, num_tokens) of the chunk hold KV: chunk_size, except for a RAG
+        chunk's tail, which is stored at its own size below the hot cache."""
+        return self.pool._tokens[self.index]
+
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        if not 1 <= value <= self.pool.layout.chunk_size:
+            raise ValueError(f"a chunk holds 1..{self.pool.layout.chunk_size} tokens, not {value}")
+        self.pool._tokens[self.index] = value
+
     def retain(self) -> ChunkBuffer:
         self.pool._retain(self)
         return self
@@ -72,6 +84,7 @@ class MemoryPool:
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._refs = [0] * self.num_slots
         self._lossy = [False] * self.num_slots
+        self._tokens = [layout.chunk_size] * self.num_slots
         self._lock = threading.Lock()
 
     @property
@@ -86,6 +99,7 @@ class MemoryPool:
             index = self._free.pop()
             self._refs[index] = 1
             self._lossy[index] = False
+            self._tokens[index] = self.layout.chunk_size
         return ChunkBuffer(self, index)
 
     def _retain(self, buf: ChunkBuffer) -> None:

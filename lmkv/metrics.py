@@ -14,7 +14,11 @@ class LMKVMetrics:
         self.lookups = Counter("lmkv_lookups", "Prefix lookups (one per request admission)",
                                registry=r)
         self.lookup_tokens = Counter("lmkv_lookup_tokens", "Prompt tokens looked up", registry=r)
-        self.hit_tokens = Counter("lmkv_hit_tokens", "Prompt tokens found in lmkv", registry=r)
+        self.hit_tokens = Counter("lmkv_hit_tokens", "Prompt tokens lmkv found beyond the engine's "
+                                  "own prefix cache (to be loaded)", registry=r)
+        self.engine_cached_tokens = Counter(
+            "lmkv_engine_cached_tokens", "Prompt tokens the engine's own prefix cache held at "
+            "lmkv's lookups (lmkv loads none of them)", registry=r)
         self.loaded_tokens = Counter("lmkv_loaded_tokens",
                                      "Tokens whose KV lmkv wrote into the engine", registry=r)
         self.stored_chunks = Counter("lmkv_stored_chunks", "Chunks stored in the hot cache",
@@ -63,9 +67,10 @@ class LMKVMetrics:
         self.blend_requests.inc()
         self.blend_hit_tokens.inc(hits)
 
-    def record_lookup(self, tokens: int, hits: int) -> None:
+    def record_lookup(self, tokens: int, hits: int, engine_tokens: int = 0) -> None:
         self.lookups.inc()
         self.lookup_tokens.inc(tokens)
         self.hit_tokens.inc(hits)
+        self.engine_cached_tokens.inc(engine_tokens)
         total = self.lookup_tokens._value.get()
         self.hit_rate.set(self.hit_tokens._value.get() / total if total else 0.0)

@@ -1,11 +1,12 @@
 """Kernel entry points: CUDA tensors go to the kernels in cuda/ (``lmkv_cuda``), everything
-else to the same-signature torch code (``lmkv.ops_torch``, and the engine's attention in
-``lmkv_engines.minimal.attention``).
+else to the same-signature torch code in ``lmkv.ops_torch``.
 
 CuPy is imported only when a CUDA tensor arrives; if it (or the driver, or NVRTC) is
 unusable, one warning is printed and the torch code runs instead. Kernel-path extras, all
 keyword-only: ``check=False`` skips the index-range checks that cost a device sync (for callers
-that validated their metadata, e.g. once per step); attention takes ``out=``.
+that validated their metadata, e.g. once per step); attention takes ``out=``; ``launcher``
+names the kernels' launcher explicitly (the CPU emulator's, which runs them on CPU tensors:
+how the engine's GPU path is exercised without a GPU).
 
 Layouts: engine ``kv_cache [L, 2, num_blocks, block_size, Hkv, D]``, one layer
 ``kv_layer [2, num_blocks, block_size, Hkv, D]``; vLLM per layer
@@ -15,7 +16,8 @@ int64 (slot = block_id * block_size + offset); tokens [0, skip) of a chunk are n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,11 +28,18 @@ if TYPE_CHECKING:
     from lmkv_cuda.launcher import Launcher
 
 
-def kernel_launcher(*tensors: torch.Tensor) -> Launcher | None:
-    """The GPU launcher when all ``tensors`` are on one CUDA device, else None (CPU tensors,
-    mixed devices such as a pinned host chunk, or unusable CUDA kernels: the torch path)."""
+def kernel_launcher(*tensors: torch.Tensor, launcher: Launcher | None = None) -> Launcher | None:
+    """The launcher for ``tensors``: ``launcher`` when given and all of them are on its
+    device type (the CPU emulator runs the kernels on CPU tensors), else the GPU launcher
+    when all are on one CUDA device, else None (CPU tensors, mixed devices such as a pinned
+    host chunk, or unusable CUDA kernels: the torch path)."""
     devices = {t.device for t in tensors}
-    if len(devices) != 1 or (device := devices.pop()).type != "cuda":
+    if len(devices) != 1:
+        return None
+    device = devices.pop()
+    if launcher is not None:
+        return launcher if device.type == launcher.device_type else None
+    if device.type != "cuda":
         return None
     from lmkv_cuda.launcher import gpu_launcher
 
@@ -42,22 +51,24 @@ def kernel_launcher(*tensors: torch.Tensor) -> Launcher | None:
 
 def paged_to_chunk(
     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int = 0,
-    *, check: bool = True,
+    *, check: bool = True, launcher: Launcher | None = None,
 ) -> None:  # fmt: skip
     """chunk[:, :, t] = kv_cache[:, :, slot_mapping[t]] for t in [skip, T)."""
-    if (launcher := kernel_launcher(kv_cache, chunk, slot_mapping)) is not None:
+    if (launcher := kernel_launcher(kv_cache, chunk, slot_mapping, launcher=launcher)) is not None:
         from lmkv_cuda import kv_copy
 
-        return kv_copy.paged_to_chunk(launcher, kv_cache, slot_mapping, chunk, skip, check=check)
+        with _dense(chunk) as out:  # the kernel writes a dense chunk
+            kv_copy.paged_to_chunk(launcher, kv_cache, slot_mapping, out, skip, check=check)
+        return
     ops_torch.paged_to_chunk(kv_cache, slot_mapping, chunk, skip)
 
 
 def chunk_to_paged(
     chunk: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, skip: int = 0,
-    *, check: bool = True,
+    *, check: bool = True, launcher: Launcher | None = None,
 ) -> None:  # fmt: skip
     """kv_cache[:, :, slot_mapping[t]] = chunk[:, :, t] for t in [skip, T)."""
-    if (launcher := kernel_launcher(kv_cache, chunk, slot_mapping)) is not None:
+    if (launcher := kernel_launcher(kv_cache, chunk, slot_mapping, launcher=launcher)) is not None:
         from lmkv_cuda import kv_copy
 
         # the kernel reads a dense chunk; a load ending inside a stored chunk passes a view
@@ -68,40 +79,52 @@ def chunk_to_paged(
 
 def paged_to_chunk_vllm(
     kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, chunk: torch.Tensor,
-    skip: int = 0, *, check: bool = True,
+    skip: int = 0, *, check: bool = True, launcher: Launcher | None = None,
 ) -> None:  # fmt: skip
     """chunk[0 / 1, l, t] = K / V of kv_caches[l] at slot_mapping[t], t in [skip, T)."""
-    if (launcher := kernel_launcher(*kv_caches, chunk, slot_mapping)) is not None:
+    if (launcher := kernel_launcher(*kv_caches, chunk, slot_mapping, launcher=launcher)) is not None:
         from lmkv_cuda import kv_copy
 
-        return kv_copy.paged_to_chunk_vllm(
-            launcher, kv_caches, slot_mapping, chunk, skip, check=check
-        )
+        with _dense(chunk) as out:
+            kv_copy.paged_to_chunk_vllm(launcher, kv_caches, slot_mapping, out, skip, check=check)
+        return
     ops_torch.paged_to_chunk_vllm(kv_caches, slot_mapping, chunk, skip)
 
 
 def chunk_to_paged_vllm(
     chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
-    skip: int = 0, *, check: bool = True,
+    skip: int = 0, *, check: bool = True, launcher: Launcher | None = None,
 ) -> None:  # fmt: skip
     """K / V of kv_caches[l] at slot_mapping[t] = chunk[0 / 1, l, t], t in [skip, T)."""
-    if (launcher := kernel_launcher(*kv_caches, chunk, slot_mapping)) is not None:
+    if (launcher := kernel_launcher(*kv_caches, chunk, slot_mapping, launcher=launcher)) is not None:
         from lmkv_cuda import kv_copy
 
         return kv_copy.chunk_to_paged_vllm(
-            launcher, chunk, kv_caches, slot_mapping, skip, check=check
+            launcher, chunk.contiguous(), kv_caches, slot_mapping, skip, check=check
         )
     ops_torch.chunk_to_paged_vllm(chunk, kv_caches, slot_mapping, skip)
+
+
+@contextmanager
+def _dense(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t`` if contiguous, else a dense buffer of its shape copied into ``t`` at the end."""
+    if t.is_contiguous():
+        yield t
+        return
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    yield out
+    t.copy_(out)
 
 
 # ---- RoPE
 
 
-def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, *,
+                  launcher: Launcher | None = None) -> torch.Tensor:
     """In place: keys [..., T, Hkv, D] (e.g. ``chunk[0]``, all layers at once) rotated by
     angle delta[t] * inv_freq, moving keys cached at position p to p + delta[t] (HF Llama
     rotate_half convention; delta [T] int64, inv_freq [D/2] fp32). Returns keys."""
-    if (launcher := kernel_launcher(keys, delta, inv_freq)) is not None:
+    if (launcher := kernel_launcher(keys, delta, inv_freq, launcher=launcher)) is not None:
         from lmkv_cuda import rope
 
         if keys.is_contiguous():
@@ -112,8 +135,9 @@ def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tenso
 # ---- the engine's attention and cache writes
 
 
-def _attention_kernel(query: torch.Tensor, kv_layer: torch.Tensor) -> Launcher | None:
-    launcher = kernel_launcher(query, kv_layer)
+def _attention_kernel(query: torch.Tensor, kv_layer: torch.Tensor,
+                      given: Launcher | None) -> Launcher | None:
+    launcher = kernel_launcher(query, kv_layer, launcher=given)
     if launcher is None:
         return None
     from lmkv_cuda.attention import HEAD_DIMS
@@ -125,9 +149,10 @@ def _attention_kernel(query: torch.Tensor, kv_layer: torch.Tensor) -> Launcher |
 def paged_attention_decode(
     query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, *, check: bool = True, out: torch.Tensor | None = None,
+    launcher: Launcher | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """query [B, Hq, D], one token per sequence at position seq_len - 1 -> [B, Hq, D]."""
-    if (launcher := _attention_kernel(query, kv_layer)) is not None:
+    if (launcher := _attention_kernel(query, kv_layer, launcher)) is not None:
         from lmkv_cuda import attention
 
         dev = query.device  # metadata may come from the host: a no-op when already there
@@ -135,20 +160,18 @@ def paged_attention_decode(
             launcher, query.contiguous(), kv_layer, block_tables.to(dev), seq_lens.to(dev), scale,
             check=check, out=out,
         )  # fmt: skip
-    from lmkv_engines.minimal import attention as reference
-
-    result = reference.paged_attention_decode(query, kv_layer, block_tables, seq_lens, scale)
+    result = ops_torch.paged_attention_decode(query, kv_layer, block_tables, seq_lens, scale)
     return result if out is None else out.copy_(result)
 
 
 def paged_attention_prefill(
     query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *, check: bool = True,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, launcher: Launcher | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of query [T, Hq, D] (sequence i: rows [query_start_loc[i], [i + 1]))
     over its paged KV -> [T, Hq, D]."""
-    if (launcher := _attention_kernel(query, kv_layer)) is not None:
+    if (launcher := _attention_kernel(query, kv_layer, launcher)) is not None:
         from lmkv_cuda import attention
 
         dev = query.device
@@ -156,9 +179,7 @@ def paged_attention_prefill(
             launcher, query.contiguous(), kv_layer, block_tables.to(dev), seq_lens.to(dev),
             query_start_loc.to(dev), scale, check=check, out=out,
         )  # fmt: skip
-    from lmkv_engines.minimal import attention as reference
-
-    result = reference.paged_attention_prefill(
+    result = ops_torch.paged_attention_prefill(
         query, kv_layer, block_tables, seq_lens, query_start_loc, scale
     )
     return result if out is None else out.copy_(result)
@@ -166,10 +187,10 @@ def paged_attention_prefill(
 
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
-    *, check: bool = True,
+    *, check: bool = True, launcher: Launcher | None = None,
 ) -> None:  # fmt: skip
     """kv_layer[0 / 1][slot_mapping[t]] = key / value[t]; slot -1 = skip the token."""
-    launcher = kernel_launcher(key, value, kv_layer, slot_mapping)
+    launcher = kernel_launcher(key, value, kv_layer, slot_mapping, launcher=launcher)
     if launcher is not None and key.dtype == value.dtype == kv_layer.dtype:
         from lmkv_cuda import kv_copy
 
@@ -177,20 +198,19 @@ def reshape_and_cache(
         if not rows_ok or key.stride(0) != value.stride(0):  # the kernel takes [Hkv, D] rows
             key, value = key.contiguous(), value.contiguous()
         return kv_copy.reshape_and_cache(launcher, key, value, kv_layer, slot_mapping, check=check)
-    from lmkv_engines.minimal import attention as reference
-
-    reference.reshape_and_cache(key, value, kv_layer, slot_mapping)
+    ops_torch.reshape_and_cache(key, value, kv_layer, slot_mapping)
 
 
 # ---- cachegen quantize / dequantize (lmkv.codec.cachegen; kv [2, L, T, Hkv, D])
 
 
 def cachegen_quantize(
-    kv: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, delta: torch.Tensor, group_size: int
+    kv: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, delta: torch.Tensor, group_size: int,
+    *, launcher: Launcher | None = None,
 ) -> torch.Tensor:
     """int16 symbols of kv: clamp(round((x - mean) / step)), minus the group anchor's in the
     (K/V, layer) streams ``delta`` marks."""
-    if (launcher := kernel_launcher(kv, step, mean, delta)) is not None:
+    if (launcher := kernel_launcher(kv, step, mean, delta, launcher=launcher)) is not None:
         from lmkv_cuda import cachegen
 
         return cachegen.quantize(launcher, kv, step, mean, delta, group_size)
@@ -201,10 +221,10 @@ def cachegen_quantize(
 
 def cachegen_dequantize(
     symbols: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, delta: torch.Tensor,
-    group_size: int, out: torch.Tensor,
+    group_size: int, out: torch.Tensor, *, launcher: Launcher | None = None,
 ) -> None:  # fmt: skip
     """out = (symbols + anchor) * step + mean; symbols int16 (int8 too on the torch path)."""
-    if (launcher := kernel_launcher(symbols, step, mean, delta, out)) is not None:
+    if (launcher := kernel_launcher(symbols, step, mean, delta, out, launcher=launcher)) is not None:
         from lmkv_cuda import cachegen
 
         return cachegen.dequantize(launcher, symbols, step, mean, delta, group_size, out)

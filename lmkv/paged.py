@@ -9,10 +9,14 @@ layer (layer-wise mode), None = all layers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import ops
+
+if TYPE_CHECKING:
+    from lmkv_cuda.launcher import Launcher
 
 
 class PagedMemory(ABC):
@@ -33,23 +37,42 @@ class PagedMemory(ABC):
 
 
 class BlockPagedMemory(PagedMemory):
-    """The bundled engine's layout: one tensor [L, 2, num_blocks, block_size, Hkv, D]."""
+    """The bundled engine's layout: one tensor [L, 2, num_blocks, block_size, Hkv, D], on any
+    device. A chunk on another device (lmkv's host memory, pages on a GPU) is staged on the
+    pages' device, slots included, and moved by the transfer kernel there. ``launcher``:
+    the kernels' launcher when it cannot be told from the device (the CPU emulator)."""
 
-    def __init__(self, kv_cache: torch.Tensor):
+    def __init__(self, kv_cache: torch.Tensor, launcher: Launcher | None = None):
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(f"expected [L, 2, blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
         self.kv_cache = kv_cache
         self.num_layers, _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
         self.dtype = kv_cache.dtype
+        self.launcher = launcher
 
     def load(self, chunk, slots, skip=0, layer=None):
-        if layer is None:
-            ops.chunk_to_paged(chunk, self.kv_cache, slots, skip)
-        else:
-            ops.chunk_to_paged(chunk[:, layer : layer + 1], self.kv_cache[layer : layer + 1], slots, skip)
+        pages = self.kv_cache if layer is None else self.kv_cache[layer : layer + 1]
+        src = chunk if layer is None else chunk[:, layer : layer + 1]
+        dev = pages.device
+        ops.chunk_to_paged(on_device(src, dev), pages, on_device(slots, dev), skip,
+                           launcher=self.launcher)
 
     def save(self, slots, chunk, skip=0, layer=None):
-        if layer is None:
-            ops.paged_to_chunk(self.kv_cache, slots, chunk, skip)
-        else:
-            ops.paged_to_chunk(self.kv_cache[layer : layer + 1], slots, chunk[:, layer : layer + 1], skip)
+        pages = self.kv_cache if layer is None else self.kv_cache[layer : layer + 1]
+        dst = chunk if layer is None else chunk[:, layer : layer + 1]
+        dev = pages.device
+        stage = staging_for(dst, dev)
+        ops.paged_to_chunk(pages, on_device(slots, dev), stage, skip, launcher=self.launcher)
+        if stage is not dst:
+            dst[:, :, skip:].copy_(stage[:, :, skip:])
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: itself, or a staged copy (asynchronous from pinned host memory)."""
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
+def staging_for(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Where a copy on ``device`` can write what is meant for ``t``: ``t`` itself when it is
+    there, else a new buffer of its shape (copy it into ``t`` after)."""
+    return t if t.device == device else torch.empty(t.shape, dtype=t.dtype, device=device)

@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-memory",
         type=parse_size,
         default=_DEFAULTS.max_memory,
-        help="bound on stored values, e.g. 4GiB, 512MB (default 4GiB); LRU eviction beyond",
+        help="bound on stored values, e.g. 16GiB, 512MB (default 1GiB, touched at start: see "
+        "--no-prefault); LRU eviction beyond",
     )
     p.add_argument(
         "--max-value-size",

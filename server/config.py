@@ -76,7 +76,7 @@ class ServerConfig:
     port: int = 65432
     # Bound on stored values (whole pages, see page_size); the process adds ~100 MB of
     # Python, per-entry index overhead and one in-flight frame per connection.
-    max_memory: int = 4 * GIB
+    max_memory: int = 1 * GIB  # a laptop-sized first run; production servers set --max-memory
     # Largest payload one PUT may announce; larger frames close that connection.
     max_value_size: int = 256 * MIB
     # Values are stored in pages of this size: a value wastes < one page.

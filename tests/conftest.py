@@ -62,3 +62,54 @@ def spawn_server(server_env, tmp_path):
     yield spawn
     for server in started:
         server.stop()
+
+
+LMCACHE_VENV = Path(os.environ.get("LMKV_LMCACHE_VENV", REPO / ".venv-lmcache"))
+
+
+@pytest.fixture(scope="session")
+def venv() -> Path:
+    """LMCache 0.5.6's venv (scripts/setup_lmcache_venv.sh); tests that need it skip without it."""
+    if not (LMCACHE_VENV / "bin" / "lmcache_server").exists():
+        pytest.skip(f"no LMCache venv at {LMCACHE_VENV}: run scripts/setup_lmcache_venv.sh")
+    return LMCACHE_VENV
+
+
+@pytest.fixture(scope="module")
+def lmcache_server(venv, tmp_path_factory):
+    """LMCache's own lmcache_server on a free loopback port: its lm:// URL."""
+    import socket
+    import subprocess
+    import time
+
+    from lmkv_server.launcher import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("lmcache") / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(venv / "bin" / "lmcache_server"), "127.0.0.1", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "lmcache_server did not start"
+            time.sleep(0.2)
+    yield f"lm://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="session")
+def emu():
+    """The CPU emulator launcher: the real cuda/*.cu built with g++ (cached by content hash)."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed to build the CUDA kernels for the CPU emulator")
+    from lmkv_cuda.emu import EmuLauncher
+
+    return EmuLauncher()

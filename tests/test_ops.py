@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmkv import ops
-from lmkv_engines.minimal import attention
+from lmkv import ops_torch as attention
 
 gen = torch.Generator().manual_seed(0)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from lmkv_engines.minimal import qa_data
+from . import qa_data
 
 HELDOUT_SEED = 1000
 # ~500 tokens per document: 7 facts, each followed by 3 filler sentences (~21 tokens each)

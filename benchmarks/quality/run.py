@@ -18,9 +18,7 @@ import time
 
 import torch
 
-from lmkv_engines.minimal import qa_data
-
-from . import metrics
+from . import metrics, qa_data
 from .probe import greedy, open_llm, prefill
 from .qa import LONG_FILLER, heldout_prompts
 

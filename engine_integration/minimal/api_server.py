@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from .async_engine import AsyncEngine, EngineError, EngineStoppedError, QueueFullError
+from .body_limit import BodyLimit
 from .event_stream import DONE, EventStream, hold_back, sse
 from .openai_protocol import (
     ChatCompletionRequest,
@@ -73,6 +75,7 @@ class APIServer:
         app.add_exception_handler(RequestValidationError, _validation_error)
         app.add_exception_handler(HTTPException, _http_error)
         app.add_exception_handler(Exception, _unexpected_error)
+        app.add_middleware(BodyLimit, limit=config.max_request_body)
         app.add_middleware(MetricsMiddleware, metrics=self.metrics, endpoints=ENDPOINTS)
         self.app = app
 
@@ -113,6 +116,7 @@ class APIServer:
                 prompt = await asyncio.to_thread(self.engine.tokenize, prompt)
         except ValueError as e:
             raise APIError(400, str(e)) from None
+        self._check_length(prompt, params.max_tokens)
         return await self._generate(request, body, prompt, params, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -123,13 +127,25 @@ class APIServer:
             max_tokens = body.max_completion_tokens
             if max_tokens is None:
                 max_tokens = body.max_tokens
+            if max_tokens is not None:
+                self._check_length(prompt, max_tokens)
             # no limit asked: the context's end stops the request
             params = body.sampling_params(
-                self.engine.max_model_len if max_tokens is None else max_tokens
+                max(1, self.engine.max_model_len - len(prompt)) if max_tokens is None else max_tokens
             )
         except ValueError as e:
             raise APIError(400, str(e)) from None
         return await self._generate(request, body, prompt, params, chat=True)
+
+    def _check_length(self, prompt: list[int], max_tokens: int) -> None:
+        """Refuse (400) a request whose prompt and max_tokens do not fit the context."""
+        limit = self.engine.max_model_len
+        if len(prompt) + max_tokens > limit:
+            raise APIError(
+                400, f"this model's context holds {limit} tokens (max_model_len), but "
+                f"{len(prompt) + max_tokens} were requested: {len(prompt)} in the prompt and "
+                f"max_tokens {max_tokens}; at most {max(0, limit - len(prompt))} can be generated "
+                "after this prompt", param="max_tokens")
 
     def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         tok = self.engine.tokenizer
@@ -277,13 +293,21 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 # ---- the program ----------------------------------------------------------------------
 def serve(config: ServerConfig) -> None:
     """Load the model and serve HTTP until interrupted. Raises StartupError."""
+    # SIGTERM is a requested stop, not a failure (make, systemd and the like would report
+    # one): exit with status 0, also after uvicorn's graceful shutdown, which raises the
+    # signal again
+    signal.signal(signal.SIGTERM, _stopped)
     try:
         lmkv_config = None
         if config.lmkv_config_file is not None:
             from lmkv.config import load_config
 
             lmkv_config = load_config(config.lmkv_config_file)
-            log.info("lmkv enabled from %s: %s", config.lmkv_config_file, lmkv_config)
+            log.info("lmkv is on (LMKV_CONFIG_FILE=%s): %s", config.lmkv_config_file,
+                     lmkv_config.describe())
+        else:
+            log.info("lmkv is off: LMKV_CONFIG_FILE is not set (e.g. "
+                     "LMKV_CONFIG_FILE=examples/local_cpu_disk.yaml turns it on)")
         from .llm_engine import LLMEngine
 
         engine = LLMEngine(config.engine, lmkv_config=lmkv_config)
@@ -293,7 +317,18 @@ def serve(config: ServerConfig) -> None:
 
     server = APIServer(engine, config)
     log.info("serving %s on http://%s:%d", server.model_name, config.host, config.port)
-    uvicorn.run(
-        server.app, host=config.host, port=config.port, log_level=config.log_level,
-        timeout_graceful_shutdown=5,
-    )
+    try:
+        uvicorn.run(
+            server.app, host=config.host, port=config.port, log_level=config.log_level,
+            timeout_graceful_shutdown=5,
+        )
+    except SystemExit as e:
+        if e.code != 0:
+            raise
+    finally:
+        engine.close()  # lmkv finishes its background writes
+    log.info("engine serve: stopped")
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(0)

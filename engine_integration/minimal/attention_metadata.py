@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int64: context length including this step's tokens
     query_start_loc: torch.Tensor  # [B + 1] int64: rows of each sequence's queries
     num_decodes: int  # sequences [0, num_decodes) have exactly one query token
+    launcher: Any = None  # the kernels' launcher when the device does not say (the emulator)
 
     @property
     def num_decode_tokens(self) -> int:

@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from lmkv.blend.plan import BlendPlan, select_recompute
-from lmkv.ops import rerotate_keys
+from lmkv.ops import rerotate_keys, reshape_and_cache
 
-from .attention import reshape_and_cache
 from .model import LlamaForCausalLM
 from .rope import RotaryEmbedding
 
@@ -26,20 +25,23 @@ ATTENTION_GROUPS = 4
 
 @torch.inference_mode()
 def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[int],
-                  slots: torch.Tensor, plan: BlendPlan) -> tuple[torch.Tensor, int]:
+                  slots: torch.Tensor, plan: BlendPlan, launcher=None) -> tuple[torch.Tensor, int]:
     """Fill the KV of all prompt tokens at ``slots`` ([n] int64). Returns the last token's
-    logits [vocab] and how many tokens with stored KV were recomputed."""
+    logits [vocab] and how many tokens with stored KV were recomputed. Runs on the device of
+    ``kv_cache``; ``launcher``: lmkv's kernels' launcher where the device does not say."""
     m = model.model
     n = len(tokens)
-    positions = torch.arange(n)
+    dev = kv_cache.device
+    positions = torch.arange(n, device=dev)
+    slots = slots.to(dev)
     ratio = plan.recompute_ratio
     stored: torch.Tensor | None = None  # [2, L, n, Hkv, D], keys at prompt positions
     active: torch.Tensor | None = None  # [n] bool: the tokens computed; None = every token
     recomputed = 0
-    h = m.embed_tokens(torch.tensor(tokens))  # [t, hidden], rows of the active tokens
-    cached = plan.cached_mask(n)
+    h = m.embed_tokens(torch.tensor(tokens, device=dev))  # [t, hidden], rows of the active tokens
+    cached = plan.cached_mask(n).to(dev)
     if ratio == 0:
-        stored = _stored_kv(m.rope, plan, n, kv_cache.dtype)
+        stored = _stored_kv(m.rope, plan, n, kv_cache.dtype, dev, launcher)
         active = ~cached
         h = h[active]
     for i, layer in enumerate(m.layers):
@@ -50,7 +52,7 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[
         k = m.rope.rotate(attn.k_proj(x).view(t, attn.num_kv_heads, attn.head_dim), rows)
         v = attn.v_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
         if i == plan.check_layer and active is None and ratio > 0:
-            stored = _stored_kv(m.rope, plan, n, kv_cache.dtype)
+            stored = _stored_kv(m.rope, plan, n, kv_cache.dtype, dev, launcher)
             deviation = ((k - stored[0, i]).pow(2).sum((1, 2))
                          + (v - stored[1, i]).pow(2).sum((1, 2)))  # [n]
             chosen = select_recompute(deviation, cached, ratio)
@@ -67,7 +69,7 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[
             assert stored is not None
             k_all, v_all = stored[0, i], stored[1, i]
             k_all[rows], v_all[rows] = k, v
-        reshape_and_cache(k_all, v_all, kv_cache[i], slots)
+        reshape_and_cache(k_all, v_all, kv_cache[i], slots, launcher=launcher)
         o = _attention(q, k_all, v_all, None if active is None else rows, attn.scale)
         h = h + attn.o_proj(o.reshape(t, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -77,16 +79,18 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[
     return model.compute_logits(last)[0], recomputed
 
 
-def _stored_kv(rope: RotaryEmbedding, plan: BlendPlan, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """The plan's stored KV [2, L, n, Hkv, D], keys rotated to their prompt positions."""
-    kv = plan.stored_kv(n, dtype)
+def _stored_kv(rope: RotaryEmbedding, plan: BlendPlan, n: int, dtype: torch.dtype,
+               device: torch.device, launcher) -> torch.Tensor:
+    """The plan's stored KV [2, L, n, Hkv, D] on ``device``, keys rotated to their prompt
+    positions."""
+    kv = plan.stored_kv(n, dtype).to(device)
     if plan.pre_rope:
-        kv[0] = rope.rotate(kv[0], torch.arange(n))
+        kv[0] = rope.rotate(kv[0], torch.arange(n, device=device))
     else:  # stored at [0, length): move segment rows by their start
         delta = torch.zeros(n, dtype=torch.int64)
         for seg in plan.segments:
             delta[seg.start : seg.start + seg.length] = seg.start
-        rerotate_keys(kv[0], delta, rope.inv_freq)  # all layers at once
+        rerotate_keys(kv[0], delta.to(device), rope.inv_freq, launcher=launcher)  # all layers at once
     return kv
 
 
@@ -103,12 +107,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Te
     out = torch.empty_like(q)
     # scattered queries: in groups, each over the keys up to its last query's position
     # (about 5/8 of the masked work of one group; 1.4x faster attention on CPU)
-    for part in torch.arange(q.shape[0]).tensor_split(ATTENTION_GROUPS):
+    for part in torch.arange(q.shape[0]).tensor_split(ATTENTION_GROUPS):  # host indices
         if not len(part):
             continue
         lo, hi = int(part[0]), int(part[-1]) + 1
         end = int(rows[hi - 1]) + 1  # keys [0, end)
-        mask = torch.arange(end)[None, :] <= rows[lo:hi, None]  # [hi - lo, end]
+        mask = torch.arange(end, device=q.device)[None, :] <= rows[lo:hi, None]  # [hi - lo, end]
         o = F.scaled_dot_product_attention(qh[:, :, lo:hi], kh[:, :, :end], vh[:, :, :end],
                                            attn_mask=mask, scale=scale, enable_gqa=True)
         out[lo:hi] = o[0].transpose(0, 1)

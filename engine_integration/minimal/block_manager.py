@@ -117,6 +117,14 @@ class BlockManager:
                 self.free_queue[block_id] = None
         request.block_ids.clear()
 
+    def forget(self, block_ids) -> None:
+        """Drop these blocks from the prefix cache: their contents are not what their hashes say."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
             block.block_hash = None

@@ -3,6 +3,8 @@
     engine serve [--model DIR|FILE.gguf] [--port 8000] ...   OpenAI-compatible HTTP API
     engine generate PROMPT [--max-tokens N] ...    one generation, printed to stdout
     engine precompute FILE... [--split-on SEP]     store RAG chunks' KV for CacheBlend
+    engine calibrate [--error 0.06] ...            the cachegen codec's table for a model
+    engine export --out DIR [--model FILE.gguf]    a GGUF model as a Hugging Face directory
 
 Every command reads ``LMKV_CONFIG_FILE`` when it is set (lmkv on); precompute needs it.
 """
@@ -15,6 +17,9 @@ import os
 import re
 import sys
 from dataclasses import asdict
+from pathlib import Path
+
+from lmkv.codec.calibration import CalibrationSettings
 
 from .config import EngineConfig
 from .sampling_params import SamplingParams
@@ -37,8 +42,14 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * unit)
 
 
+LMKV_HELP = ("lmkv is on when the environment variable LMKV_CONFIG_FILE names its YAML config "
+             "(e.g. LMKV_CONFIG_FILE=examples/local_cpu_disk.yaml: a CPU hot cache over a disk "
+             "tier; keys in docs/configuration.md); without it the engine runs without lmkv.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="engine", description="lmkv's bundled LLM engine")
+    parser = argparse.ArgumentParser(prog="engine", description="lmkv's bundled LLM engine",
+                                     epilog=LMKV_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
 
     engine_args = argparse.ArgumentParser(add_help=False)
@@ -63,17 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="split long prompts over steps (default on)")
     g.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
+    g.add_argument("--device", default=EngineConfig.device,
+                   help="auto (cuda when torch sees a GPU, else cpu), cpu, cuda, cuda:N, or emulate "
+                   "(lmkv's CUDA kernels under the CPU emulator: slow, for tests); default auto")
 
-    serve = commands.add_parser("serve", parents=[engine_args],
+    serve = commands.add_parser("serve", parents=[engine_args], epilog=LMKV_HELP,
                                 help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="default 8000")
     serve.add_argument("--max-pending", type=int, default=ServerConfig.max_pending,
                        help="requests that may wait beyond --max-num-seqs; more get HTTP 503 "
                        "(default %(default)s)")
+    serve.add_argument("--max-request-body", type=parse_size, default=ServerConfig.max_request_body,
+                       help="largest request body accepted; larger ones get HTTP 413 (default 8MiB)")
     serve.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
-    gen = commands.add_parser("generate", parents=[engine_args],
+    gen = commands.add_parser("generate", parents=[engine_args], epilog=LMKV_HELP,
                               help="generate from one prompt and print the text")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, help="default 16")
@@ -85,13 +101,38 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
 
-    pre = commands.add_parser("precompute", parents=[engine_args],
+    pre = commands.add_parser("precompute", parents=[engine_args], epilog=LMKV_HELP
+                              + " precompute needs it, with a disk or remote tier to outlive the process.",
                               help="compute and store the KV of RAG document chunks (lmkv)")
     pre.add_argument("files", nargs="+", help="text files; each is one chunk unless --split-on")
     pre.add_argument("--split-on", help="split each file into chunks at this string "
                      "(e.g. a blank line: $'\\n\\n')")
     pre.add_argument("--batch-size", type=int, default=8)
     pre.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+
+    exp = commands.add_parser("export", help="write a GGUF model (default: SmolLM2) as a Hugging "
+                              "Face directory, for other engines (vLLM) to run the same weights")
+    exp.add_argument("--model", help="a .gguf file (default: SmolLM2-135M-Instruct)")
+    exp.add_argument("--out", required=True, help="the directory to write")
+    exp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    exp.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
+
+    cal = commands.add_parser("calibrate", parents=[engine_args], epilog=LMKV_HELP,
+                              help="measure the model's KV for the cachegen codec (lmkv)")
+    cal.add_argument("--out", help="table file (default: lmkv's cachegen_calibration, else "
+                     "~/.cache/lmkv/calibration/<key scope>.safetensors, where lmkv looks)")
+    cal.add_argument("--prompts", type=int, default=8, help="calibration prompts (default 8)")
+    cal.add_argument("--length", type=int, default=1024, help="tokens per prompt (default 1024)")
+    cal.add_argument("--text", help="a text file to cut prompts from (default: random tokens)")
+    cal.add_argument("--error", type=float, default=CalibrationSettings.error,
+                     help="relative error target of layer 0 (default %(default)s)")
+    cal.add_argument("--deep-ratio", type=float, default=CalibrationSettings.deep_ratio,
+                     help="last layer's target / first layer's (default %(default)s)")
+    cal.add_argument("--value-ratio", type=float, default=CalibrationSettings.value_ratio,
+                     help="V's target / K's (default %(default)s)")
+    cal.add_argument("--group-size", type=int, default=CalibrationSettings.group_size,
+                     help="tokens per delta group (default %(default)s)")
+    cal.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     return parser
 
 
@@ -109,6 +150,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.num_threads,
+        device=args.device,
     )
 
 
@@ -123,11 +165,29 @@ def main(argv: list[str] | None = None) -> int:
             config = ServerConfig(
                 engine=engine_config(args), host=args.host, port=args.port,
                 max_pending=args.max_pending, log_level=args.log_level,
+                max_request_body=args.max_request_body,
                 lmkv_config_file=os.environ.get("LMKV_CONFIG_FILE") or None,
             )
         except ValueError as e:
             parser.error(str(e))
         return _serve(config)
+    if args.command == "export":
+        from .export import export_hf
+
+        try:
+            print(export_hf(args.model, args.out, args.dtype))
+        except (OSError, ValueError) as e:
+            print(f"engine export: error: {e}", file=sys.stderr)
+            return 1
+        return 0
+    if args.command == "calibrate":
+        try:
+            config = engine_config(args)
+            settings = CalibrationSettings(args.error, args.deep_ratio, args.value_ratio,
+                                           args.group_size)
+        except ValueError as e:
+            parser.error(str(e))
+        return _calibrate(config, settings, args)
     if args.command == "precompute":
         try:
             config = engine_config(args)
@@ -176,6 +236,26 @@ def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -> int:
         print(f"engine generate: error: {e}", file=sys.stderr)
         return 1
     print(out.text)
+    return 0
+
+
+def _calibrate(config: EngineConfig, settings: CalibrationSettings, args: argparse.Namespace) -> int:
+    from lmkv.config import load_config
+
+    from .calibrate import calibrate_model
+
+    try:
+        text = Path(args.text).read_text(encoding="utf-8") if args.text else None
+        engine_args = {k: v for k, v in asdict(config).items()
+                       if k not in ("model", "enable_prefix_caching")}
+        table, path = calibrate_model(config.model, _lmkv_config() or load_config(), settings,
+                                      args.prompts, args.length, text, args.out, **engine_args)
+    except (OSError, ValueError) as e:
+        print(f"engine calibrate: error: {e}", file=sys.stderr)
+        return 1
+    print(f"cachegen table {table.table_id:016x} -> {path}")
+    print("delta coding per layer (K):", table.delta[0].int().tolist(),
+          "(V):", table.delta[1].int().tolist())
     return 0
 
 

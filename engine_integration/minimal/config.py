@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .device import check_device
+
 GiB = 1 << 30
 
 
@@ -23,6 +25,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N | emulate (tests)
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of 2 <= 128")
@@ -33,6 +36,7 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "float32, bfloat16 or float16")
+        _check(check_device(self.device), "device", "auto, cpu, cuda, cuda:N or emulate")
 
 
 def _check(ok: bool, name: str, want: str) -> None:

@@ -11,6 +11,7 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .default_model import DEFAULT_MODEL_NAME, resolve_model
+from .device import resolve_device
 from .gguf_loader import GGUFCheckpoint, is_gguf
 from .loader import load_model
 from .metrics import EngineMetrics
@@ -69,30 +70,26 @@ class LLMEngine:
             )
         self.max_model_len = max_len
 
+        self.device = device = resolve_device(config.device)
         max_pos = mc.max_position_embeddings
-        self.model = (gguf.load_model(mc, self.dtype, max_pos) if gguf
-                      else load_model(model_dir, mc, self.dtype, max_pos))
+        model = (gguf.load_model(mc, self.dtype, max_pos) if gguf
+                 else load_model(model_dir, mc, self.dtype, max_pos))
+        self.model = model.to(device.torch)
+        self.model.model.rope.to(device.torch)
         # [L, 2, num_blocks, block_size, Hkv, D]; zeros touches every page now, not mid-request
         self.kv_cache = torch.zeros(
             mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-            dtype=self.dtype,
+            dtype=self.dtype, device=device.torch,
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.metrics = metrics or EngineMetrics()
         self.kv_connector = None
-        self.blend_separator: list[int] = []
         if lmkv_config is not None:
-            from lmkv.blend.segments import separator_tokens
-
             from .kv_connector import KVConnector
 
-            self.blend_separator = separator_tokens(
-                lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                lmkv_config.blend_special_str,
-            ) if lmkv_config.enable_blending else []
             self.kv_connector = KVConnector(
                 lmkv_config, self.model_config, self.dtype, config.block_size, model_dir,
-                self.kv_cache, self.metrics.registry, self.blend_separator,
+                self.kv_cache, self.metrics.registry, self.tokenizer.encode, device.launcher,
             )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -104,13 +101,13 @@ class LLMEngine:
             self.block_manager,
             self.kv_connector.scheduler if self.kv_connector else None,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, device.launcher)
         self.requests: dict[str, Request] = {}
-        self._codec_checks: dict[str, list[int]] = {}  # quality-gate re-run id -> served tokens
         log.info(
-            "engine ready: model %s (%d layers, %d/%d heads, head_dim %d, %s), KV memory %d "
+            "engine ready on %s: model %s (%d layers, %d/%d heads, head_dim %d, %s), KV memory %d "
             "blocks x %d tokens, max_model_len %d",
-            model_dir, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+            "emulated CUDA" if device.launcher else device.torch, model_dir, mc.num_layers,
+            mc.num_heads, mc.num_kv_heads, mc.head_dim,
             config.dtype, num_blocks, config.block_size, max_len,
         )
 
@@ -140,16 +137,15 @@ class LLMEngine:
         return req
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """With blending on, the parts between separators are tokenized separately (as they
-        were when precomputed) and joined with the separator's tokens. Thread-safe."""
-        sep = self.kv_connector.engine.config.blend_special_str if self.blend_separator else None
-        if not sep or sep not in text:
-            return self.tokenizer.encode(text, add_special_tokens)
-        parts = text.split(sep)
-        ids = self.tokenizer.encode(parts[0], add_special_tokens)
-        for part in parts[1:]:
-            ids += self.blend_separator + self.tokenizer.encode(part, add_special_tokens=False)
-        return ids
+        """As the tokenizer does, except where lmkv's blending splits the prompt into the
+        chunks it precomputed. Thread-safe."""
+        ids = self.kv_connector.tokenize(text, add_special_tokens) if self.kv_connector else None
+        return ids if ids is not None else self.tokenizer.encode(text, add_special_tokens)
+
+    @property
+    def blend_separator(self) -> list[int]:
+        """The ids that join a blended prompt's segments (prompts sent as ids use them)."""
+        return self.kv_connector.blend_separator if self.kv_connector else []
 
     def compute_kv(self, token_lists: list[list[int]], pre_rope: bool = False) -> list[torch.Tensor]:
         """KV of each token list computed alone at positions [0, n): [2, L, n, Hkv, D] each,
@@ -164,8 +160,10 @@ class LLMEngine:
         kvs = [r.captured_kv for r in reqs]
         if pre_rope:  # rotated back from [0, n) in fp32: exact up to one rounding to the dtype
             rope = self.model.model.rope
+            dev = self.device.torch
             for kv in kvs:
-                kv[0] = rope.rotate(kv[0], torch.arange(kv.shape[2]), inverse=True)
+                back = rope.rotate(kv[0].to(dev), torch.arange(kv.shape[2], device=dev), inverse=True)
+                kv[0] = back.cpu()
         return kvs
 
     def abort_request(self, request_id: str) -> None:
@@ -189,7 +187,13 @@ class LLMEngine:
         if self.kv_connector is None:
             sampled = self.runner.execute(sched)
         else:
-            sampled = self.kv_connector.execute(self.runner, sched)
+            sampled, failed, blocks = self.kv_connector.execute(self.runner, sched)
+            if failed:  # they ran over pages lmkv failed to fill: recompute them from scratch
+                self.block_manager.forget(blocks)
+                for req in reversed(failed):
+                    self.scheduler.requeue(req)
+                    self.kv_connector.recompute(req)
+                sched.scheduled = [s for s in sched.scheduled if s.request not in failed]
         outputs = self._postprocess(sched, sampled)
         self.metrics.computed_tokens.inc(sched.num_tokens)
         self._update_gauges()
@@ -218,40 +222,22 @@ class LLMEngine:
                 if req.capture_kv:
                     slots = self.runner.slots(req, 0, req.num_prompt_tokens)
                     # [L, 2, n, Hkv, D] -> [2, L, n, Hkv, D]
-                    req.captured_kv = self.kv_cache.flatten(2, 3)[:, :, slots].transpose(0, 1).contiguous()
+                    kv = self.kv_cache.flatten(2, 3)[:, :, slots.to(self.kv_cache.device)]
+                    req.captured_kv = kv.transpose(0, 1).contiguous().cpu()  # lmkv stores host chunks
             req.output_token_ids.append(token)
             self.metrics.generation_tokens.inc()
             reason = self._check_stop(req, token)
-            check = req.request_id in self._codec_checks
             if reason is not None:
-                self._codec_check(req)
+                rerun = self.kv_connector.request_finished(req) if self.kv_connector else None
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
                 self.metrics.requests_finished.labels(reason.value).inc()
-            if not check:
+                if rerun is not None:
+                    self.requests[rerun.request_id] = rerun
+                    self.scheduler.add(rerun)
+            if not req.internal:
                 outputs.append(self._output(req))
         return outputs
-
-    def _codec_check(self, req: Request) -> None:
-        """lmkv's quality gate (codec_check_every): re-run a sample of the greedy requests that
-        were served lossy KV, without any cached KV, and report both token lists. The re-run
-        is internal: it produces no output."""
-        gate = self.kv_connector.engine.gate if self.kv_connector is not None else None
-        if gate is None:
-            return
-        if req.request_id in self._codec_checks:
-            gate.record(req.output_token_ids, self._codec_checks.pop(req.request_id))
-            return
-        if not (req.params.greedy and self.kv_connector.scheduler.served_lossy(req)
-                and gate.sample()):
-            return
-        params = SamplingParams(max_tokens=len(req.output_token_ids), temperature=0,
-                                ignore_eos=True)
-        rerun = Request(f"{req.request_id}#codec-check", list(req.prompt_token_ids), params,
-                        arrival=time.monotonic(), cacheable=False, use_cache=False)
-        self._codec_checks[rerun.request_id] = list(req.output_token_ids)
-        self.requests[rerun.request_id] = rerun
-        self.scheduler.add(rerun)
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         p = req.params

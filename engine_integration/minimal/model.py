@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import paged_attention_decode, paged_attention_prefill, reshape_and_cache
+from lmkv.ops import paged_attention_decode, paged_attention_prefill, reshape_and_cache
+
 from .attention_metadata import AttentionMetadata
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding
@@ -69,17 +70,19 @@ class Attention(nn.Module):
         q, k = rope.apply(q, k, positions)
         if hooks is not None:
             hooks.before_attention(self.layer)
-        reshape_and_cache(k, v, kv_layer, meta.slot_mapping)
+        # the metadata was built from the engine's own block tables: no index checks (syncs)
+        run = {"check": False, "launcher": meta.launcher}
+        reshape_and_cache(k, v, kv_layer, meta.slot_mapping, **run)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             out[:nd] = paged_attention_decode(
-                q[:nd], kv_layer, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale
+                q[:nd], kv_layer, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, **run
             )
         if nd < meta.seq_lens.shape[0]:
             loc = meta.query_start_loc[nd:] - meta.query_start_loc[nd]
             out[nd:] = paged_attention_prefill(
-                q[nd:], kv_layer, meta.block_tables[nd:], meta.seq_lens[nd:], loc, self.scale
+                q[nd:], kv_layer, meta.block_tables[nd:], meta.seq_lens[nd:], loc, self.scale, **run
             )
         if hooks is not None:
             hooks.after_attention(self.layer)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .attention_metadata import AttentionMetadata
@@ -13,10 +15,13 @@ from .scheduler import ScheduledRequest, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int):
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+                 launcher: Any = None):
         self.model = model
-        self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, Hkv, D]
+        self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, Hkv, D], on the engine's device
+        self.device = kv_cache.device
         self.block_size = block_size
+        self.launcher = launcher  # lmkv's kernels' launcher when the device does not say
         self.num_forward_tokens = 0  # tokens the model computed, over the engine's life
 
     def execute(
@@ -37,7 +42,7 @@ class ModelRunner:
         if not sample_rows:
             return sampled
         rows, reqs = zip(*sample_rows, strict=True)
-        logits = self.model.compute_logits(hidden[list(rows)])
+        logits = self.model.compute_logits(hidden[list(rows)]).cpu()  # the step's one host sync
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         sampled.update((r.request_id, t) for r, t in zip(reqs, tokens, strict=True))
         return sampled
@@ -48,12 +53,13 @@ class ModelRunner:
         cached = plan.num_cached_tokens
         try:
             logits, recomputed = blend_prefill(self.model, self.kv_cache, req.prompt_token_ids,
-                                               self.slots(req, 0, req.num_tokens), plan)
+                                               self.slots(req, 0, req.num_tokens), plan,
+                                               self.launcher)
         finally:
             plan.release()
         req.num_blend_recomputed = recomputed
         self.num_forward_tokens += req.num_tokens - cached + recomputed
-        return sample(logits[None], [req.params], [req.generator])[0]
+        return sample(logits[None].cpu(), [req.params], [req.generator])[0]
 
     def slots(self, req: Request, start: int, end: int) -> torch.Tensor:
         """[end - start] int64 paged-memory slots of the request's tokens [start, end)."""
@@ -85,11 +91,14 @@ class ModelRunner:
             tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
             if hi == req.num_tokens:
                 sample_rows.append((starts[-1] - 1, req))
+        dev = self.device  # host-built metadata, copied over without a sync
+        on = lambda values: torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=tables,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-            query_start_loc=torch.tensor(starts, dtype=torch.int64),
+            slot_mapping=on(slots),
+            block_tables=tables.to(dev, non_blocking=True),
+            seq_lens=on(seq_lens),
+            query_start_loc=on(starts),
             num_decodes=sum(1 for s in batch if s.num_new_tokens == 1),
+            launcher=self.launcher,
         )
-        return torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta, sample_rows
+        return on(ids), on(pos), meta, sample_rows

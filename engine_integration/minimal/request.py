@@ -47,6 +47,7 @@ class Request:
     cacheable: bool = True
     # False: use no cached KV (engine prefix cache, lmkv) and save none (quality-gate re-runs)
     use_cache: bool = True
+    internal: bool = False  # run for the engine itself (a quality-gate re-run): no output
     blend: Any = None  # lmkv.blend.plan.BlendPlan while a blended prefill is pending
     num_blend_recomputed: int = 0  # tokens with stored KV that blending recomputed
     capture_kv: bool = False  # keep the prompt's KV when its prefill completes (precompute)

@@ -40,6 +40,10 @@ class RotaryEmbedding:
         self.cos = emb.cos()
         self.sin = emb.sin()
 
+    def to(self, device: torch.device) -> RotaryEmbedding:
+        self.inv_freq, self.cos, self.sin = (t.to(device) for t in (self.inv_freq, self.cos, self.sin))
+        return self
+
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

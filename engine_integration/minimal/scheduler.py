@@ -134,6 +134,15 @@ class Scheduler:
         if self.connector is not None:
             self.connector.request_finished(request)
 
+    def requeue(self, request: Request) -> None:
+        """Put a running request back at the front of the queue, to be computed again from
+        its first token (its pages held KV that cannot be trusted)."""
+        self.running.remove(request)
+        self.blocks.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request)
         request.status = RequestStatus.WAITING

@@ -17,12 +17,14 @@ class ServerConfig:
     # requests that may wait for a slot beyond the max_num_seqs that run at once; more: 503
     max_pending: int = 256
     log_level: str = "info"
+    max_request_body: int = 8 << 20  # bytes; a larger request body gets HTTP 413
     lmkv_config_file: str | None = None  # LMKV_CONFIG_FILE, read at startup
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host", "non-empty")
         _check(0 <= self.port <= 65535, "port", "in [0, 65535]")
         _check(self.max_pending >= 0, "max_pending", ">= 0")
+        _check(self.max_request_body >= 1024, "max_request_body", ">= 1KiB")
         _check(self.log_level in LOG_LEVELS, "log_level", f"one of {', '.join(LOG_LEVELS)}")
 
     @property

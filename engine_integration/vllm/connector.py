@@ -8,9 +8,9 @@ Configuration: lmkv's usual sources (defaults < YAML at LMKV_CONFIG_FILE < LMKV_
 then ``kv_connector_extra_config`` on top, key for key (unknown keys fail, naming the key).
 
 vLLM builds this class once per role; both delegate to lmkv's connector roles
-(``lmkv.connector``) over one LMKVEngine, so the scheduler finds what the worker stored:
-shared where vLLM runs both roles in one process, and in the worker's process, asked over
-a Unix socket (pins.py), where the scheduler runs in another (``vllm serve``).
+(``lmkv.connector``). The worker role owns the LMKVEngine (the hot cache beside the KV
+memory); the scheduler role asks it by key over a Unix socket (lookup_socket.py), whether
+vLLM runs the two roles in one process or, as ``vllm serve`` does, in two: one code path.
 
 Loads are synchronous (done before the forward pass, or layer by layer with
 use_layerwise); saves gather the step's new full chunks into lmkv's hot cache at the end
@@ -22,6 +22,7 @@ report their blocks through get_block_ids_with_load_errors (set vLLM's
 
 from __future__ import annotations
 
+import atexit
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +34,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmkv.connector import ConnectorMetadata, SchedulerConnector, WorkerConnector
+from lmkv.engine import LMKVEngine
+from lmkv.paged import PagedMemory
 
-from .engines import SharedEngines, engine_spec
+from .engines import engine_spec
+from .lookup_socket import LookupClient, LookupServer, socket_path
 from .paged import StridedPagedMemory, cpu_paged_memory, gpu_paged_memory
-from .pins import PinnedChunk, PinServer, RemoteEngine, socket_path
 from .requests import RequestViews
 
 if TYPE_CHECKING:
@@ -67,16 +70,22 @@ def _show_lmkv_logs() -> None:
 _show_lmkv_logs()
 
 
+def worker_engine() -> LMKVEngine:
+    """The LMKVEngine of this process's worker role (vLLM's KV connector of this process),
+    for benchmarks and tests that read its metrics or drain its writes."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    if not isinstance(connector, LMKVConnector) or connector.worker is None:
+        raise RuntimeError("no lmkv worker role in this process")
+    return connector.engine
+
+
 class LMKVConnectorMetadata(KVConnectorMetadata):
-    """lmkv's per-step metadata. Where both roles share a process its loads hold chunk
-    buffers of the hot cache; across processes, PinnedChunk handles (key and flag) that
-    the worker resolves to the chunks its PinServer pinned."""
+    """lmkv's per-step metadata: keys, token ranges and slots (pickled by vLLM)."""
 
     def __init__(self, meta: ConnectorMetadata):
         self.meta = meta
-
-
-_LOCAL_WORKERS: set[str] = set()  # vLLM engine ids whose worker role lives in this process
 
 
 class LMKVConnector(KVConnectorBase_V1):
@@ -91,27 +100,24 @@ class LMKVConnector(KVConnectorBase_V1):
         self.block_size = self.spec.block_size
         self.scheduler: SchedulerConnector | None = None
         self.worker: WorkerConnector | None = None
-        self.pins: PinServer | None = None
+        self.lookups: LookupServer | None = None
+        self.engine: LMKVEngine | LookupClient
         if role == KVConnectorRole.SCHEDULER:
-            # vLLM builds the scheduler after its workers: a worker role in this process
-            # means one engine for both; otherwise (vllm serve) the worker process answers
-            if self.engine_id in _LOCAL_WORKERS:
-                self.engine = SharedEngines.acquire(self.spec)
-            else:
-                self.engine = RemoteEngine(self.spec.config, path)
+            # vLLM builds the scheduler after its workers, which serve the socket by then
+            self.engine = LookupClient(self.spec.config, path)
             self.scheduler = SchedulerConnector(self.engine, self.block_size)
             self.views = RequestViews()
         else:
-            self.engine = SharedEngines.acquire(self.spec)
-            _LOCAL_WORKERS.add(self.engine_id)
+            self.engine = LMKVEngine(self.spec.config, self.spec.layout, self.spec.model_id)
+            atexit.register(self.shutdown)  # vLLM may exit without shutting connectors down
             try:
-                self.pins = PinServer(self.engine, path)
-            except OSError as e:  # only a scheduler in another process needs it
-                log.warning("lmkv: cannot serve lookups on %s (%s); a scheduler role in another "
-                            "process will find no hits", path, e)
+                self.lookups = LookupServer(self.engine, path)
+            except OSError as e:
+                log.warning("lmkv: cannot serve lookups on %s (%s); the scheduler role will "
+                            "find no hits", path, e)
             self.worker = WorkerConnector(self.engine)
             self.layer_index: dict[str, int] = {}
-            self.paged: StridedPagedMemory | None = None
+            self.paged: PagedMemory | None = None
             self._load_errors: set[int] = set()
             self._save_failed = False
         self._closed = False
@@ -175,12 +181,7 @@ class LMKVConnector(KVConnectorBase_V1):
         self.worker.register_kv_caches(self.paged)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self.worker.meta
-        try:
-            self.worker.start_load_kv()
-        except Exception:
-            log.exception("lmkv: loading KV failed; vLLM recomputes those blocks")
-            self._failed_loads(meta)
+        self.worker.start_load_kv()  # a failure is reported by failed_loads in wait_for_save
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(self.layer_index[layer_name])
@@ -196,17 +197,15 @@ class LMKVConnector(KVConnectorBase_V1):
             self._save_failed = True
 
     def wait_for_save(self) -> None:
-        meta = self.worker.meta
-        job = self.worker.load_job
-        if job is not None:  # layer-wise: the load has finished (every layer was waited for)
-            self.worker.load_job = None
-            if job.exception() is not None:
-                log.error("lmkv: loading KV failed (%s); vLLM recomputes those blocks", job.exception())
-                self._failed_loads(meta)
+        # vLLM recomputes the blocks reported by get_block_ids_with_load_errors; chunks that
+        # those requests computed this step over unloaded pages are not stored
+        failed = self.worker.failed_loads()
+        for spec in failed:
+            self._load_errors.update(self._blocks(zip(spec.slot_mappings, spec.skips, strict=True)))
         try:
             if self._save_failed:
                 raise RuntimeError("a layer failed to save")
-            self.worker.wait_for_save()
+            self.worker.wait_for_save(skip={spec.request_id for spec in failed})
         except Exception as e:
             log.warning("lmkv: saving KV failed (%s); those chunks will be recomputed next time", e)
             self.engine.count_error("connector", "save")
@@ -217,36 +216,11 @@ class LMKVConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, LMKVConnectorMetadata)
-        meta = connector_metadata.meta
-        for spec in meta.loads:  # from another process: take the chunks pinned for it
-            taken = [self._take(c) for c in spec.chunks]
-            keep = [i for i, c in enumerate(taken) if c is not None]
-            if len(keep) < len(taken):  # never expected: the scheduler pinned them here
-                log.error("lmkv: request %s: chunks pinned for its load are gone; vLLM recomputes "
-                          "their blocks", spec.request_id)
-                self.engine.count_error("connector", "load")
-                self._load_errors.update(self._blocks(
-                    [(spec.slot_mappings[i], spec.skips[i]) for i, c in enumerate(taken) if c is None]))
-            spec.chunks = [taken[i] for i in keep]
-            spec.slot_mappings = [spec.slot_mappings[i] for i in keep]
-            spec.skips = [spec.skips[i] for i in keep]
-        self.worker.bind_connector_metadata(meta)
-
-    def _take(self, chunk):
-        """A chunk buffer of this process's hot cache, or None where a PinnedChunk handle
-        finds no pin (never expected)."""
-        if not isinstance(chunk, PinnedChunk):
-            return chunk
-        return self.pins.take(chunk.key) if self.pins is not None else None
+        self.worker.bind_connector_metadata(connector_metadata.meta)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
-
-    def _failed_loads(self, meta: ConnectorMetadata) -> None:
-        self.engine.count_error("connector", "load")
-        for spec in meta.loads:
-            self._load_errors.update(self._blocks(zip(spec.slot_mappings, spec.skips, strict=True)))
 
     def _blocks(self, loads) -> set[int]:
         """The vLLM blocks that (slot mapping, tokens to skip) pairs write into."""
@@ -257,15 +231,12 @@ class LMKVConnector(KVConnectorBase_V1):
         if self._closed:
             return
         self._closed = True
-        if self.pins is not None:
-            self.pins.close()
+        if self.lookups is not None:
+            self.lookups.close()
         if self.worker is not None:
             self.worker.close()
-            _LOCAL_WORKERS.discard(self.engine_id)
-        if isinstance(self.engine, RemoteEngine):
-            self.engine.close()
-        else:
-            SharedEngines.release(self.spec)
+            atexit.unregister(self.shutdown)
+        self.engine.close()  # the worker's: finish background writes
 
 
 def _check_cpu_layout(paged: StridedPagedMemory, like: torch.Tensor) -> None:

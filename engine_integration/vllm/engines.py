@@ -1,24 +1,13 @@
-"""Which LMKVEngine a vLLM engine uses: its config, KV layout and model id, and the one
-instance per process that both connector roles share.
-
-vLLM constructs the scheduler role and the worker role separately, with at most the
-process in common; they must use one hot cache (the scheduler finds what the worker
-stored, and hands the worker pinned chunks of it). Where they share a process, this
-module's process-wide table of engines, reference-counted by the roles using them, gives
-both the same one; where they do not (`vllm serve`), the worker's process holds the engine
-and the scheduler role asks it over a socket (pins.py).
-"""
+"""Which LMKVEngine a vLLM engine's worker role builds: lmkv's config, the KV layout and
+the model id, from vLLM's config and kv_connector_extra_config."""
 
 from __future__ import annotations
 
-import atexit
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from lmkv.config import ConfigError, LMKVConfig, load_config
-from lmkv.engine import LMKVEngine
 from lmkv.layout import KVLayout
 from lmkv.model_id import model_fingerprint
 
@@ -52,7 +41,7 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     if pc.world_size > 1:
         raise ConfigError(
             f"lmkv's vLLM connector runs with tensor_parallel_size 1 and pipeline_parallel_size 1 "
-            f"(got world size {pc.world_size}): its scheduler and worker roles share one process")
+            f"(got world size {pc.world_size}): its scheduler role asks one worker's lmkv engine")
     if cc.cache_dtype not in ("auto", None) and str(cc.cache_dtype) != str(mc.dtype).removeprefix("torch."):
         raise ConfigError(f"lmkv stores KV in the model dtype; vLLM kv_cache_dtype {cc.cache_dtype} "
                           "is not supported")
@@ -73,49 +62,3 @@ def model_id(model: str, revision: str | None = None) -> str:
     if (path / "config.json").is_file():
         return model_fingerprint(path)
     return f"hub:{model}@{revision or 'main'}"
-
-
-class SharedEngines:
-    """spec -> the process's LMKVEngine for it, with the number of roles using it."""
-
-    _engines: ClassVar[dict[EngineSpec, tuple[LMKVEngine, int]]] = {}
-    _lock: ClassVar[threading.Lock] = threading.Lock()
-
-    @classmethod
-    def acquire(cls, spec: EngineSpec) -> LMKVEngine:
-        with cls._lock:
-            engine, users = cls._engines.get(spec, (None, 0))
-            if engine is None:
-                engine = LMKVEngine(spec.config, spec.layout, spec.model_id)
-            cls._engines[spec] = (engine, users + 1)
-            return engine
-
-    @classmethod
-    def release(cls, spec: EngineSpec) -> None:
-        with cls._lock:
-            engine, users = cls._engines.pop(spec, (None, 0))
-            if engine is None:
-                return
-            if users > 1:
-                cls._engines[spec] = (engine, users - 1)
-                return
-        engine.close()  # the last user: finish background writes
-
-    @classmethod
-    def close_all(cls) -> None:
-        """At interpreter exit: finish the background writes of engines whose roles vLLM did
-        not shut down (the I/O thread is a daemon and would be cut off)."""
-        with cls._lock:
-            engines = [engine for engine, _ in cls._engines.values()]
-            cls._engines.clear()
-        for engine in engines:
-            engine.close()
-
-    @classmethod
-    def engines(cls) -> list[LMKVEngine]:
-        """The live engines of this process (tests and benchmarks read their metrics)."""
-        with cls._lock:
-            return [engine for engine, _ in cls._engines.values()]
-
-
-atexit.register(SharedEngines.close_all)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from lmkv.paged import PagedMemory
+from lmkv import ops
+from lmkv.paged import PagedMemory, on_device, staging_for
 
 
 class StridedPagedMemory(PagedMemory):
@@ -140,9 +141,44 @@ def cpu_paged_memory(layers: list[torch.Tensor]) -> StridedPagedMemory:
     return StridedPagedMemory(ks, vs)
 
 
-def gpu_paged_memory(layers: list[torch.Tensor]) -> StridedPagedMemory:
-    """The GPU backends' (FlashAttention) layout: each layer is [num_blocks, block_size, Hkv,
-    2 * D] with K = [..., :D] and V = [..., D:]. (vLLM registers the logical view
-    [num_blocks, Hkv, block_size, 2 * D]; pass ``t.transpose(1, 2)`` of it.)"""
-    d = layers[0].shape[-1] // 2
-    return StridedPagedMemory([t[..., :d] for t in layers], [t[..., d:] for t in layers])
+class DevicePagedMemory(PagedMemory):
+    """The GPU backends' (FlashAttention) layout: each layer [num_blocks, block_size, Hkv,
+    2 * D], K = [..., :D] and V = [..., D:], on the GPU. Chunks (lmkv's host memory) and
+    slot mappings are staged on the pages' device and moved by lmkv's transfer kernels
+    there (``lmkv.ops.*_vllm``): no host index ever meets a device page."""
+
+    def __init__(self, layers: list[torch.Tensor], launcher=None):
+        shape = tuple(layers[0].shape)
+        if any(tuple(t.shape) != shape or t.dtype != layers[0].dtype for t in layers):
+            raise ValueError(f"all KV layers must be {shape} {layers[0].dtype}")
+        self.layers = layers
+        self.num_blocks, self.block_size, self.num_kv_heads, d2 = shape
+        self.head_dim = d2 // 2
+        self.num_layers = len(layers)
+        self.dtype = layers[0].dtype
+        self.device = layers[0].device
+        self.launcher = launcher  # the kernels' launcher where the device does not say (tests)
+
+    def load(self, chunk, slots, skip=0, layer=None):
+        layers, src = self._layers(chunk, layer)
+        ops.chunk_to_paged_vllm(on_device(src, self.device), layers, on_device(slots, self.device),
+                                skip, launcher=self.launcher)
+
+    def save(self, slots, chunk, skip=0, layer=None):
+        layers, dst = self._layers(chunk, layer)
+        stage = staging_for(dst, self.device)
+        ops.paged_to_chunk_vllm(layers, on_device(slots, self.device), stage, skip,
+                                launcher=self.launcher)
+        if stage is not dst:
+            dst[:, :, skip:].copy_(stage[:, :, skip:])
+
+    def _layers(self, chunk: torch.Tensor, layer: int | None):
+        if layer is None:
+            return self.layers, chunk
+        return self.layers[layer : layer + 1], chunk[:, layer : layer + 1]
+
+
+def gpu_paged_memory(layers: list[torch.Tensor]) -> DevicePagedMemory:
+    """vLLM registers the logical view [num_blocks, Hkv, block_size, 2 * D] of the GPU
+    backends' layout; pass ``t.transpose(1, 2)`` of it."""
+    return DevicePagedMemory(layers)

@@ -20,7 +20,11 @@ class StorageBackend(ABC):
       a corrupt value is detected by the codec frame's checksum above it.
     - Calls take lists so that a backend can batch (pipeline, multi-get); one that cannot
       batch loops inside.
+    - Every method below the abstract ones has a working default, so callers never probe
+      for capabilities; a wrapper forwards every method, the defaults included.
     """
+
+    num_evictions: int = 0  # entries it dropped to stay within its bounds (0: the store's own business)
 
     @abstractmethod
     def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
@@ -47,6 +51,10 @@ class StorageBackend(ABC):
         """get_into for several keys in one batch (lengths, None for misses). Remote
         backends override it to pipeline the requests: one round trip, not one per key."""
         return [self.get_into(key, out) for key, out in zip(keys, outs, strict=True)]
+
+    def remove(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """Delete these keys where present (a corrupt value, say). The default keeps them:
+        the codec frame's checksum rejects such a value again on every read."""
 
     def register_memory(self, region: memoryview) -> None:  # noqa: B027 - optional hook
         """``region`` (lmkv's chunk pool) will be the source and target of puts and

@@ -130,10 +130,11 @@ class DiskBackend(StorageBackend):
     def contains(self, keys: Sequence[str]) -> list[bool]:
         return [self._name(k) in self.index for k in keys]
 
-    def remove(self, key: str) -> None:
-        name = self._name(key)
-        if self._forget(name):
-            (self.root / name).unlink(missing_ok=True)
+    def remove(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            name = self._name(key)
+            if self._forget(name):
+                (self.root / name).unlink(missing_ok=True)
 
     def _forget(self, name: str) -> bool:
         size = self.index.pop(name, None)

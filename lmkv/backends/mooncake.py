@@ -148,5 +148,11 @@ class MooncakeBackend(StorageBackend):
             raise BackendError("Mooncake batch_is_exist failed")
         return [c == 1 for c in codes]
 
+    def remove(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            rc = self.store.remove(key, True)  # force: a lease from a recent get would refuse it
+            if rc not in (0, NOT_FOUND):
+                raise BackendError(f"Mooncake remove failed (code {rc})")
+
     def close(self) -> None:
         self.store.close()

@@ -86,6 +86,15 @@ class RedisBackend(StorageBackend):
         except self._errors as e:
             raise BackendError(f"redis exists failed: {e}") from e
 
+    def remove(self, keys: Sequence[str]) -> None:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.delete(self.prefix + key)
+            pipe.execute()
+        except self._errors as e:
+            raise BackendError(f"redis delete failed: {e}") from e
+
     def close(self) -> None:
         with contextlib.suppress(*self._errors):
             self.client.close()

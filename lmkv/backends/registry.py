@@ -41,6 +41,9 @@ def create_backend(url: str, timeout: float) -> StorageBackend:
 
 
 class LazyBackend(StorageBackend):
+    """Connects on first use and again after a BackendError; forwards every method of the
+    contract (batched reads above all: one round trip per batch, not per chunk)."""
+
     def __init__(self, factory: Callable[[], StorageBackend], url: str):
         self._factory = factory
         self._url = url
@@ -78,8 +81,18 @@ class LazyBackend(StorageBackend):
     def get_into(self, key: str, out: memoryview) -> int | None:
         return self._call(lambda b: b.get_into(key, out))
 
+    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
+        return self._call(lambda b: b.get_into_many(keys, outs))
+
     def contains(self, keys: Sequence[str]) -> list[bool]:
         return self._call(lambda b: b.contains(keys))
+
+    def remove(self, keys: Sequence[str]) -> None:
+        self._call(lambda b: b.remove(keys))
+
+    @property
+    def num_evictions(self) -> int:
+        return self._backend.num_evictions if self._backend is not None else 0
 
     def register_memory(self, region: memoryview) -> None:
         self._regions.append(region)

@@ -7,24 +7,11 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-import torch
-
+from ..compute import KVComputer
 from ..engine import LMKVEngine
 
 log = logging.getLogger(__name__)
-
-
-class KVComputer(Protocol):
-    """An engine that can compute the KV of standalone token sequences."""
-
-    def tokenize(self, text: str) -> list[int]: ...
-
-    def compute_kv(self, token_lists: list[list[int]], pre_rope: bool = False) -> list[torch.Tensor]:
-        """KV of each sequence computed alone at positions [0, n): [2, L, n, Hkv, D] each;
-        with ``pre_rope`` the keys as projected, before RoPE."""
-        ...
 
 
 @dataclass(slots=True)

@@ -1,5 +1,6 @@
 """How a chunk becomes bytes when it leaves the hot cache, and back."""
 
-from .frame import CODECS, FrameError, decode_into, encode
+from .base import CODECS, Codec, get_codec
+from .frame import FrameError, decode_into, encode
 
-__all__ = ["CODECS", "FrameError", "decode_into", "encode"]
+__all__ = ["CODECS", "Codec", "FrameError", "decode_into", "encode", "get_codec"]

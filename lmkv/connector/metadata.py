@@ -1,4 +1,5 @@
-"""What the scheduler role hands the worker role each step."""
+"""What the scheduler role hands the worker role each step: keys, token ranges and slots,
+never buffers, so the two roles may live in different processes (as under `vllm serve`)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..memory import ChunkBuffer
-
 
 @dataclass(slots=True)
 class LoadSpec:
-    """Write chunk i of ``chunks`` into the slots ``slot_mappings[i]``, except its first
-    ``skips[i]`` tokens, which the engine already holds. A chunk's slot mapping may be
-    shorter than the chunk (the request's last loaded chunk, which ends before the last
-    prompt token): its tokens past the mapping are not loaded."""
+    """Write chunk ``keys[i]`` (pinned in the worker's hot cache by the scheduler role's
+    lookup) into the slots ``slot_mappings[i]``, except its first ``skips[i]`` tokens,
+    which the engine already holds. A chunk's slot mapping may be shorter than the chunk
+    (the request's last loaded chunk, which ends before the last prompt token): its tokens
+    past the mapping are not loaded."""
 
     request_id: str
-    chunks: list[ChunkBuffer]  # retained; the worker releases them after loading
+    keys: list[str]  # each pinned once for this load; the worker takes the pin
     slot_mappings: list[torch.Tensor]  # [n <= chunk_size] int64 each
     skips: list[int]
 

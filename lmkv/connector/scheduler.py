@@ -1,5 +1,7 @@
 """The scheduler role: how many tokens lmkv can supply, and what to load and save each step.
 
+It speaks keys only, through ``ChunkIndex``: the LMKVEngine itself where the worker role
+shares its process, a client of the worker's process otherwise (vLLM's ``vllm serve``).
 Requests are duck-typed: ``request_id``, ``prompt_token_ids``, ``all_token_ids``,
 ``block_ids`` and ``num_computed_tokens``, as the bundled engine's and vLLM's have them.
 """
@@ -9,22 +11,38 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ..blend.plan import BlendPlan
-from ..engine import LMKVEngine
-from ..memory import ChunkBuffer
+from ..config import LMKVConfig
 from .metadata import ConnectorMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
 
 
+class ChunkIndex(Protocol):
+    """What the scheduler role asks of the engine that holds the chunks (LMKVEngine).
+    With enable_blending it also needs ``blend_plan``, which only an engine in the same
+    process has (a plan holds chunk buffers)."""
+
+    config: LMKVConfig
+    chunk_size: int
+
+    def keys(self, tokens: list[int]) -> list[str]: ...
+    def lookup(self, keys: list[str]) -> int: ...
+    def pin(self, keys: list[str]) -> list[bool]: ...
+    def unpin(self, keys: list[str]) -> None: ...
+    def prefetch(self, keys: list[str]) -> None: ...
+    def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None: ...
+    def drain(self) -> None: ...
+
+
 @dataclass(slots=True)
 class _RequestState:
     keys: list[str]  # keys of the request's full chunks known so far
-    pinned: list[ChunkBuffer] = field(default_factory=list)  # fetched, waiting to be loaded
+    pinned: list[str] = field(default_factory=list)  # keys pinned for a load, not yet planned
     pinned_from: int = 0  # chunk index of pinned[0]
     load_from: int = 0  # tokens [load_from, load_to) come from lmkv this step
     load_to: int = 0
@@ -32,10 +50,11 @@ class _RequestState:
     plan: BlendPlan | None = None  # found by get_blend_plan, until the engine takes it
     blended: bool = False  # its KV is approximate: never saved as prefix chunks
     lossy: bool = False  # some loaded chunk was decoded from a lossy codec
+    no_loads: bool = False  # a load into its pages failed: it is recomputed without lmkv
 
 
 class SchedulerConnector:
-    def __init__(self, engine: LMKVEngine, block_size: int, blend_separator: list[int] | None = None):
+    def __init__(self, engine: ChunkIndex, block_size: int, blend_separator: list[int] | None = None):
         if engine.chunk_size % block_size:
             raise ValueError(
                 f"lmkv chunk_size {engine.chunk_size} must be a multiple of the engine's "
@@ -60,8 +79,8 @@ class SchedulerConnector:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (the engine's own prefix cache hit) that lmkv
-        will load. The chunks are fetched into the hot cache and pinned now, so the load
-        itself cannot fail. Loads are synchronous.
+        will load. The chunks are fetched into the hot cache and pinned there now, so the
+        load cannot miss them. Loads are synchronous.
 
         The hit never covers the last prompt token (it is computed: it yields the first
         logits), but it may end inside a chunk: when the prompt's last chunk is full and
@@ -69,7 +88,7 @@ class SchedulerConnector:
         token, not a chunk."""
         st = self._state(request)
         self._unpin(st)
-        if not self.loads:
+        if not self.loads or st.no_loads:
             return 0, False
         c = self.engine.chunk_size
         # the prompt's full chunks, any of which may be loaded (after a preemption, st.keys
@@ -80,19 +99,21 @@ class SchedulerConnector:
         # from the first chunk the engine lacks.
         first = min(num_computed_tokens // c, full)
         below = self.engine.lookup(st.keys[:first]) if first else 0
-        chunks = self.engine.fetch(st.keys[first:full]) if full > first else []
-        st.pinned, st.pinned_from = chunks, first  # at once: whatever follows, they are released
-        found = first + len(chunks) if chunks else below
-        self.engine.record_lookup(len(request.prompt_token_ids), found * c)
+        lossy = self.engine.pin(st.keys[first:full]) if full > first else []
+        # at once: whatever follows, these pins are given back or loaded
+        st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
+        found = first + len(lossy) if lossy else below
         st.saved_chunks = max(st.saved_chunks, found)  # not saved again
-        st.lossy = st.lossy or any(b.lossy for b in chunks)
-        hit = min((first + len(chunks)) * c, len(request.prompt_token_ids) - 1)
+        st.lossy = st.lossy or any(lossy)
+        hit = min((first + len(lossy)) * c, len(request.prompt_token_ids) - 1)
+        # lmkv's hit is what it can load beyond the engine's own prefix cache
+        self.engine.record_lookup(len(request.prompt_token_ids), max(0, hit - num_computed_tokens),
+                                  num_computed_tokens)
         if hit <= num_computed_tokens:
             self._unpin(st)
             return 0, False
         holding = -(-hit // c) - first  # chunks that hold loaded tokens (chunk_size 1: one less)
-        for buf in st.pinned[holding:]:
-            buf.release()
+        self.engine.unpin(st.pinned[holding:])
         del st.pinned[holding:]
         return hit - num_computed_tokens, False
 
@@ -126,20 +147,21 @@ class SchedulerConnector:
         for request, num_new in scheduled:
             st = self._state(request)
             if st.pinned:
-                chunks, slots, skips = [], [], []
-                for i, buf in enumerate(st.pinned):
+                keys, slots, skips, unused = [], [], [], []
+                for i, key in enumerate(st.pinned):
                     start = (st.pinned_from + i) * c
                     # the last chunk may be loaded in part (up to the last prompt token), and
                     # an engine may have taken fewer tokens than offered: load [from, to) only
                     end = min(start + c, st.load_to)
                     if end <= max(start, st.load_from):
-                        buf.release()
+                        unused.append(key)
                         continue
-                    chunks.append(buf)
+                    keys.append(key)
                     slots.append(self._slots(request.block_ids, start, end))
                     skips.append(max(0, st.load_from - start))
-                if chunks:
-                    meta.loads.append(LoadSpec(request.request_id, chunks, slots, skips))
+                self.engine.unpin(unused)
+                if keys:
+                    meta.loads.append(LoadSpec(request.request_id, keys, slots, skips))
                 st.pinned = []
             if st.blended or not self.saves:
                 continue
@@ -181,6 +203,13 @@ class SchedulerConnector:
             self.engine.drain()
         return False, None
 
+    def recompute_without_loads(self, request: Any) -> None:
+        """A load into ``request``'s pages failed and the engine computes it again from its
+        first token: start its state afresh, and load nothing for it from now on."""
+        self.request_finished(request)
+        self.states[request.request_id] = _RequestState(self.engine.keys(request.prompt_token_ids),
+                                                        no_loads=True)
+
     def _state(self, request: Any) -> _RequestState:
         st = self.states.get(request.request_id)
         if st is None:
@@ -204,8 +233,7 @@ class SchedulerConnector:
             st.plan.release()
             st.plan = None
 
-    @staticmethod
-    def _unpin(st: _RequestState) -> None:
-        for buf in st.pinned:
-            buf.release()
+    def _unpin(self, st: _RequestState) -> None:
+        if st.pinned:
+            self.engine.unpin(st.pinned)
         st.pinned = []

@@ -3,6 +3,8 @@
 Whole-request mode loads everything before the forward pass and saves after it.
 Layer-wise mode (use_layerwise) hands each layer to a helper thread: layer i+1 is loaded
 while layer i computes, and layer i is gathered for saving while layer i+1 computes.
+A load that fails (at any layer) is reported by ``failed_loads`` after the forward pass:
+the engine must recompute those requests' tokens, and their saves of this step are dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from ..engine import LMKVEngine
 from ..memory import ChunkBuffer
 from ..paged import PagedMemory
-from .metadata import ConnectorMetadata
+from .metadata import ConnectorMetadata, LoadSpec
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ class WorkerConnector:
         self._save_bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
         self._save_jobs: list[Future] = []
         self.load_job: Future | None = None  # the running layer-wise load (layer-wise mode)
+        self._load_error: BaseException | None = None  # the whole-request load's failure
 
     def register_kv_caches(self, paged: PagedMemory) -> None:
         """The engine's paged KV memory, in whatever layout ``paged`` implements."""
@@ -48,46 +51,80 @@ class WorkerConnector:
 
     # ---- loading --------------------------------------------------------------------
     def start_load_kv(self) -> None:
+        """Start this step's loads: take each chunk the scheduler role pinned, by key.
+        Never raises: a failure is reported by failed_loads."""
         loads = self.meta.loads
+        self._load_error = None
+        self.load_job = None
+        self._layer_loaded = []
         if not loads:
-            self._layer_loaded = []
             return
-        n = sum(slots.shape[0] - skip for spec in loads
-                for slots, skip in zip(spec.slot_mappings, spec.skips, strict=True))
-        self.engine.metrics.loaded_tokens.inc(n)
+        chunks = [[self.engine.take(key) for key in spec.keys] for spec in loads]
+        missing = [k for spec, bufs in zip(loads, chunks, strict=True)
+                   for k, b in zip(spec.keys, bufs, strict=True) if b is None]
+        if missing:  # never expected: the scheduler role pinned them
+            self._load_error = LookupError(f"{len(missing)} chunks planned for loading are not pinned")
+            self._release(chunks)
+            return
         if not self.layerwise:
             try:
-                self._load(loads)
+                self._load(loads, chunks)
+            except Exception as e:
+                self._load_error = e
             finally:  # a failed load still returns its chunks to the pool
-                for spec in loads:
-                    for buf in spec.chunks:
-                        buf.release()
+                self._release(chunks)
             return
         self._layer_loaded = [threading.Event() for _ in range(self.engine.layout.num_layers)]
-        self.load_job = self._executor.submit(self._load_layers, loads, self._layer_loaded)
+        self.load_job = self._executor.submit(self._load_layers, loads, chunks, self._layer_loaded)
 
-    def _load_layers(self, loads, events: list[threading.Event]) -> None:
+    def _load_layers(self, loads, chunks, events: list[threading.Event]) -> None:
         try:
             for layer, event in enumerate(events):
-                self._load(loads, layer)
+                self._load(loads, chunks, layer)
                 event.set()
-        finally:
+        finally:  # after a failure the forward pass goes on; failed_loads tells the engine
             for event in events:
                 event.set()
-            for spec in loads:
-                for buf in spec.chunks:
-                    buf.release()
+            self._release(chunks)
 
-    def _load(self, loads, layer: int | None = None) -> None:
-        for spec in loads:
-            for buf, slots, skip in zip(spec.chunks, spec.slot_mappings, spec.skips, strict=True):
+    def _load(self, loads, chunks, layer: int | None = None) -> None:
+        for spec, bufs in zip(loads, chunks, strict=True):
+            for buf, slots, skip in zip(bufs, spec.slot_mappings, spec.skips, strict=True):
                 # a mapping shorter than the chunk (a load ending before the last prompt
                 # token) loads that many of its tokens
                 self.paged.load(buf.kv[:, :, : slots.shape[0]], slots, skip, layer)
 
+    @staticmethod
+    def _release(chunks: list[list[ChunkBuffer | None]]) -> None:
+        for bufs in chunks:
+            for buf in bufs:
+                if buf is not None:
+                    buf.release()
+
     def wait_for_layer_load(self, layer: int) -> None:
         if self._layer_loaded:
             self._layer_loaded[layer].wait()
+
+    def failed_loads(self) -> list[LoadSpec]:
+        """After the forward pass: this step's loads if any part of them failed (all of
+        them: a failure leaves it unknown which pages hold what), else []. The engine must
+        recompute the tokens of those requests, and of any request that shares their pages."""
+        if self.load_job is not None:
+            wait([self.load_job])
+            self._load_error = self.load_job.exception()
+            self.load_job = None
+        if self._load_error is None:
+            if self.meta.loads:
+                self.engine.metrics.loaded_tokens.inc(sum(
+                    slots.shape[0] - skip for spec in self.meta.loads
+                    for slots, skip in zip(spec.slot_mappings, spec.skips, strict=True)))
+            return []
+        n = sum(len(spec.keys) for spec in self.meta.loads)
+        log.warning("lmkv: loading %d chunks of %d requests failed (%r); their tokens are "
+                    "recomputed", n, len(self.meta.loads), self._load_error)
+        self.engine.count_error("connector", "load")
+        self._load_error = None
+        return list(self.meta.loads)
 
     # ---- saving ---------------------------------------------------------------------
     def save_kv_layer(self, layer: int) -> None:
@@ -103,12 +140,14 @@ class WorkerConnector:
         for _, buf, slots in bufs:
             self.paged.save(slots, buf.kv, 0, layer)
 
-    def wait_for_save(self) -> None:
+    def wait_for_save(self, skip: set[str] | frozenset[str] = frozenset()) -> None:
         """End of the step: new chunks go to the hot cache; lower tiers are written in the
-        background and never waited for here."""
+        background and never waited for here. Chunks of the requests in ``skip`` (computed
+        over pages whose load failed) are not stored."""
         if not self.meta.saves:
             return
         bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
+        skip_keys = {k for spec in self.meta.saves if spec.request_id in skip for k in spec.keys}
         try:
             if self.layerwise:
                 bufs, self._save_bufs = self._save_bufs, []
@@ -121,7 +160,8 @@ class WorkerConnector:
                 for _, buf, slots in bufs:
                     self.paged.save(slots, buf.kv)
             for key, buf, _ in bufs:
-                self.engine.store(key, buf)
+                if key not in skip_keys:
+                    self.engine.store(key, buf)
         finally:  # a failed gather stores nothing and still returns its buffers
             for _, buf, _ in bufs:
                 buf.release()

@@ -12,19 +12,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
-from ..backends.base import BackendError, StorageBackend
-from ..codec import CODECS, FrameError, decode_into, encode
-from ..codec.calibration import CacheGenTable
-from ..codec.frame import CODEC_BYTE
 from ..memory import ChunkBuffer, MemoryPool
 from ..metrics import LMKVMetrics
-from .breaker import CircuitBreaker
 from .hot_cache import HotCache
 from .io import IOWorker
+from .tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -32,28 +26,19 @@ log = logging.getLogger(__name__)
 LOAD_BATCH = 8  # chunks asked of a tier at once when loading a run of them
 
 
-@dataclass
-class Tier:
-    name: str
-    backend: StorageBackend
-    codec: str = "raw"
-    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    table: CacheGenTable | None = None  # the model's calibration, for cachegen frames
-
-    @property
-    def lossy(self) -> bool:
-        return self.codec == "cachegen"
-
-
 class StorageManager:
     def __init__(self, pool: MemoryPool, tiers: list[Tier], metrics: LMKVMetrics,
-                 io_queue_size: int = 256):
+                 io_queue_size: int = 256, keep_hot: bool = True):
         self.hot = HotCache(pool)
+        # keep_hot False (LMCache's local_cpu: false): the pool only stages loads and saves;
+        # no chunk stays in it, and the tiers below serve every hit
+        self.keep_hot = keep_hot
         self.tiers = tiers
         self.metrics = metrics
         self.io = IOWorker(io_queue_size)
         region = memoryview(pool.storage.numpy()).cast("B")
         for tier in tiers:
+            tier.metrics = metrics  # one registry for the whole stack
             tier.backend.register_memory(region)
         self._inflight: dict[str, Future] = {}  # key -> running fetch of that key
         self._lock = threading.Lock()
@@ -68,36 +53,30 @@ class StorageManager:
     def put(self, key: str, buf: ChunkBuffer) -> None:
         """Store ``buf`` under ``key``: hot now, lower tiers in the background. The caller
         keeps its own reference and releases it as usual."""
-        self.hot.put(key, buf)
+        if self.keep_hot:
+            self.hot.put(key, buf)
         self.metrics.stored_chunks.inc()
         self.metrics.hot_chunks.set(len(self.hot))
-        for tier in self.tiers:
-            buf.retain()
-            fut = self.io.submit(lambda t=tier, b=buf: self._write(t, key, b))
-            if fut is None:
-                buf.release()
+        if not self.tiers:
+            return
+        buf.retain()
+        if self.io.submit(lambda: self._write(key, buf)) is None:
+            buf.release()
+            for tier in self.tiers:
                 self.metrics.dropped.labels(f"save_{tier.name}").inc()
 
-    def _write(self, tier: Tier, key: str, buf: ChunkBuffer) -> None:
-        if not tier.breaker.closed:
-            buf.release()
-            self.metrics.dropped.labels(f"save_{tier.name}").inc()
-            return
+    def _write(self, key: str, buf: ChunkBuffer) -> None:
+        """On the I/O thread: the chunk into every tier, encoded once per codec."""
         try:
-            codec, table = tier.codec, tier.table
-            if codec == "cachegen" and table is None:  # make_lossless ran in between
-                codec = "zstd"
-            frame = encode(buf, key, codec, table)
-            start = time.perf_counter()
-            before = getattr(tier.backend, "num_evictions", 0)
-            tier.backend.put([(key, frame)])
-            self.metrics.tier_seconds.labels(tier.name, "put").observe(time.perf_counter() - start)
-            self.metrics.tier_bytes.labels(tier.name, "put").inc(len(frame))
-            self.metrics.evictions.labels(tier.name).inc(
-                getattr(tier.backend, "num_evictions", 0) - before)
-            tier.breaker.success()
-        except BackendError as e:
-            self._failed(tier, "put", e)
+            frames: dict[tuple, memoryview] = {}
+            for tier in self.tiers:
+                if not tier.available:
+                    self.metrics.dropped.labels(f"save_{tier.name}").inc()
+                    continue
+                how = (tier.codec, id(tier.table))
+                if how not in frames:
+                    frames[how] = tier.encode(key, buf)
+                tier.write(key, frames[how])
         finally:
             buf.release()
 
@@ -113,15 +92,9 @@ class StorageManager:
             return n
         found = [False] * len(rest)
         for tier in self.tiers:
-            if not tier.breaker.closed:
-                continue
-            try:
-                here = tier.backend.contains(rest)
-                tier.breaker.success()
-            except BackendError as e:
-                self._failed(tier, "contains", e)
-                continue
-            found = [a or b for a, b in zip(found, here, strict=True)]
+            here = tier.contains(rest)
+            if here is not None:
+                found = [a or b for a, b in zip(found, here, strict=True)]
         for f in found:
             if not f:
                 break
@@ -164,6 +137,8 @@ class StorageManager:
 
     def prefetch(self, keys: list[str]) -> None:
         """Pull the leading stored chunks of ``keys`` into the hot cache in the background."""
+        if not self.keep_hot:
+            return
         for key in keys:
             if self.hot.contains(key):
                 continue
@@ -199,7 +174,7 @@ class StorageManager:
         for tier in self.tiers:
             if not missing:
                 break
-            if tier.breaker.closed:
+            if tier.available:
                 missing = self._read_tier(tier, missing, prefetch, loaded)
         return loaded
 
@@ -215,54 +190,18 @@ class StorageManager:
                 break
             bufs.append(buf)
         batch, missing = keys[: len(bufs)], keys[len(bufs) :]
-        if not batch:
-            return missing
-        start = time.perf_counter()
-        try:
-            if tier.codec == "raw":
-                frames = [memoryview(buf.frame.numpy()) for buf in bufs]
-                lengths = tier.backend.get_into_many(batch, frames)
-                values = [None if n is None else f[:n] for f, n in zip(frames, lengths, strict=True)]
-            else:
-                values = tier.backend.get(batch)
-        except BackendError as e:
-            for buf in bufs:
-                buf.release()
-            self._failed(tier, "get", e)
-            return keys
-        tier.breaker.success()
-        self.metrics.tier_seconds.labels(tier.name, "get").observe(time.perf_counter() - start)
-        for key, buf, data in zip(batch, bufs, values, strict=True):
-            if data is None:
+        for key, buf, ok in zip(batch, bufs, tier.read(batch, bufs), strict=True):
+            if not ok:
                 buf.release()
                 missing.append(key)
                 continue
-            try:
-                decode_into(data, buf, key, tier.table)
-            except FrameError as e:
-                buf.release()
-                missing.append(key)
-                log.warning("lmkv: a chunk from %s is corrupt (%s); it will be recomputed",
-                            tier.name, e)
-                self.metrics.errors.labels(tier.name, "corrupt").inc()
-                if hasattr(tier.backend, "remove"):
-                    tier.backend.remove(key)
-                continue
-            buf.lossy = data[CODEC_BYTE] == CODECS["cachegen"]
-            self.metrics.tier_bytes.labels(tier.name, "get").inc(len(data))
-            self.hot.put(key, buf)
+            if self.keep_hot:
+                self.hot.put(key, buf)
             loaded[key] = buf
-            self.metrics.tier_hits.labels(tier.name).inc()
             if prefetch:
                 self.metrics.prefetched_chunks.inc()
         self.metrics.hot_chunks.set(len(self.hot))
         return missing
-
-    def _failed(self, tier: Tier, op: str, error: BackendError) -> None:
-        pause = tier.breaker.failure()
-        log.warning("lmkv: %s %s failed: %s; skipping %s for %.0f s (chunks are recomputed)",
-                    tier.name, op, error, tier.name, pause)
-        self.metrics.errors.labels(tier.name, op).inc()
 
     def make_lossless(self) -> list[str]:
         """The quality gate's fallback: lossy tiers write zstd from now on and stop serving
@@ -272,7 +211,7 @@ class StorageManager:
         changed = []
         for tier in self.tiers:
             if tier.lossy:
-                tier.codec, tier.table = "zstd", None
+                tier.make_lossless()
                 changed.append(tier.name)
         self.hot.drop_lossy()
         self.metrics.hot_chunks.set(len(self.hot))
@@ -284,5 +223,5 @@ class StorageManager:
         self.io.close()
         self.hot.clear()
         for tier in self.tiers:
-            tier.backend.close()
+            tier.close()
 

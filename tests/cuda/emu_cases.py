@@ -15,9 +15,9 @@ import sys
 import torch
 
 from lmkv import ops_torch
+from lmkv import ops_torch as reference
 from lmkv_cuda import attention, kv_copy, rope
 from lmkv_cuda.launcher import Launcher
-from lmkv_engines.minimal import attention as reference
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

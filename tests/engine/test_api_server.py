@@ -27,10 +27,18 @@ def engine_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "lmkv_engines.minimal", *args]
 
 
+MAX_BODY = 64 << 10
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory) -> str:
+def serve_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, serve_dir) -> str:
     """Base URL of an `engine serve` subprocess with lmkv (hot cache + disk tier)."""
-    tmp = tmp_path_factory.mktemp("serve")
+    tmp = serve_dir
     (tmp / "lmkv.yaml").write_text(
         f"chunk_size: 32\nmax_local_cpu_size: 0.05\nlocal_disk: {tmp / 'disk'}\n"
         "max_local_disk_size: 0.1\n")
@@ -40,7 +48,8 @@ def server(tiny_model_dir, tmp_path_factory) -> str:
         engine_command(
             "serve", "--model", str(tiny_model_dir), "--port", str(port),
             "--kv-cache-memory", "32MiB", "--max-model-len", str(MAX_MODEL_LEN),
-            "--served-model-name", "tiny", "--num-threads", "1", "--log-level", "warning",
+            "--served-model-name", "tiny", "--num-threads", "1", "--log-level", "info",
+            "--max-request-body", f"{MAX_BODY // 1024}KiB",
         ),
         env={**os.environ, "LMKV_CONFIG_FILE": str(tmp / "lmkv.yaml")},
         stdout=log, stderr=subprocess.STDOUT,
@@ -125,9 +134,11 @@ def test_lmkv_stores_and_finds_prompt_chunks_over_http(server):
     second = httpx.post(f"{server}/v1/completions", json=body).json()
     after = metrics(server)
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
-    # 80 prompt tokens: chunks [0, 32) and [32, 64) stored, then found by the second request
+    # 80 prompt tokens: chunks [0, 32) and [32, 64) stored; the second request finds them in
+    # the engine's own prefix cache first, so lmkv counts them as the engine's, not as its hit
     assert after["lmkv_stored_chunks_total"] - before["lmkv_stored_chunks_total"] == 2
-    assert after["lmkv_hit_tokens_total"] - before["lmkv_hit_tokens_total"] == 64
+    assert after["lmkv_engine_cached_tokens_total"] - before["lmkv_engine_cached_tokens_total"] == 64
+    assert after["lmkv_hit_tokens_total"] - before["lmkv_hit_tokens_total"] == 0
 
 
 def test_concurrent_requests_equal_sequential_ones(server):
@@ -233,6 +244,10 @@ BAD_REQUESTS = {
     "max_tokens 0 streamed": ({"prompt": "hi", "max_tokens": 0, "stream": True}, 400,
                               "max_tokens"),
     "prompt too long": ({"prompt": [5] * MAX_MODEL_LEN}, 400, "max_model_len"),
+    "max_tokens past the context": ({"prompt": [5] * 100, "max_tokens": MAX_MODEL_LEN}, 400,
+                                    f"holds {MAX_MODEL_LEN} tokens (max_model_len), but "
+                                    f"{100 + MAX_MODEL_LEN} were requested: 100 in the prompt and "
+                                    f"max_tokens {MAX_MODEL_LEN}"),
     "empty prompt": ({"prompt": ""}, 400, "empty"),
     "token id out of range": ({"prompt": [1, 10**6]}, 400, "token ids"),
     "n=2": ({"prompt": "hi", "n": 2}, 400, "n must be 1"),
@@ -270,10 +285,75 @@ def test_malformed_bodies_and_chat_errors(server):
     assert r.status_code == 200
 
 
+def test_chat_max_tokens_past_the_context_is_refused(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert f"holds {MAX_MODEL_LEN} tokens" in r.json()["error"]["message"]
+
+
+def test_a_body_over_the_limit_gets_413_and_the_server_goes_on(server):
+    big = {"prompt": "x" * MAX_BODY, "max_tokens": 1}
+    r = httpx.post(f"{server}/v1/completions", json=big)
+    assert r.status_code == 413, r.text
+    assert "larger than the server accepts" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY // 1024 + 1):
+            yield b"y" * 1024
+        yield b'", "max_tokens": 1}'
+
+    r = httpx.post(f"{server}/v1/completions", content=chunks(),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    padded = b'{"prompt": "hi", "max_tokens": 1' + b" " * (MAX_BODY - 64) + b"}"
+    r = httpx.post(f"{server}/v1/completions", content=padded,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+def test_serve_logs_whether_lmkv_is_on_and_its_tiers(server, serve_dir):
+    log = (serve_dir / "server.log").read_text()
+    assert f"lmkv is on (LMKV_CONFIG_FILE={serve_dir / 'lmkv.yaml'}): chunks of 32 tokens; tiers: " \
+           f"hot cache 0.05 GB, disk {serve_dir / 'disk'} (0.1 GB, raw)" in log, log
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "precompute"])
+def test_every_command_says_how_lmkv_is_turned_on(command):
+    out = subprocess.run(engine_command(command, "--help"), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0
+    assert "LMKV_CONFIG_FILE" in " ".join(out.stdout.split())
+
+
+def test_serve_without_a_config_says_lmkv_is_off_and_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "LMKV_CONFIG_FILE"}
+    log, port = tmp_path / "serve.log", free_port()
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            engine_command("serve", "--model", str(tiny_model_dir), "--port", str(port),
+                           "--kv-cache-memory", "8MiB"), env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+    finally:
+        proc.terminate()  # SIGTERM: a requested stop, not a failure
+        proc.wait(15)
+    assert "LMKV_CONFIG_FILE is not set" in log.read_text()
+    assert proc.returncode == 0 and "engine serve: stopped" in log.read_text()
+
+
 def test_client_disconnect_aborts_the_stream(server):
     aborted = "engine_requests_finished_total{reason=abort}"
     before = metrics(server).get(aborted, 0)
-    body = {"prompt": "hi", "max_tokens": MAX_MODEL_LEN, "ignore_eos": True, "stream": True}
+    body = {"prompt": "hi", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server}/v1/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from lmkv.codec.calibrate import calibrate_model
 from lmkv.codec.calibration import CalibrationSettings
 from lmkv.config import load_config
+from lmkv_engines.minimal.calibrate import calibrate_model
 from lmkv_engines.minimal.llm import LLM
 
 from ..redis_server import RedisServer
@@ -43,7 +43,7 @@ def test_disk_tier_with_cachegen_gives_same_tokens(tiny_model_dir, reference, tm
     opts = dict(local_disk_codec="cachegen", cachegen_calibration=str(tmp_path / "fine.safetensors"))
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
         assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
-        assert llm.engine.kv_connector.engine.storage.tiers[0].codec == "cachegen"
+        assert llm.engine.kv_connector.engine.storage.tiers[0].codec.name == "cachegen"
         assert llm.engine.kv_connector.engine.storage.tiers[0].table.table_id == table.table_id
     raw_bytes = sum(_full_chunks(p) // CHUNK for p in prompts()) * (2 * 2 * CHUNK * 64 * 4)
     stored = sum(f.stat().st_size for f in (tmp_path / "disk").rglob("*") if f.is_file())
@@ -80,23 +80,24 @@ def test_remote_serde_cachegen_through_redis(tiny_model_dir, reference, tmp_path
 
 
 def test_calibrate_cli_writes_where_the_engine_looks(tiny_model_dir, monkeypatch, tmp_path, capsys):
-    from lmkv.codec.calibrate import main
+    from lmkv_engines.minimal.cli import main
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the default table path is under ~
     monkeypatch.setenv("LMKV_CHUNK_SIZE", str(CHUNK))
     monkeypatch.setenv("LMKV_MAX_LOCAL_CPU_SIZE", "0.05")
-    main(["--model", str(tiny_model_dir), "--prompts", "2", "--length", "128", "--error", "0.01"])
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--prompts", "2", "--length", "128",
+                 "--error", "0.01", "--kv-cache-memory", "64MiB"]) == 0
     path = next((tmp_path / "home" / ".cache" / "lmkv" / "calibration").glob("*.safetensors"))
     assert path.name in capsys.readouterr().out
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", local_disk_codec="cachegen") as llm:
         tier = llm.engine.kv_connector.engine.storage.tiers[0]
-        assert tier.codec == "cachegen" and tier.table.target[0, 0].item() == pytest.approx(0.01)
+        assert tier.codec.name == "cachegen" and tier.table.target[0, 0].item() == pytest.approx(0.01)
 
 
 def test_missing_calibration_falls_back_to_zstd(tiny_model_dir, reference, tmp_path):
     opts = dict(local_disk_codec="cachegen", cachegen_calibration=str(tmp_path / "none.safetensors"))
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
-        assert llm.engine.kv_connector.engine.storage.tiers[0].codec == "zstd"
+        assert llm.engine.kv_connector.engine.storage.tiers[0].codec.name == "zstd"
         assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
 
 
@@ -117,7 +118,7 @@ def test_quality_gate_measures_agreement_and_turns_lossless(tiny_model_dir, refe
         assert metric(llm, "lmkv_codec_checks_total") == 3  # 1 in 2 of 6 requests
         assert metric(llm, "lmkv_codec_checked_tokens_total") == 3 * GREEDY.max_tokens
         assert agreement < 0.99 and metric(llm, "lmkv_codec_fallbacks_total") == 1
-        assert engine.storage.tiers[0].codec == "zstd" and engine.gate.tripped
+        assert engine.storage.tiers[0].codec.name == "zstd" and engine.gate.tripped
         # after the fallback nothing lossy is served: exact tokens again, the lossy chunks
         # on disk are dropped and recomputed, and rewritten lossless
         assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference

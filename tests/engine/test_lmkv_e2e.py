@@ -60,6 +60,7 @@ def test_hot_cache_hit_gives_same_tokens(tiny_model_dir, reference, layerwise):
         assert [o.num_external_tokens for o in again] == [_full_chunks(p) for p in prompts()]
         assert metric(llm, "lmkv_hit_tokens_total") == sum(_full_chunks(p) for p in prompts())
         assert metric(llm, "lmkv_tier_hits_total", tier="hot") > 0
+        assert len(llm.engine.kv_connector.engine.pins) == 0  # every pin was taken by its load
         llm.engine.kv_connector.engine.pool.check_integrity()
 
 
@@ -248,3 +249,59 @@ def test_sigkill_while_writing_leaves_only_intact_entries(tiny_model_dir, refere
         assert sum(o.num_external_tokens for o in outs) > 0
         assert metric(llm, "lmkv_errors_total", tier="disk", kind="corrupt") == 0
     assert not list(disk.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_failed_load_is_recomputed_never_attended(tiny_model_dir, reference, layerwise):
+    """A load that fails (at layer 1 of 2 in layer-wise mode) leaves pages of unknown
+    contents: the requests holding them, including one that shares them through the
+    engine's prefix cache in the same step, are recomputed, none of their chunks computed
+    that step is stored, and the same tokens come out as without lmkv."""
+    ps = prompts()
+    with lmkv_llm(tiny_model_dir, use_layerwise=layerwise, prefix_caching=True) as llm:
+        llm.generate(ps, GREEDY)  # stores every full chunk
+        llm.engine.block_manager.reset_prefix_cache()  # so that lmkv, not the engine, serves them
+        worker = llm.engine.kv_connector.worker
+        real_load, failures = worker.paged.load, []
+
+        def broken(kv, slots, skip, layer=None):
+            if layer in (None, 1):
+                failures.append(layer)
+                raise OSError("injected load failure")
+            return real_load(kv, slots, skip, layer)
+
+        worker.paged.load = broken
+        stored = metric(llm, "lmkv_stored_chunks_total")
+        outs = llm.generate(ps + ps[:1], GREEDY)  # the repeat shares the first prompt's pages
+        worker.paged.load = real_load
+        assert failures, "the injected failure never ran"
+        assert [o.output_token_ids for o in outs] == reference() + reference()[:1]
+        assert all(o.num_external_tokens == 0 for o in outs)
+        assert metric(llm, "lmkv_errors_total", tier="connector", kind="load") >= 1
+        assert metric(llm, "lmkv_loaded_tokens_total") == 0
+        assert metric(llm, "lmkv_stored_chunks_total") == stored  # all were stored already
+        llm.engine.block_manager.check_integrity()
+        llm.engine.kv_connector.engine.pool.check_integrity()
+        # nothing stale was left in the engine's prefix cache or in lmkv
+        llm.engine.block_manager.reset_prefix_cache()
+        again = llm.generate(ps, GREEDY)
+        assert [o.output_token_ids for o in again] == reference()
+        assert [o.num_external_tokens for o in again] == [_full_chunks(p) for p in ps]
+
+
+def test_hits_of_the_engines_own_prefix_cache_are_not_counted_as_lmkvs(tiny_model_dir):
+    """A repeated prompt served by the engine's prefix cache loads nothing from lmkv: it
+    counts under lmkv_engine_cached_tokens, not lmkv_hit_tokens."""
+    p = prompts(n=1, length=4 * CHUNK + 5, seed=11)[0]
+    with lmkv_llm(tiny_model_dir, prefix_caching=True) as llm:
+        llm.generate([p], GREEDY)
+        assert metric(llm, "lmkv_hit_tokens_total") == 0
+        out = llm.generate([p], GREEDY)[0]
+        assert out.num_cached_tokens == 4 * CHUNK and out.num_external_tokens == 0
+        assert metric(llm, "lmkv_hit_tokens_total") == 0
+        assert metric(llm, "lmkv_loaded_tokens_total") == 0
+        assert metric(llm, "lmkv_engine_cached_tokens_total") == 4 * CHUNK
+        llm.engine.block_manager.reset_prefix_cache()
+        out = llm.generate([p], GREEDY)[0]
+        assert out.num_external_tokens == 4 * CHUNK
+        assert metric(llm, "lmkv_hit_tokens_total") == 4 * CHUNK == metric(llm, "lmkv_loaded_tokens_total")

@@ -13,7 +13,7 @@ import redis
 
 from ..mooncake_store import MooncakeStore
 from ..redis_server import RedisServer, start_cluster
-from .lmkv_workload import GREEDY, lmkv_llm, metric, prompts
+from .lmkv_workload import CHUNK, GREEDY, lmkv_llm, metric, prompts
 from .test_lmkv_e2e import _fill_disk, _full_chunks, reference  # noqa: F401 - fixture
 
 
@@ -150,3 +150,24 @@ def test_second_process_reuses_kv_through_lmkv_server(tiny_model_dir, reference,
         assert [o.output_token_ids for o in outs] == reference()
         assert sum(metric(llm, "lmkv_errors_total", tier="remote", kind=k)
                    for k in ("contains", "get", "put")) > 0
+
+
+@pytest.mark.interop
+def test_local_cpu_false_serves_every_hit_from_lmcache_server(tiny_model_dir, reference, lmcache_server):  # noqa: F811
+    """LMCache's meaning of local_cpu: false, against LMCache's own server: no chunk stays in
+    CPU memory; the remote tier serves the hits, in this process and in a new one."""
+    with lmkv_llm(tiny_model_dir, remote_url=lmcache_server, local_cpu=False) as llm:
+        first = llm.generate(prompts(), GREEDY)
+        lmkv = llm.engine.kv_connector.engine
+        lmkv.storage.io.drain()
+        assert len(lmkv.storage.hot) == 0
+        again = llm.generate(prompts(), GREEDY)
+        assert len(lmkv.storage.hot) == 0
+        lmkv.pool.check_integrity()
+        assert lmkv.pool.num_free == lmkv.pool.num_slots  # staging only: every slot back
+        assert metric(llm, "lmkv_tier_hits_total", tier="hot") == 0
+        assert metric(llm, "lmkv_tier_hits_total", tier="remote") == sum(
+            _full_chunks(p) for p in prompts()) // CHUNK
+    assert [o.output_token_ids for o in first] == reference()
+    assert [o.output_token_ids for o in again] == reference()
+    assert [o.num_external_tokens for o in again] == [_full_chunks(p) for p in prompts()]

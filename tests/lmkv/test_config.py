@@ -47,6 +47,8 @@ def test_lmcache_yaml_is_accepted(tmp_path):
     ("blend_recompute_ratio: 2\n", "blend_recompute_ratio"),
     ("blend_store_pre_rope: sometimes\n", "blend_store_pre_rope"),
     ("metrics_port: 70000\n", "metrics_port"),
+    ("local_cpu: false\n", "local_cpu"),  # with no tier below, nothing would be stored
+    ("codec_check_every: -1\n", "codec_check_every"),
 ])
 def test_bad_keys_and_values_name_the_key(tmp_path, yaml_text, key):
     path = tmp_path / "c.yaml"
@@ -74,3 +76,21 @@ def test_config_is_frozen():
     cfg = LMKVConfig()
     with pytest.raises(AttributeError):
         cfg.chunk_size = 1  # type: ignore[misc]
+
+
+def test_local_cpu_false_is_accepted_with_a_tier_below(tmp_path):
+    cfg = load_config(env={}, local_cpu=False, remote_url="lm://127.0.0.1:9000")
+    assert not cfg.local_cpu
+    cfg = load_config(env={}, local_cpu=False, local_disk=str(tmp_path), max_local_disk_size=1)
+    assert not cfg.local_cpu
+
+
+def test_a_lossy_codec_ships_with_the_quality_gate_on(tmp_path):
+    disk = {"local_disk": str(tmp_path), "max_local_disk_size": 1.0}
+    assert load_config(env={}, **disk).quality_check_every == 0  # lossless: nothing to check
+    lossy = load_config(env={}, local_disk_codec="cachegen", **disk)
+    assert lossy.codec_check_every is None and lossy.quality_check_every == 16
+    remote = load_config(env={}, remote_url="redis://127.0.0.1:1", remote_serde="cachegen")
+    assert remote.quality_check_every == 16
+    off = load_config(env={"LMKV_CODEC_CHECK_EVERY": "0"}, local_disk_codec="cachegen", **disk)
+    assert off.quality_check_every == 0  # turned off explicitly

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
+from benchmarks.quality import qa_data
 from benchmarks.quality.qa import heldout_prompts
-from lmkv_engines.minimal import qa_data
 
 
 def _documents(text: str) -> dict[str, str]:

@@ -29,7 +29,7 @@ def test_parse_size_rejects(text):
 
 
 def test_config_validation():
-    assert ServerConfig().num_pages == 4 * GIB // (256 * 1024)
+    assert ServerConfig().num_pages == 1 * GIB // (256 * 1024)  # 1 GiB by default: a laptop-sized first run
     with pytest.raises(ValueError, match="page_size"):
         ServerConfig(page_size=1000)
     with pytest.raises(ValueError, match="below one page"):

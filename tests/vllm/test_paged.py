@@ -110,14 +110,16 @@ def test_layers_in_separate_buffers_move_layer_by_layer_to_the_same_places(kind,
     """vLLM's layers share one buffer at one stride (one copy moves a chunk's K across all
     layers); layers allocated apart take the per-layer path, with the same result."""
     raw, shared, _ = _memories(kind)
-    assert shared.k_all is not None and shared.k_all.shape == (L, NB, BS, H, D)
+    if kind == "cpu":  # the strided CPU layout moves all layers at once where it can
+        assert shared.k_all is not None and shared.k_all.shape == (L, NB, BS, H, D)
     if kind == "cpu":
         apart = [raw[i].clone().view(NB, H, BS, 2 * D) for i in range(L)]
         separate = cpu_paged_memory(apart)
     else:
         apart = [raw[i].clone().transpose(1, 2) for i in range(L)]
         separate = gpu_paged_memory([t.transpose(1, 2) for t in apart])
-    assert separate.k_all is None and separate.v_all is None
+    if kind == "cpu":
+        assert separate.k_all is None and separate.v_all is None
     g = torch.Generator().manual_seed(3)
     chunk = torch.randn(2, L, T, H, D, generator=g)
     slots = {"blocks": torch.cat([torch.arange(4 * BS, 5 * BS), torch.arange(BS, 2 * BS)]),
@@ -143,3 +145,33 @@ def test_all_layer_view_only_for_layers_at_one_stride_without_overlap():
     assert _all_layers([buf[i * 50 : i * 50 + 80].view(8, 10) for i in range(4)]) is None  # overlap
     assert _all_layers([buf[0:80].view(8, 10), buf[100:180].view(8, 10), buf[300:380].view(8, 10)]) is None
     assert _all_layers([buf[0:80].view(8, 10), torch.zeros(8, 10)]) is None  # another buffer
+
+
+@pytest.mark.parametrize("layer", [None, 1])
+def test_the_gpu_layout_never_mixes_host_indices_with_device_pages(layer):
+    """Pages on a device of their own (the meta device stands in for CUDA: any operation that
+    mixes it with a host tensor raises): host chunks and host slot mappings are staged on
+    the pages' device, for loads and saves, all layers or one."""
+    pages = [torch.empty(NB, BS, H, 2 * D, device="meta") for _ in range(L)]
+    paged = gpu_paged_memory(pages)
+    chunk = torch.randn(2, L, T, H, D)  # lmkv's host memory
+    slots = torch.randperm(NB * BS)[:T]
+    paged.load(chunk, slots, 3, layer)
+    out = torch.zeros(2, L, T, H, D)
+    with pytest.raises(NotImplementedError):  # a meta tensor has no data to copy back
+        paged.save(slots, out, 3, layer)
+
+
+def test_the_gpu_layout_moves_chunks_with_the_transfer_kernels(emu):
+    """The same copies through lmkv's CUDA transfer kernels, run by the CPU emulator."""
+    raw, paged, reference = _memories("gpu")
+    paged.launcher = emu
+    g = torch.Generator().manual_seed(5)
+    chunk = torch.randn(2, L, T, H, D, generator=g)
+    slots = torch.randperm(NB * BS, generator=g)[:T]
+    paged.load(chunk, slots, 4)
+    got = reference(raw, slots // BS, slots % BS)
+    assert torch.equal(got[:, :, 4:], chunk[:, :, 4:]) and not got[:, :, :4].any()
+    back = torch.zeros_like(chunk)
+    paged.save(slots, back, 0, layer=2)
+    assert torch.equal(back[:, 2, 4:], chunk[:, 2, 4:]) and not back[:, :2].any()

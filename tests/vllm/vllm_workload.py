@@ -31,10 +31,10 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def lmkv_counters() -> dict[str, float]:
-    from lmkv_engines.vllm.engines import SharedEngines
+    from lmkv_engines.vllm.connector import worker_engine
 
     out: dict[str, float] = {}
-    for engine in SharedEngines.engines():
+    for engine in [worker_engine()]:
         reg = engine.metrics.registry
         for metric in reg.collect():
             for s in metric.samples:

@@ -7,7 +7,7 @@ multi-document question-answering task (qa_data.py) and two drills that teach co
 from the context, and saved as a Hugging Face Llama directory (fp16 safetensors,
 config.json, tokenizer.json, tokenizer_config.json):
 
-    python -m lmkv_engines.minimal.trained_model --out DIR [--seed S] [--scale F]
+    python -m benchmarks.quality.trained_model --out DIR [--seed S] [--scale F]
         [--init DIR [--layers N] --phases NAME ...]
 
 Training runs in phases (RECIPE): "induction" (the copy drill alone, 64-token rows),
@@ -22,88 +22,9 @@ model is the last phase's best of those evaluations. A token of loss weight w < 
 supervised with probability w, and logits are computed only for supervised tokens (most of
 a 0.8M-parameter model's compute is its 4096-way output layer): ~20k tokens/s on two cores.
 
-How the shipped model (benchmarks/quality/models/qa-2layer) is made: this command with its
-defaults (seed 0, eager, 2 threads), 33 minutes on two cores. Held-out single-document
-accuracy reaches 0.42 short / 0.25 long at the end of "long-qa"; "long-qa-2" begins as a
-restart (``Phase.restart``: weights rounded to fp16, a fresh optimizer, the data streams
-reseeded with seed + 1), and the answers appear in it: 0.85 / 0.75 at its step 500, 0.93 /
-0.69 at step 1000 (kept). Session 4 made it with two commands, the first three phases and
-then ``--init`` with ``--seed 1`` (where the restart came from); the single run gives the
-same model.safetensors bit for bit (checked 2026-11-24, sha256 e8c5012c...), as CPU
-training is deterministic for one torch version and thread count. Another torch version,
-thread count, ``--compile`` or seed is another trajectory, and the recipe is not robust
-to that:
-
-A single uninterrupted run of all four phases with ``--compile`` (2026-11-24, 34.5 min,
-~29k tok/s in the 256-token phase against ~20k eager in session 4), did
-not get there: held-out single-document 0.28 short / 0.00 long at the end of "mix",
-0.15 / 0.25 after "long-qa", 0.20-0.35 / 0.06-0.25 through "long-qa-2". Going on from
-that model as session 4 did (a new process: weights rounded to fp16, a fresh optimizer,
-``--seed 1``) stayed at 0.20-0.35 / 0.06-0.19 over 1250 steps, so the restart is not what
-made session 4's answers appear; its first run ended phase 3 at 0.42 / 0.25 where this
-one ended at 0.15 / 0.25. The QA answers appear on some trajectories and not on others:
-compiled rounding alone moves a run onto another trajectory (the restart phase was not in
-the recipe then, but the compiled run's state at the end of "long-qa" was already worse).
-
-Also tried (2026-11-24, 1 thread each, two runs side by side): a copy drill over small
-alphabets (4-16 tokens per row, so that only a multi-token match finds the repeat, as the
-QA lookup needs), alone in the 256-token phase or also in the first: single-document 0.00
--0.03 through mix step 2000 (the recipe: ~0.07), and mixed into the first phase it delayed
-the induction drop past step 2500. Dropped.
-
-"deep-qa" on the shipped model grown to 4 layers (``--init qa-2layer --layers 4 --phases
-deep-qa``, 2026-11-24, 19 min; 1.12M parameters): held-out 0.93 short / 0.75 long single-
-document, two-document 0.20-0.40 through the phase (0.25 at its end). Meant for CacheBlend's
-benchmark, where naive reuse should lose to full prefill on a deeper model; it did not:
-over 50 shuffled 6-document prompts full 78%, naive 88%, blend15 78% (single-document);
-14%, 14%, 16% (two-document). In this task every document's facts are local to it, and
-the same sentence shapes in other documents are interference rather than context (a
-document computed alone is not disturbed by them), so no depth makes naive reuse worse;
-that needs a task whose documents depend on earlier ones. Not shipped.
-
-"linked-qa" (qa_data's ``linked`` documents: "Document 4: The neighbor of Zorvia. The
-capital of it is ...", so a question about Zorvia's neighbor by name needs Zorvia's
-document to make sense of the linked one) on that 4-layer model, 2026-11-24: 400 steps,
-then 2400 more (30 min in all): the held-out linked check stayed at chance among the
-linked documents (0.28-0.53 with two of four linked), and over 50 blend_rag ``--linked``
-prompts (6 documents, three linked: chance ~33%) full 34%, naive 30%, blend15 36%. The
-resolution across documents was not learned in this budget. Not shipped.
-
-"continued-qa" (qa_data's ``continued`` documents: two paragraphs, the second saying "it",
-as a retriever that splits at blank lines cuts a document into two chunks), from the
-shipped model, 2 layers (2026-11-24): this is where a chunk's KV depends on the chunk
-before it in a way a 2-layer model learns. At lr 1e-3 (half the documents continued, or 4
-layers) held-out second-paragraph questions stayed at ~0.5 (4 short documents; 0.15
-before); at lr 2e-3 with every document continued (the phase as written, 3000 steps) they
-reach ~0.95 short, while over long documents (6 with 3 filler sentences per fact) they stay
-near chance (~0.2): the "it" is resolved across a few facts, not across hundreds of tokens
-of filler (measured by filler per fact, 32 prompts: 6 documents 0: 0.81, 1: 0.56, 2: 0.41;
-2 documents 3: 0.62). 2000 more steps with 1-3 filler sentences per fact (1024- or
-2048-token rows) did not move the long figure (0.12-0.50 over 16 prompts, no trend). Nor
-did a layout with no filler at the cut, asked about the fact right after it (the phase
-retrained on it: 1.00 short, ~0.2 long), and its blend_rag lines were worse (313 tokens:
-full 98%, naive 50%, blend15 86%), so the layout stayed. In layer 0 one head attends from
-a second paragraph's value to the country named just before the cut (0.6 of its weight
-with no filler, ~0 with filler): a local mechanism, which is why long documents fail.
-Grown to 4 layers (``--layers 4``, lr 2e-3, the same phase) it did no better: 0.85 short,
-0.12 long at step 2500 of 3000 (stopped). The
-model this phase makes from the shipped one is benchmarks/quality/models/qa-2layer-continued
-(CacheBlend's quality benchmark and test).
-
-What was measured before (sessions 2-3), so the next attempt starts from it:
-- A copy drill whose repeat sits at a fixed distance is learned as a positional shortcut;
-  at a random distance (content-based induction) the loss stays at chance for ~2000 steps
-  with the learning rate held at 3e-3, then drops (phase "induction"). With a
-  cosine-decayed rate, or 4 layers, it did not appear within 400-2500 steps.
-- The circuit is specific to the tokens it was drilled on; drilling the QA words too and
-  then thousands of steps of QA, recall and copy rows with the rate held is what makes the
-  model answer.
-- With distinct questions in the 256-token phase, runs of mix 1500-4500 steps then
-  long-qa 1500-3000 reached 0.05-0.25 held-out single-document accuracy and ~0 on long
-  prompts. Session 2's checkpoint (induction 3000, ~8000 mixed steps whose questions could
-  repeat within a row) then long-qa reached 0.38 short / 0.84 long. The session-4 recipe
-  takes both from that history, repeatable questions and a 6000-step "mix"; which of the
-  two matters is not isolated.
+The shipped models (benchmarks/quality/models) are rebuilt bit for bit by this script; how
+the recipe was found, what was tried and what each phase measured is in
+docs/trained_model.md.
 ``--device cuda`` trains the same recipe on a GPU where one exists.
 """
 
@@ -232,7 +153,7 @@ class TrainConfig:
 def train_tokenizer(cfg: TrainConfig):
     """Byte-level BPE on the training topics plus QA prompts, so the made-up words of the
     closed vocabularies become (mostly) single tokens."""
-    from .demo_model import train_tokenizer as bpe
+    from lmkv_engines.minimal.demo_model import train_tokenizer as bpe
 
     rng = random.Random(cfg.seed + 1)
     filler = qa_data.filler_sentences("train")
@@ -567,7 +488,7 @@ def save(model: TrainLlama, tokenizer, cfg: TrainConfig, out_dir: Path, info: di
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m lmkv_engines.minimal.trained_model",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quality.trained_model",
                                 description="Train the small QA Llama (CPU) and save it as a "
                                             "Hugging Face directory.")
     p.add_argument("--out", type=Path, required=True)

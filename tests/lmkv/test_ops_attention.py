@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmkv_engines.minimal.attention import (
+from lmkv.ops_torch import (
     paged_attention_decode,
     paged_attention_prefill,
     reshape_and_cache,

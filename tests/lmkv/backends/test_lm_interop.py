@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -17,44 +16,9 @@ from lmkv.backends.lm import LMBackend
 
 pytestmark = pytest.mark.interop
 
-REPO = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("LMKV_LMCACHE_VENV", REPO / ".venv-lmcache"))
 CLIENT_SCRIPT = Path(__file__).parent / "scripts" / "lmcache_client.py"
 # LMCache's server parses keys: model@world_size@worker_id@chunk_hash_hex@dtype
 KEY = "meta-llama/Llama-3.1-8B-Instruct@2@1@-1a2b3c4d5e6f7081@bfloat16"
-
-
-@pytest.fixture(scope="module")
-def venv() -> Path:
-    if not (VENV / "bin" / "lmcache_server").exists():
-        pytest.skip(f"no LMCache venv at {VENV}: run scripts/setup_lmcache_venv.sh")
-    return VENV
-
-
-@pytest.fixture(scope="module")
-def lmcache_server(venv, tmp_path_factory):
-    from lmkv_server.launcher import free_port
-
-    port = free_port()
-    log = tmp_path_factory.mktemp("lmcache") / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [str(venv / "bin" / "lmcache_server"), "127.0.0.1", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "lmcache_server did not start"
-            time.sleep(0.2)
-    yield f"lm://127.0.0.1:{port}"
-    proc.kill()
-    proc.wait()
 
 
 def run_reference_client(venv: Path, url: str) -> dict:

@@ -1,21 +1,18 @@
-"""The scheduler role in another process than the worker role: lookups over a Unix socket.
+"""The scheduler role's lookups and pins, served by the worker's process over a Unix socket.
 
-`vllm serve` runs vLLM's scheduler in the engine-core process and the model (the worker
-role, and the KV memory) in a worker process of its own, even with one GPU or CPU. lmkv's
-chunks live where the worker is: that process's engine stores them and loads them, so
-the scheduler role asks it, over a Unix socket named after vLLM's engine id:
+vLLM runs its scheduler in one process (the engine core under ``vllm serve``) and the model
+(the worker role, the KV memory, and so lmkv's engine and hot cache) in another, or in the
+same one; lmkv's vLLM scheduler role always asks the worker's process, over a Unix socket
+named after vLLM's engine id, so both layouts run the same code:
 
-- ``PinServer`` (worker process) answers with its LMKVEngine: keys of a prompt, lookups,
-  fetches that pin the found chunks in its hot cache (so the load that follows cannot
-  miss them), releases, prefetches, lookup metrics, draining writes.
-- ``RemoteEngine`` (engine-core process) is the part of LMKVEngine the scheduler role
-  uses, answered by the server. A fetch returns ``PinnedChunk`` handles; they travel to
-  the worker inside vLLM's connector metadata (as key and flag only) and the worker takes
-  the pinned chunk back from its server (``PinServer.take``).
+- ``LookupServer`` (worker process) answers with its LMKVEngine: keys of a prompt, lookups,
+  pins of the chunks a load will take (by key, from the engine's PinTable), pins given
+  back, prefetches, lookup metrics, draining writes.
+- ``LookupClient`` (scheduler process) is the ``ChunkIndex`` the scheduler role uses,
+  answered by the server.
 
 Messages are one JSON object per line, at most ``MAX_LINE`` bytes; nothing is unpickled.
-The socket is created with mode 0600. Where vLLM runs both roles in one process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), none of this is used: they share one engine.
+The socket is created with mode 0600.
 """
 
 from __future__ import annotations
@@ -30,19 +27,16 @@ import socket
 import tempfile
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from lmkv.config import LMKVConfig
 from lmkv.engine import LMKVEngine
-from lmkv.memory import ChunkBuffer
 
 log = logging.getLogger(__name__)
 
 MAX_LINE = 64 << 20  # a prompt's token ids, or its keys, fit many times over
 CALL_TIMEOUT = 60.0  # seconds for one answer (a fetch may read lower tiers)
-PIN_TTL = 600.0  # seconds: a pin neither taken by a load nor released by then is dropped
 
 
 def socket_path(engine_id: str, dp_rank: int = 0) -> Path:
@@ -66,14 +60,12 @@ def _unlink_if_dead(path: Path) -> None:
         probe.close()
 
 
-class PinServer:
+class LookupServer:
     """In the worker's process: serves the scheduler role's calls on its engine."""
 
     def __init__(self, engine: LMKVEngine, path: Path):
         self.engine = engine
         self.path = path
-        # key -> [(chunk, when pinned)]: one entry per pin, taken by a load or released
-        self._pinned: dict[str, list[tuple[ChunkBuffer, float]]] = defaultdict(list)
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         _unlink_if_dead(path)
@@ -89,23 +81,8 @@ class PinServer:
         self._sock.listen(4)
         self._closed = False
         atexit.register(self.close)  # vLLM may not shut its connectors down on exit
-        threading.Thread(target=self._accept, name="lmkv-pins", daemon=True).start()
+        threading.Thread(target=self._accept, name="lmkv-lookups", daemon=True).start()
         log.info("lmkv: serving the scheduler role's lookups on %s", path)
-
-    def take(self, key: str) -> ChunkBuffer | None:
-        """A chunk the scheduler pinned for a load: the caller now owns its reference."""
-        with self._lock:
-            pins = self._pinned.get(key)
-            if not pins:
-                return None
-            buf, _ = pins.pop(0)
-            if not pins:
-                del self._pinned[key]
-            return buf
-
-    def pinned(self) -> int:
-        with self._lock:
-            return sum(len(p) for p in self._pinned.values())
 
     def close(self) -> None:
         if self._closed:
@@ -121,24 +98,6 @@ class PinServer:
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        self._release_where(lambda _: True)
-
-    def _release_where(self, stale) -> None:
-        """Release the pins for which ``stale(when pinned)`` holds."""
-        dropped = []
-        with self._lock:
-            for key in list(self._pinned):
-                keep = [(b, t) for b, t in self._pinned[key] if not stale(t)]
-                dropped += [b for b, t in self._pinned[key] if stale(t)]
-                if keep:
-                    self._pinned[key] = keep
-                else:
-                    del self._pinned[key]
-        for buf in dropped:
-            buf.release()
-        if dropped and not self._closed:
-            log.warning("lmkv: released %d chunks pinned over %.0f s ago and never loaded",
-                        len(dropped), PIN_TTL)
 
     def _accept(self) -> None:
         while not self._closed:
@@ -151,7 +110,8 @@ class PinServer:
                     conn.close()
                     return
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="lmkv-pins-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn,), name="lmkv-lookups-conn",
+                             daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -189,25 +149,17 @@ class PinServer:
         keys = [str(k) for k in msg.get("keys", [])]
         if op == "lookup":
             return {"found": e.lookup(keys)}
-        if op == "fetch":
-            now = time.monotonic()
-            self._release_where(lambda t: now - t > PIN_TTL)
-            bufs = e.fetch(keys)
-            with self._lock:
-                for key, buf in zip(keys, bufs, strict=False):
-                    self._pinned[key].append((buf, now))
-            return {"lossy": [b.lossy for b in bufs]}
-        if op == "release":
-            for key in keys:
-                buf = self.take(key)
-                if buf is not None:
-                    buf.release()
+        if op == "pin":
+            return {"lossy": e.pin(keys)}
+        if op == "unpin":
+            e.unpin(keys)
             return {}
         if op == "prefetch":
             e.prefetch(keys)
             return {}
         if op == "record_lookup":
-            e.record_lookup(int(msg["prompt_tokens"]), int(msg["hit_tokens"]))
+            e.record_lookup(int(msg["prompt_tokens"]), int(msg["hit_tokens"]),
+                            int(msg.get("engine_tokens", 0)))
             return {}
         if op == "drain":
             e.drain()
@@ -218,29 +170,9 @@ class PinServer:
         raise ValueError(f"unknown op {op!r}")
 
 
-class PinnedChunk:
-    """A chunk pinned in the worker's engine, as the scheduler role holds it. Pickled into
-    vLLM's connector metadata, it keeps only its key and flag."""
-
-    def __init__(self, key: str, lossy: bool, owner: RemoteEngine | None = None):
-        self.key, self.lossy, self._owner = key, lossy, owner
-
-    def release(self) -> None:
-        """Best effort: a pin whose release is lost expires in the worker (PIN_TTL)."""
-        if self._owner is not None:
-            self._owner.best_effort("release", keys=[self.key])
-            self._owner = None
-
-    def __getstate__(self) -> dict:
-        return {"key": self.key, "lossy": self.lossy}
-
-    def __setstate__(self, state: dict) -> None:
-        self.key, self.lossy, self._owner = state["key"], state["lossy"], None
-
-
-class RemoteEngine:
-    """In the engine-core process: what the scheduler role asks of an LMKVEngine, answered
-    by the worker process's PinServer. Calls are made from vLLM's scheduler thread, one at
+class LookupClient:
+    """In the scheduler's process: the ``ChunkIndex`` the scheduler role asks, answered by
+    the worker process's LookupServer. Calls are made from vLLM's scheduler thread, one at
     a time; the connection is opened on first use (the worker starts its server before
     vLLM builds the scheduler)."""
 
@@ -259,19 +191,23 @@ class RemoteEngine:
     def lookup(self, keys: list[str]) -> int:
         return self.call("lookup", keys=keys)["found"]
 
-    def fetch(self, keys: list[str]) -> list[PinnedChunk]:
-        lossy = self.call("fetch", keys=keys)["lossy"]
-        return [PinnedChunk(k, f, self) for k, f in zip(keys, lossy, strict=False)]
+    def pin(self, keys: list[str]) -> list[bool]:
+        return [bool(f) for f in self.call("pin", keys=keys)["lossy"]]
 
     # the calls below are best effort: a failure is logged, never raised into vLLM's
-    # scheduler (a lost release expires in the worker; a lost drain only means a consumer
-    # may miss chunks still being written)
+    # scheduler (a pin never given back expires in the worker; a lost drain only means a
+    # consumer may miss chunks still being written)
+    def unpin(self, keys: list[str]) -> None:
+        if keys:
+            self.best_effort("unpin", keys=keys)
+
     def prefetch(self, keys: list[str]) -> None:
         if self.config.enable_prefetch:
             self.best_effort("prefetch", keys=keys)
 
-    def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
-        self.best_effort("record_lookup", prompt_tokens=prompt_tokens, hit_tokens=hit_tokens)
+    def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:
+        self.best_effort("record_lookup", prompt_tokens=prompt_tokens, hit_tokens=hit_tokens,
+                         engine_tokens=engine_tokens)
 
     def drain(self) -> None:
         self.best_effort("drain")

@@ -100,8 +100,8 @@ def test_a_hit_inside_the_engines_prefix_loads_only_the_tokens_beyond_it():
     (load,) = meta.loads
     assert [s.shape[0] for s in load.slot_mappings] == [CHUNK - 1]
     assert load.skips == [BLOCK]
-    for buf in load.chunks:
-        buf.release()
+    for key in load.keys:  # as the worker role does
+        engine.take(key).release()
     engine.close()
 
 
@@ -115,8 +115,8 @@ def test_an_engine_taking_fewer_tokens_than_offered_loads_only_those():
     assert offered == 3 * CHUNK
     (load,) = meta.loads
     assert [s.shape[0] for s in load.slot_mappings] == [CHUNK, BLOCK]
-    for buf in load.chunks:
-        buf.release()
+    for key in load.keys:  # as the worker role does
+        engine.take(key).release()
     sched.request_finished(req)
     engine.pool.check_integrity()
     assert engine.pool.num_free == engine.pool.num_slots - 3

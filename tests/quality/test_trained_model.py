@@ -13,8 +13,8 @@ import torch
 from benchmarks.quality import metrics
 from benchmarks.quality.probe import greedy, open_llm, prefill
 from benchmarks.quality.qa import heldout_prompts
+from benchmarks.quality.trained_model import Phase, TrainConfig, train
 from lmkv_engines.minimal.llm import LLM
-from lmkv_engines.minimal.trained_model import Phase, TrainConfig, train
 
 MIX = (("text", 0.25), ("recall", 0.25), ("copy", 0.25), ("qa", 0.25))
 TINY = TrainConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
@@ -88,7 +88,7 @@ def test_copy_drill_supervises_only_a_repeat_found_by_content(tiny_trained):
     earlier in the row (so only looking back by content predicts it); ids stay in the vocab."""
     from tokenizers import Tokenizer
 
-    from lmkv_engines.minimal.trained_model import Batches
+    from benchmarks.quality.trained_model import Batches
 
     batches = Batches(TINY, Tokenizer.from_file(str(tiny_trained / "tokenizer.json")), seed=0)
     distances = set()
@@ -107,7 +107,7 @@ def test_copy_drill_supervises_only_a_repeat_found_by_content(tiny_trained):
 def test_qa_rows_ask_each_question_once_and_supervise_only_answers(tiny_trained):
     from tokenizers import Tokenizer
 
-    from lmkv_engines.minimal.trained_model import Batches
+    from benchmarks.quality.trained_model import Batches
 
     tok = Tokenizer.from_file(str(tiny_trained / "tokenizer.json"))
     batches = Batches(TINY, tok, seed=1)
@@ -143,7 +143,7 @@ def test_the_last_phases_best_evaluation_is_kept(tmp_path, capsys):
 def test_questions_repeat_only_where_the_phase_allows_it(tiny_trained):
     from tokenizers import Tokenizer
 
-    from lmkv_engines.minimal.trained_model import Batches
+    from benchmarks.quality.trained_model import Batches
 
     tok = Tokenizer.from_file(str(tiny_trained / "tokenizer.json"))
     batches = Batches(TINY, tok, seed=4)

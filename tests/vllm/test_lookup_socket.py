@@ -1,7 +1,7 @@
-"""The lookup socket between vLLM's scheduler process and its worker process (pins.py), on
-a plain LMKVEngine: the scheduler role's plan through it equals the one made in-process,
-pins survive pickling as keys and come back as the worker's chunks, and bad messages or
-a missing worker cost an error, not a crash or a hang."""
+"""The lookup socket between vLLM's scheduler role and its worker's process
+(lookup_socket.py), on a plain LMKVEngine: the scheduler role's plan through it is keys
+that the worker takes from the pins made there, pins never loaded are given back or
+expire, and bad messages or a missing worker cost an error, not a crash or a hang."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from lmkv.config import load_config
 from lmkv.connector import SchedulerConnector
 from lmkv.engine import LMKVEngine
 from lmkv.layout import KVLayout
-from lmkv_engines.vllm import pins
-from lmkv_engines.vllm.pins import PinnedChunk, PinServer, RemoteEngine, socket_path
+from lmkv_engines.vllm import lookup_socket
+from lmkv_engines.vllm.lookup_socket import LookupClient, LookupServer, socket_path
 
 CHUNK = 16
 
@@ -27,8 +27,8 @@ CHUNK = 16
 def served(tmp_path):
     cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
     engine = LMKVEngine(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
-    server = PinServer(engine, tmp_path / "pins.sock")
-    remote = RemoteEngine(cfg, server.path, connect_timeout=5)
+    server = LookupServer(engine, tmp_path / "lookups.sock")
+    remote = LookupClient(cfg, server.path, connect_timeout=5)
     yield engine, server, remote
     remote.close()
     server.close()
@@ -44,6 +44,7 @@ def _store(engine: LMKVEngine, tokens: list[int]) -> None:
 
 
 def test_a_load_planned_in_another_process_takes_the_chunks_pinned_there(served):
+    """The metadata carries keys only; the worker takes the chunks pinned for them."""
     engine, server, remote = served
     prompt = list(range(500, 500 + 3 * CHUNK))
     _store(engine, prompt)
@@ -60,34 +61,34 @@ def test_a_load_planned_in_another_process_takes_the_chunks_pinned_there(served)
     Req.num_computed_tokens = offered
     meta = pickle.loads(pickle.dumps(sched.build_connector_meta([(Req, 1)])))  # as vLLM sends it
     (load,) = meta.loads
-    assert all(isinstance(c, PinnedChunk) for c in load.chunks)
-    taken = [server.take(c.key) for c in load.chunks]
+    assert load.keys == engine.keys(prompt)
+    assert len(engine.pins) == 3
+    taken = [engine.take(k) for k in load.keys]  # as the worker role does
     assert [b.ref_count for b in taken] == [2, 2, 2]  # the hot cache's and the load's
     for b in taken:
         b.release()
-    assert server.take(load.chunks[0].key) is None
+    assert engine.take(load.keys[0]) is None
     sched.request_finished(Req)
     engine.pool.check_integrity()
-    assert engine.metrics.registry.get_sample_value("lmkv_hit_tokens_total") == 3 * CHUNK
+    assert engine.metrics.registry.get_sample_value("lmkv_hit_tokens_total") == offered  # via the socket
 
 
 def test_pins_a_request_never_loads_are_given_back(served, monkeypatch):
     engine, server, remote = served
     prompt = list(range(900, 900 + 2 * CHUNK))
     _store(engine, prompt)
-    pinned = remote.fetch(engine.keys(prompt))
-    assert server.pinned() == 2 and engine.pool.num_free == engine.pool.num_slots - 2
-    for p in pinned:
-        p.release()
-    assert server.pinned() == 0
+    keys = engine.keys(prompt)
+    assert remote.pin(keys) == [False, False]
+    assert len(engine.pins) == 2 and engine.pool.num_free == engine.pool.num_slots - 2
+    remote.unpin(keys)
+    assert len(engine.pins) == 0
     engine.pool.check_integrity()
-    # a pin whose release never comes (a lost reply, a dead scheduler) expires
-    remote.fetch(engine.keys(prompt))
-    assert server.pinned() == 2
-    with monkeypatch.context() as m:
-        m.setattr(pins, "PIN_TTL", -1.0)
-        remote.fetch([])  # any fetch sweeps expired pins first
-    assert server.pinned() == 0
+    # a pin never given back (a lost reply, a dead scheduler) expires
+    remote.pin(keys)
+    assert len(engine.pins) == 2
+    monkeypatch.setattr(engine.pins, "ttl", -1.0)
+    remote.pin([])  # any pin sweeps expired pins first
+    assert len(engine.pins) == 0
     engine.pool.check_integrity()
 
 
@@ -106,7 +107,7 @@ def test_bad_messages_get_an_error_reply(served):
     # a line over the size limit: an error reply, then the server hangs up
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(str(server.path))
-        s.sendall(b"x" * (pins.MAX_LINE + 10))
+        s.sendall(b"x" * (lookup_socket.MAX_LINE + 10))
         f = s.makefile("rb")
         assert json.loads(f.readline())["ok"] is False
         assert f.readline() == b""
@@ -129,7 +130,7 @@ class _Stray:
 
 def test_no_worker_process_fails_once_then_at_once(tmp_path):
     cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
-    remote = RemoteEngine(cfg, tmp_path / "nobody.sock", connect_timeout=0.5)
+    remote = LookupClient(cfg, tmp_path / "nobody.sock", connect_timeout=0.5)
     start = time.monotonic()
     with pytest.raises(ConnectionError, match="no worker process"):
         remote.lookup(["k"])

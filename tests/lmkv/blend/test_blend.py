@@ -93,3 +93,44 @@ def test_select_recompute_takes_uncached_and_the_most_deviating():
     chosen = select_recompute(deviation, cached, 0.25)  # 2 of 8 cached tokens
     assert chosen.nonzero().flatten().tolist() == [0, 2, 4, 5]
     assert bool(select_recompute(deviation, cached, 1.0).all())
+
+
+def test_a_blend_check_layer_past_the_model_is_refused():
+    layout = KVLayout(2, 1, 8, torch.float32, 16)
+    cfg = load_config(env={}, chunk_size=16, max_local_cpu_size=0.001, enable_blending=True,
+                      blend_check_layer=2)
+    with pytest.raises(ValueError, match=r"blend_check_layer is 2, but the model has 2 layers \(0\.\.1\)"):
+        LMKVEngine(cfg, layout, "model")
+    LMKVEngine(cfg.__class__(**{**cfg.__dict__, "blend_check_layer": 1}), layout, "model").close()
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_a_rag_chunk_tail_is_stored_at_its_own_size(tmp_path, codec):
+    """A 90-token RAG chunk with chunk_size 256 takes a 90-token file, and comes back from
+    disk in a new process exactly, the rest of its slot zeroed."""
+    layout = KVLayout(2, 2, 16, torch.float32, 256)
+    cfg = load_config(env={}, chunk_size=256, max_local_cpu_size=0.01, local_disk=str(tmp_path),
+                      max_local_disk_size=0.1, local_disk_codec=codec, enable_prefetch=False)
+    tokens = list(range(1000, 1300))  # one full chunk and a 44-token tail
+    kv = torch.randn(2, 2, len(tokens), 2, 16)
+    with_tail = LMKVEngine(cfg, layout, "model")
+    assert with_tail.store_chunk(tokens, kv)
+    with_tail.storage.io.drain()
+    with_tail.close()
+    sizes = sorted(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    full = layout.chunk_bytes
+    if codec == "raw":
+        assert sizes == [64 + full * 44 // 256, 64 + full]
+    else:
+        assert sizes[0] < 64 + full * 44 // 256 + 1024 and sizes[1] > 64 + full // 2
+    again = LMKVEngine(cfg, layout, "model")
+    bufs = again.fetch(again.content_keys(tokens))
+    assert [b.num_tokens for b in bufs] == [256, 44]
+    assert torch.equal(bufs[0].kv, kv[:, :, :256])
+    assert torch.equal(bufs[1].kv[:, :, :44], kv[:, :, 256:])
+    assert not bufs[1].kv[:, :, 44:].any()
+    assert again.has_chunk(tokens)
+    for b in bufs:
+        b.release()
+    again.pool.check_integrity()
+    again.close()

@@ -115,7 +115,7 @@ def test_disk_tier_batched_reads(tmp_path):
     """The disk tier's batch read (which first asks the kernel to read ahead every file of
     the batch) returns what get_into does, misses included; a file removed behind the
     tier's back is a miss it forgets."""
-    from ..backend_checks import check_batched_reads
+    from tests.backend_checks import check_batched_reads
 
     disk = DiskBackend(tmp_path, capacity_bytes=1 << 20)
     check_batched_reads(disk, [memoryview(bytearray(8192)) for _ in range(3)])
@@ -151,7 +151,7 @@ def test_batched_loads_stop_at_the_first_missing_or_corrupt_chunk(tmp_path):
     for missing, cut in ((n, None), (LOAD_BATCH + 2, "remove"), (3, "corrupt")):
         manager.hot.clear()
         if cut == "remove":
-            disk.remove(keys[missing])
+            disk.remove([keys[missing]])
         elif cut == "corrupt":
             data = bytearray(disk.get([keys[missing]])[0])
             data[-1] ^= 0xFF
@@ -164,3 +164,27 @@ def test_batched_loads_stop_at_the_first_missing_or_corrupt_chunk(tmp_path):
     manager.close()
     pool.check_integrity()
     assert pool.num_free == pool.num_slots
+
+
+def test_a_chunk_written_to_two_tiers_with_one_codec_is_encoded_once(tmp_path, monkeypatch):
+    from lmkv.codec.base import Zstd
+    from lmkv.metrics import LMKVMetrics
+    from lmkv.storage.manager import StorageManager, Tier
+
+    calls = []
+    real = Zstd.encode
+    monkeypatch.setattr(Zstd, "encode", lambda self, kv, table: calls.append(1) or real(self, kv, table))
+    pool = MemoryPool(LAYOUT, 4 * (64 + LAYOUT.chunk_bytes))
+    tiers = [Tier("disk", DiskBackend(tmp_path / "a", 1 << 30), "zstd"),
+             Tier("remote", DiskBackend(tmp_path / "b", 1 << 30), "zstd"),
+             Tier("third", DiskBackend(tmp_path / "c", 1 << 30), "raw")]
+    manager = StorageManager(pool, tiers, LMKVMetrics())
+    for i in range(3):
+        buf = manager.allocate()
+        buf.kv.normal_()
+        manager.put(f"k{i}", buf)
+        buf.release()
+    manager.io.drain()
+    assert len(calls) == 3  # once per chunk, not once per tier
+    assert [t.backend.contains(["k0", "k1", "k2"]) for t in tiers] == [[True] * 3] * 3
+    manager.close()

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(shutil.which("mooncake_master") is None,
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
-    from ..mooncake_store import MooncakeStore
+    from tests.mooncake_store import MooncakeStore
 
     s = MooncakeStore(tmp_path_factory.mktemp("mooncake")).start()
     yield s
@@ -44,8 +44,7 @@ def test_put_get_zero_copy_and_plain(store):
 
 def test_batched_reads_into_the_registered_pool(store):
     from lmkv.backends.mooncake import MooncakeBackend
-
-    from ..backend_checks import check_batched_reads
+    from tests.backend_checks import check_batched_reads
 
     backend = MooncakeBackend(store.url)
     pool = torch.zeros(3, 8192, dtype=torch.uint8)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import RMSNorm
+from lmkv_engines.minimal.model import RMSNorm
 
 
 class Attention(nn.Module):

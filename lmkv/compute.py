@@ -1,0 +1,20 @@
+"""KVComputer: what lmkv asks of an inference engine when it needs KV computed itself
+(precomputing RAG chunks, calibrating the lossy codec). The bundled engine's LLMEngine is
+one; lmkv never imports an engine."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class KVComputer(Protocol):
+    """An engine that can compute the KV of standalone token sequences."""
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def compute_kv(self, token_lists: list[list[int]], pre_rope: bool = False) -> list[torch.Tensor]:
+        """KV of each sequence computed alone at positions [0, n): [2, L, n, Hkv, D] each,
+        in the engine's KV dtype; with ``pre_rope`` the keys as projected, before RoPE."""
+        ...

@@ -1,0 +1,128 @@
+"""Tier: one storage tier below the hot cache: its backend, the codec its chunks are
+framed with, its circuit breaker and its metrics. Chunks are encoded where they enter a
+tier and decoded where they leave it, here and nowhere else."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..backends.base import BackendError, StorageBackend
+from ..codec import Codec, FrameError, decode_into, encode, get_codec
+from ..codec.calibration import CacheGenTable
+from ..memory import ChunkBuffer
+from ..metrics import LMKVMetrics
+from .breaker import CircuitBreaker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Tier:
+    name: str
+    backend: StorageBackend
+    codec: Codec | str = "raw"  # or its name, resolved at construction
+    table: CacheGenTable | None = None  # the model's calibration, for lossy frames
+    metrics: LMKVMetrics = field(default_factory=LMKVMetrics)
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.codec, str):  # a codec named in a config
+            self.codec = get_codec(self.codec)
+
+    @property
+    def lossy(self) -> bool:
+        return self.codec.lossy
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker holds the tier off after a failure."""
+        return self.breaker.closed
+
+    def make_lossless(self) -> None:
+        """Write zstd from now on (the quality gate's fallback); what it stored lossy is
+        then rejected on read (the table is gone), dropped and recomputed."""
+        self.codec, self.table = get_codec("zstd"), None
+
+    def encode(self, key: str, buf: ChunkBuffer) -> memoryview:
+        """``buf``'s frame in this tier's codec (a raw frame aliases the slot)."""
+        return encode(buf, key, self.codec, self.table)
+
+    def write(self, key: str, frame: memoryview) -> bool:
+        """Store one framed chunk; a failure is logged and counted, and returns False."""
+        if not self.available:
+            self.metrics.dropped.labels(f"save_{self.name}").inc()
+            return False
+        start = time.perf_counter()
+        before = self.backend.num_evictions
+        try:
+            self.backend.put([(key, frame)])
+        except BackendError as e:
+            self._failed("put", e)
+            return False
+        self.breaker.success()
+        self.metrics.tier_seconds.labels(self.name, "put").observe(time.perf_counter() - start)
+        self.metrics.tier_bytes.labels(self.name, "put").inc(len(frame))
+        self.metrics.evictions.labels(self.name).inc(max(0, self.backend.num_evictions - before))
+        return True
+
+    def contains(self, keys: list[str]) -> list[bool] | None:
+        """Which keys the tier holds; None if it could not be asked."""
+        if not self.available:
+            return None
+        try:
+            found = self.backend.contains(keys)
+        except BackendError as e:
+            self._failed("contains", e)
+            return None
+        self.breaker.success()
+        return found
+
+    def read(self, keys: list[str], bufs: list[ChunkBuffer]) -> list[bool]:
+        """Read and decode ``keys[i]`` into ``bufs[i]``, one batch (one pipelined round trip
+        where the backend can). True where the chunk arrived intact; a miss, a corrupt frame
+        (logged, counted, removed from the tier) or a failed tier is False."""
+        if not self.available or not keys:
+            return [False] * len(keys)
+        start = time.perf_counter()
+        try:
+            if self.codec.name == "raw":  # frames straight into the slots
+                frames = [memoryview(buf.frame.numpy()) for buf in bufs]
+                lengths = self.backend.get_into_many(keys, frames)
+                values = [None if n is None else f[:n] for f, n in zip(frames, lengths, strict=True)]
+            else:
+                values = self.backend.get(keys)
+        except BackendError as e:
+            self._failed("get", e)
+            return [False] * len(keys)
+        self.breaker.success()
+        self.metrics.tier_seconds.labels(self.name, "get").observe(time.perf_counter() - start)
+        ok = []
+        for key, buf, data in zip(keys, bufs, values, strict=True):
+            ok.append(data is not None and self._decode(key, buf, data))
+        return ok
+
+    def _decode(self, key: str, buf: ChunkBuffer, data: memoryview | bytes) -> bool:
+        try:
+            decode_into(data, buf, key, self.table)
+        except FrameError as e:
+            log.warning("lmkv: a chunk from %s is corrupt (%s); it will be recomputed", self.name, e)
+            self.metrics.errors.labels(self.name, "corrupt").inc()
+            try:
+                self.backend.remove([key])
+            except BackendError as e:
+                log.warning("lmkv: cannot remove the corrupt chunk from %s (%s)", self.name, e)
+            return False
+        self.metrics.tier_bytes.labels(self.name, "get").inc(len(data))
+        self.metrics.tier_hits.labels(self.name).inc()
+        return True
+
+    def _failed(self, op: str, error: BackendError) -> None:
+        pause = self.breaker.failure()
+        log.warning("lmkv: %s %s failed: %s; skipping %s for %.0f s (chunks are recomputed)",
+                    self.name, op, error, self.name, pause)
+        self.metrics.errors.labels(self.name, op).inc()
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,92 @@
+"""The Redis tiers against a real redis-server (and a real 3-node Redis Cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmkv.backends.base import BackendError
+from lmkv.backends.redis import RedisBackend
+from tests.backend_checks import check_batched_reads
+from tests.redis_server import RedisServer, start_cluster
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.kill()
+
+
+def test_put_get_contains_with_prefix(redis_server):
+    a = RedisBackend(redis_server.url + "?key_prefix=a:")
+    b = RedisBackend(redis_server.url + "?key_prefix=b:")
+    value = bytes(range(256)) * 4096
+    a.put([("k1", value), ("k2", memoryview(b"x" * 10))])
+    assert a.get(["k1", "k2", "k3"]) == [value, b"x" * 10, None]
+    assert a.contains(["k1", "k3"]) == [True, False]
+    assert b.get(["k1"]) == [None]  # prefixes are namespaces
+
+
+def test_batched_reads(redis_server):
+    check_batched_reads(RedisBackend(redis_server.url), [memoryview(bytearray(8192)) for _ in range(3)])
+
+
+def test_dead_server_raises_backend_error_quickly(redis_server):
+    backend = RedisBackend(redis_server.url, timeout=0.5)
+    backend.put([("k", b"v")])
+    redis_server.kill()
+    with pytest.raises(BackendError):
+        backend.get(["k"])
+
+
+def test_redis_cluster(tmp_path):
+    servers = start_cluster(tmp_path)
+    try:
+        url = f"redis-cluster://127.0.0.1:{servers[0].port}"
+        backend = RedisBackend(url)
+        items = [(f"key-{i}", f"value-{i}".encode() * 1000) for i in range(50)]
+        backend.put(items)  # keys spread over all three nodes' slots
+        assert backend.get([k for k, _ in items]) == [v for _, v in items]
+        assert backend.contains(["key-1", "nope"]) == [True, False]
+        backend.close()
+    finally:
+        for s in servers:
+            s.kill()
+
+
+def _read_counter(url: str):
+    """Client read events redis-server has processed so far (one per request batch it
+    received), less the ones this counter's own requests caused."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    client.ping()  # the connection's set-up requests are behind us
+    return lambda: int(client.info("stats")["total_reads_processed"])
+
+
+def test_a_batch_through_the_registry_is_one_exchange_with_the_server(redis_server):
+    """The backend lmkv builds from a URL (connecting lazily) forwards batched reads: 16
+    chunks cost the server one read event, not 16, and removes and contains pass too."""
+    from lmkv.backends.registry import create_backend
+
+    backend = create_backend(redis_server.url, timeout=2.0)
+    keys = [f"chunk-{i}" for i in range(16)]
+    backend.put([(k, k.encode() * 100) for k in keys])
+    outs = [memoryview(bytearray(4096)) for _ in keys]
+    reads = _read_counter(redis_server.url)
+    before = reads()
+    assert reads() - before == 1  # one INFO: the counter's own cost
+    before = reads()
+    lengths = backend.get_into_many(keys, outs)
+    batched = reads() - before - 1
+    assert lengths == [len(k) * 100 for k in keys]
+    assert bytes(outs[3][: lengths[3]]) == keys[3].encode() * 100
+    assert batched == 1, f"16 chunks took {batched} exchanges"
+    before = reads()
+    for k, out in zip(keys, outs, strict=True):
+        backend.get_into(k, out)
+    assert reads() - before - 1 == 16  # the unbatched path, for contrast
+    backend.remove(keys[:2])
+    assert backend.contains(keys[:3]) == [False, False, True]
+    assert backend.num_evictions == 0
+    backend.close()
