@@ -99,6 +99,10 @@ class LMKVEngine:
             hashes = hashes[:max_chunks]
         return [self.scope.key(h) for h in hashes]
 
+    def key_of(self, chunk_id: str) -> str:
+        """The key of a rank-free chunk id (``chunk_ids``) in this engine's scope."""
+        return self.scope.key(bytes.fromhex(chunk_id))
+
     def lookup(self, keys: list[str]) -> int:
         """Number of leading chunks stored in some tier."""
         return self.storage.lookup(keys)

@@ -66,3 +66,10 @@ class KeyScope:
     def key(self, h: bytes) -> str:
         """The backend key string (ASCII, < 150 bytes)."""
         return f"{self.prefix}@{h.hex()}"
+
+
+def chunk_ids(tokens: list[int], chunk_size: int) -> list[str]:
+    """Rank-free names of the full chunks of ``tokens`` (their chained hashes, hex): what a
+    scheduler speaks to several tensor-parallel ranks, each of which scopes them
+    (``KeyScope.key``) to the key of its own shard."""
+    return [h.hex() for h in prefix_hashes(tokens, chunk_size)]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,26 +97,31 @@ class LMKVConnector(KVConnectorBase_V1):
         extra = dict(kv.kv_connector_extra_config or {})
         self.spec = engine_spec(vllm_config, extra)
         self.engine_id = str(kv.engine_id)
-        path = socket_path(self.engine_id, getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
         self.block_size = self.spec.block_size
         self.scheduler: SchedulerConnector | None = None
         self.worker: WorkerConnector | None = None
         self.lookups: LookupServer | None = None
         self.engine: LMKVEngine | LookupClient
         if role == KVConnectorRole.SCHEDULER:
-            # vLLM builds the scheduler after its workers, which serve the socket by then
-            self.engine = LookupClient(self.spec.config, path)
+            # vLLM builds the scheduler after its workers, which serve their sockets by then
+            paths = [socket_path(self.engine_id, dp_rank, r) for r in range(self.spec.tp_size)]
+            self.engine = LookupClient(self.spec.config, paths)
             self.scheduler = SchedulerConnector(self.engine, self.block_size)
             self.views = RequestViews()
         else:
-            self.engine = LMKVEngine(self.spec.config, self.spec.layout, self.spec.model_id)
+            tp_rank = _tp_rank() if self.spec.tp_size > 1 else 0
+            layout = replace(self.spec.layout, rank=tp_rank)  # each rank stores its own shard
+            self.engine = LMKVEngine(self.spec.config, layout, self.spec.model_id)
             atexit.register(self.shutdown)  # vLLM may exit without shutting connectors down
+            path = socket_path(self.engine_id, dp_rank, tp_rank)
             try:
                 self.lookups = LookupServer(self.engine, path)
             except OSError as e:
                 log.warning("lmkv: cannot serve lookups on %s (%s); the scheduler role will "
                             "find no hits", path, e)
-            self.worker = WorkerConnector(self.engine)
+            # the scheduler names chunks by rank-free ids: this rank's keys are its shard's
+            self.worker = WorkerConnector(self.engine, key_of=self.engine.key_of)
             self.layer_index: dict[str, int] = {}
             self.paged: PagedMemory | None = None
             self._load_errors: set[int] = set()
@@ -237,6 +243,12 @@ class LMKVConnector(KVConnectorBase_V1):
             self.worker.close()
             atexit.unregister(self.shutdown)
         self.engine.close()  # the worker's: finish background writes
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
 
 
 def _check_cpu_layout(paged: StridedPagedMemory, like: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ class EngineSpec:
     layout: KVLayout
     model_id: str
     block_size: int  # vLLM's tokens per KV block
+    tp_size: int = 1  # each tensor-parallel rank stores and loads its own shard (layout.rank)
 
 
 def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
@@ -38,10 +39,10 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
         raise ConfigError("lmkv config key enable_blending is not supported inside vLLM (CacheBlend needs "
                           "the bundled engine's blended prefill); lmkv reuses prefixes here")
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    if pc.world_size > 1:
-        raise ConfigError(
-            f"lmkv's vLLM connector runs with tensor_parallel_size 1 and pipeline_parallel_size 1 "
-            f"(got world size {pc.world_size}): its scheduler role asks one worker's lmkv engine")
+    pp = getattr(pc, "pipeline_parallel_size", 1)
+    if pp > 1:
+        raise ConfigError(f"lmkv's vLLM connector runs with pipeline_parallel_size 1 (got {pp}); "
+                          "tensor parallelism is supported")
     if cc.cache_dtype not in ("auto", None) and str(cc.cache_dtype) != str(mc.dtype).removeprefix("torch."):
         raise ConfigError(f"lmkv stores KV in the model dtype; vLLM kv_cache_dtype {cc.cache_dtype} "
                           "is not supported")
@@ -52,7 +53,8 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
             f"size {block_size} (set chunk_size, or vLLM's --block-size)")
     layout = KVLayout(mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype,
                       config.chunk_size)
-    return EngineSpec(config, layout, model_id(mc.model, mc.revision), block_size)
+    tp = getattr(pc, "tensor_parallel_size", 1) or 1
+    return EngineSpec(config, layout, model_id(mc.model, mc.revision), block_size, tp)
 
 
 def model_id(model: str, revision: str | None = None) -> str:

@@ -1,15 +1,16 @@
-"""The scheduler role's lookups and pins, served by the worker's process over a Unix socket.
+"""The scheduler role's lookups and pins, served by the worker processes over Unix sockets.
 
 vLLM runs its scheduler in one process (the engine core under ``vllm serve``) and the model
-(the worker role, the KV memory, and so lmkv's engine and hot cache) in another, or in the
-same one; lmkv's vLLM scheduler role always asks the worker's process, over a Unix socket
-named after vLLM's engine id, so both layouts run the same code:
+(the worker role, the KV memory, and so lmkv's engine and hot cache) in others, one per
+tensor-parallel rank, or all in one; lmkv's vLLM scheduler role always asks the workers,
+each over a Unix socket named after vLLM's engine id and the rank, so every layout runs
+the same code:
 
-- ``LookupServer`` (worker process) answers with its LMKVEngine: keys of a prompt, lookups,
-  pins of the chunks a load will take (by key, from the engine's PinTable), pins given
-  back, prefetches, lookup metrics, draining writes.
-- ``LookupClient`` (scheduler process) is the ``ChunkIndex`` the scheduler role uses,
-  answered by the server.
+- ``LookupServer`` (a worker process) answers with its LMKVEngine: lookups, pins of the
+  chunks a load will take (from the engine's PinTable), pins given back, prefetches, lookup
+  metrics, draining writes. Chunks are named by rank-free ids; it scopes them to its keys.
+- ``LookupClient`` (the scheduler process) is the ``ChunkIndex`` the scheduler role uses:
+  it asks every rank (``RankConnection`` each) and agrees on what all of them hold.
 
 Messages are one JSON object per line, at most ``MAX_LINE`` bytes; nothing is unpickled.
 The socket is created with mode 0600.
@@ -32,6 +33,7 @@ from typing import Any
 
 from lmkv.config import LMKVConfig
 from lmkv.engine import LMKVEngine
+from lmkv.keys import chunk_ids
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +41,11 @@ MAX_LINE = 64 << 20  # a prompt's token ids, or its keys, fit many times over
 CALL_TIMEOUT = 60.0  # seconds for one answer (a fetch may read lower tiers)
 
 
-def socket_path(engine_id: str, dp_rank: int = 0) -> Path:
-    """Short (AF_UNIX paths are limited to ~107 bytes) and distinct per vLLM engine and
-    data-parallel rank."""
-    digest = hashlib.sha256(f"{engine_id}/{dp_rank}".encode()).hexdigest()[:20]
+def socket_path(engine_id: str, dp_rank: int = 0, tp_rank: int = 0) -> Path:
+    """Short (AF_UNIX paths are limited to ~107 bytes) and distinct per vLLM engine, data-
+    parallel rank and tensor-parallel rank."""
+    name = f"{engine_id}/{dp_rank}" + (f"/tp{tp_rank}" if tp_rank else "")
+    digest = hashlib.sha256(name.encode()).hexdigest()[:20]
     return Path(tempfile.gettempdir()) / f"lmkv-{digest}.sock"
 
 
@@ -144,9 +147,8 @@ class LookupServer:
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         op, e = msg.get("op"), self.engine
-        if op == "keys":
-            return {"keys": e.keys([int(t) for t in msg["tokens"]])}
-        keys = [str(k) for k in msg.get("keys", [])]
+        # the scheduler names chunks by rank-free ids; this worker's keys are its shard's
+        keys = [e.key_of(str(k)) for k in msg.get("keys", [])]
         if op == "lookup":
             return {"found": e.lookup(keys)}
         if op == "pin":
@@ -172,48 +174,75 @@ class LookupServer:
 
 class LookupClient:
     """In the scheduler's process: the ``ChunkIndex`` the scheduler role asks, answered by
-    the worker process's LookupServer. Calls are made from vLLM's scheduler thread, one at
-    a time; the connection is opened on first use (the worker starts its server before
-    vLLM builds the scheduler)."""
+    the LookupServer of every tensor-parallel rank's worker (one socket each). Chunks are
+    named by rank-free ids (``lmkv.keys.chunk_ids``); a chunk is a hit only where every
+    rank holds its shard, and it is pinned on every rank. Calls come from vLLM's scheduler
+    thread, one at a time; connections open on first use."""
 
-    def __init__(self, config: LMKVConfig, path: Path, connect_timeout: float = 60.0):
+    def __init__(self, config: LMKVConfig, paths: list[Path], connect_timeout: float = 60.0):
         self.config = config
         self.chunk_size = config.chunk_size
-        self.path = path
-        self.connect_timeout = connect_timeout
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
-        self._next_id = 0
+        self.ranks = [RankConnection(p, connect_timeout) for p in paths]
 
     def keys(self, tokens: list[int]) -> list[str]:
-        return self.call("keys", tokens=list(tokens))["keys"]
+        return chunk_ids(tokens, self.chunk_size)
 
     def lookup(self, keys: list[str]) -> int:
-        return self.call("lookup", keys=keys)["found"]
+        return min(r.call("lookup", keys=keys)["found"] for r in self.ranks)
 
     def pin(self, keys: list[str]) -> list[bool]:
-        return [bool(f) for f in self.call("pin", keys=keys)["lossy"]]
+        pinned: list[list[bool]] = []
+        try:
+            for r in self.ranks:
+                pinned.append([bool(f) for f in r.call("pin", keys=keys)["lossy"]])
+        except BaseException:
+            for r, flags in zip(self.ranks, pinned, strict=False):
+                r.best_effort("unpin", keys=keys[: len(flags)])
+            raise
+        n = min(len(flags) for flags in pinned)
+        for r, flags in zip(self.ranks, pinned, strict=True):
+            if len(flags) > n:  # held by this rank, not by every rank: give it back
+                r.best_effort("unpin", keys=keys[n : len(flags)])
+        return [any(flags[i] for flags in pinned) for i in range(n)]
 
     # the calls below are best effort: a failure is logged, never raised into vLLM's
     # scheduler (a pin never given back expires in the worker; a lost drain only means a
     # consumer may miss chunks still being written)
     def unpin(self, keys: list[str]) -> None:
         if keys:
-            self.best_effort("unpin", keys=keys)
+            for r in self.ranks:
+                r.best_effort("unpin", keys=keys)
 
     def prefetch(self, keys: list[str]) -> None:
         if self.config.enable_prefetch:
-            self.best_effort("prefetch", keys=keys)
+            for r in self.ranks:
+                r.best_effort("prefetch", keys=keys)
 
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:
-        self.best_effort("record_lookup", prompt_tokens=prompt_tokens, hit_tokens=hit_tokens,
-                         engine_tokens=engine_tokens)
+        self.ranks[0].best_effort("record_lookup", prompt_tokens=prompt_tokens,
+                                  hit_tokens=hit_tokens, engine_tokens=engine_tokens)
 
     def drain(self) -> None:
-        self.best_effort("drain")
+        for r in self.ranks:
+            r.best_effort("drain")
 
     def count_error(self, where: str, kind: str) -> None:
-        self.best_effort("count_error", where=where, kind=kind)
+        self.ranks[0].best_effort("count_error", where=where, kind=kind)
+
+    def close(self) -> None:
+        for r in self.ranks:
+            r.close()
+
+
+class RankConnection:
+    """One rank's worker process, over its socket: one request, one reply, matched by id."""
+
+    def __init__(self, path: Path, connect_timeout: float = 60.0):
+        self.path = path
+        self.connect_timeout = connect_timeout
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._next_id = 0
 
     def best_effort(self, op: str, **args: Any) -> None:
         try:

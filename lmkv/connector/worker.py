@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -24,8 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class WorkerConnector:
-    def __init__(self, engine: LMKVEngine):
+    def __init__(self, engine: LMKVEngine, key_of: Callable[[str], str] | None = None):
         self.engine = engine
+        # the metadata's names -> this engine's keys (rank-free ids under tensor parallelism)
+        self._key = key_of or (lambda key: key)
         self.layerwise = engine.config.use_layerwise
         self.paged: PagedMemory | None = None
         self.meta = ConnectorMetadata()
@@ -59,7 +62,7 @@ class WorkerConnector:
         self._layer_loaded = []
         if not loads:
             return
-        chunks = [[self.engine.take(key) for key in spec.keys] for spec in loads]
+        chunks = [[self.engine.take(self._key(k)) for k in spec.keys] for spec in loads]
         missing = [k for spec, bufs in zip(loads, chunks, strict=True)
                    for k, b in zip(spec.keys, bufs, strict=True) if b is None]
         if missing:  # never expected: the scheduler role pinned them
@@ -147,7 +150,8 @@ class WorkerConnector:
         if not self.meta.saves:
             return
         bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
-        skip_keys = {k for spec in self.meta.saves if spec.request_id in skip for k in spec.keys}
+        skip_keys = {self._key(k) for spec in self.meta.saves if spec.request_id in skip
+                     for k in spec.keys}
         try:
             if self.layerwise:
                 bufs, self._save_bufs = self._save_bufs, []
@@ -170,7 +174,8 @@ class WorkerConnector:
     def _allocate_saves(self) -> list[tuple[str, ChunkBuffer, torch.Tensor]]:
         out = []
         for spec in self.meta.saves:
-            for key, slots in zip(spec.keys, spec.slot_mappings, strict=True):
+            for name, slots in zip(spec.keys, spec.slot_mappings, strict=True):
+                key = self._key(name)
                 if self.engine.storage.hot.contains(key):  # stored already: skip the gather
                     continue
                 buf = self.engine.allocate()

@@ -14,10 +14,11 @@ from lmkv_engines.vllm.engines import engine_spec
 
 
 def _vllm_config(model: str, block_size: int = 128, world_size: int = 1, cache_dtype: str = "auto",
-                 kv_role: str = "kv_both"):
+                 kv_role: str = "kv_both", tp: int = 1, pp: int = 1):
     mc = SimpleNamespace(model=model, revision=None, dtype=torch.float32, get_num_layers=lambda pc: 2,
                          get_num_kv_heads=lambda pc: 1, get_head_size=lambda: 64)
-    return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(world_size=world_size),
+    return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(
+                               world_size=world_size, tensor_parallel_size=tp, pipeline_parallel_size=pp),
                            cache_config=SimpleNamespace(block_size=block_size, cache_dtype=cache_dtype),
                            kv_transfer_config=SimpleNamespace(kv_role=kv_role))
 
@@ -50,7 +51,7 @@ def test_hub_names_are_keyed_by_name_and_revision():
 @pytest.mark.parametrize("extra, vllm, message", [
     ({"chunk_sise": 256}, {}, "chunk_sise"),
     ({"chunk_size": 192}, {}, "chunk_size 192 must be a multiple of vLLM's block size 128"),
-    ({}, {"world_size": 2}, "tensor_parallel_size 1"),
+    ({}, {"world_size": 2, "pp": 2}, "pipeline_parallel_size 1"),
     ({}, {"cache_dtype": "fp8"}, "kv_cache_dtype fp8"),
     ({"enable_blending": True}, {}, "enable_blending"),
     ({"remote_url": "nope://x"}, {}, "remote_url"),
@@ -59,3 +60,9 @@ def test_bad_settings_fail_naming_the_key(monkeypatch, extra, vllm, message):
     monkeypatch.delenv("LMKV_CONFIG_FILE", raising=False)
     with pytest.raises(ConfigError, match=message):
         engine_spec(_vllm_config("org/model", **vllm), extra)
+
+
+def test_tensor_parallel_ranks_are_accepted_each_with_its_shard(monkeypatch):
+    monkeypatch.delenv("LMKV_CONFIG_FILE", raising=False)
+    spec = engine_spec(_vllm_config("org/model", world_size=2, tp=2), {})
+    assert spec.tp_size == 2 and spec.layout.num_kv_heads == 1  # the heads of one rank

@@ -28,7 +28,7 @@ def served(tmp_path):
     cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
     engine = LMKVEngine(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
     server = LookupServer(engine, tmp_path / "lookups.sock")
-    remote = LookupClient(cfg, server.path, connect_timeout=5)
+    remote = LookupClient(cfg, [server.path], connect_timeout=5)
     yield engine, server, remote
     remote.close()
     server.close()
@@ -44,11 +44,12 @@ def _store(engine: LMKVEngine, tokens: list[int]) -> None:
 
 
 def test_a_load_planned_in_another_process_takes_the_chunks_pinned_there(served):
-    """The metadata carries keys only; the worker takes the chunks pinned for them."""
+    """The metadata carries rank-free chunk ids only; the worker takes the chunks pinned
+    for them under its own keys."""
     engine, server, remote = served
     prompt = list(range(500, 500 + 3 * CHUNK))
     _store(engine, prompt)
-    assert remote.keys(prompt) == engine.keys(prompt)
+    assert [engine.key_of(i) for i in remote.keys(prompt)] == engine.keys(prompt)
     sched = SchedulerConnector(remote, 4)
 
     class Req:
@@ -61,13 +62,13 @@ def test_a_load_planned_in_another_process_takes_the_chunks_pinned_there(served)
     Req.num_computed_tokens = offered
     meta = pickle.loads(pickle.dumps(sched.build_connector_meta([(Req, 1)])))  # as vLLM sends it
     (load,) = meta.loads
-    assert load.keys == engine.keys(prompt)
+    assert [engine.key_of(i) for i in load.keys] == engine.keys(prompt)
     assert len(engine.pins) == 3
-    taken = [engine.take(k) for k in load.keys]  # as the worker role does
+    taken = [engine.take(engine.key_of(i)) for i in load.keys]  # as the worker role does
     assert [b.ref_count for b in taken] == [2, 2, 2]  # the hot cache's and the load's
     for b in taken:
         b.release()
-    assert engine.take(load.keys[0]) is None
+    assert engine.take(engine.key_of(load.keys[0])) is None
     sched.request_finished(Req)
     engine.pool.check_integrity()
     assert engine.metrics.registry.get_sample_value("lmkv_hit_tokens_total") == offered  # via the socket
@@ -77,7 +78,7 @@ def test_pins_a_request_never_loads_are_given_back(served, monkeypatch):
     engine, server, remote = served
     prompt = list(range(900, 900 + 2 * CHUNK))
     _store(engine, prompt)
-    keys = engine.keys(prompt)
+    keys = remote.keys(prompt)
     assert remote.pin(keys) == [False, False]
     assert len(engine.pins) == 2 and engine.pool.num_free == engine.pool.num_slots - 2
     remote.unpin(keys)
@@ -94,10 +95,11 @@ def test_pins_a_request_never_loads_are_given_back(served, monkeypatch):
 
 def test_bad_messages_get_an_error_reply(served):
     _, server, remote = served
+    rank = remote.ranks[0]
     with pytest.raises(RuntimeError, match="unknown op"):
-        remote.call("format_disk")
-    with pytest.raises(RuntimeError, match="KeyError"):
-        remote.call("keys")  # no tokens
+        rank.call("format_disk")
+    with pytest.raises(RuntimeError, match="ValueError"):
+        rank.call("lookup", keys=["not hex"])
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(str(server.path))
         s.sendall(b"{not json\n")
@@ -114,7 +116,7 @@ def test_bad_messages_get_an_error_reply(served):
     # replies are matched to their call: a stray reply closes the connection, the next
     # call opens a new one
     remote.lookup([])
-    remote._rfile = _Stray(b'{"ok": true, "id": -5, "found": 7}\n')
+    rank._rfile = _Stray(b'{"ok": true, "id": -5, "found": 7}\n')
     with pytest.raises(ConnectionError, match="out of step"):
         remote.lookup([])
     assert remote.lookup([]) == 0
@@ -130,12 +132,12 @@ class _Stray:
 
 def test_no_worker_process_fails_once_then_at_once(tmp_path):
     cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
-    remote = LookupClient(cfg, tmp_path / "nobody.sock", connect_timeout=0.5)
+    remote = LookupClient(cfg, [tmp_path / "nobody.sock"], connect_timeout=0.5)
     start = time.monotonic()
     with pytest.raises(ConnectionError, match="no worker process"):
-        remote.lookup(["k"])
+        remote.lookup(["00"])
     with pytest.raises(ConnectionError):
-        remote.lookup(["k"])
+        remote.lookup(["00"])
     assert time.monotonic() - start < 5
     remote.count_error("connector", "lookup")  # counting where it cannot be reached: no raise
 
@@ -146,3 +148,32 @@ def test_socket_path_is_private_and_named_after_the_engine_id(served):
     name = socket_path("abc/../x y" * 40).name
     assert name.startswith("lmkv-") and len(name) < 40 and "/" not in name
     assert socket_path("e", 0) != socket_path("e", 1)  # data-parallel ranks apart
+    assert socket_path("e", 0, 1) not in (socket_path("e", 0), socket_path("e", 1))  # TP too
+
+
+def test_two_tensor_parallel_ranks_agree_on_hits_and_pins(tmp_path):
+    """Each rank stores its own shard under its own keys; the scheduler's ids hit only
+    where every rank holds its shard, and every rank pins (and gives back) the same chunks."""
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
+    engines = [LMKVEngine(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK, rank=r), "model")
+               for r in range(2)]
+    servers = [LookupServer(e, tmp_path / f"tp{r}.sock") for r, e in enumerate(engines)]
+    remote = LookupClient(cfg, [s.path for s in servers], connect_timeout=5)
+    try:
+        prompt = list(range(700, 700 + 3 * CHUNK))
+        assert engines[0].keys(prompt) != engines[1].keys(prompt)  # shards apart
+        _store(engines[0], prompt)
+        _store(engines[1], prompt[: 2 * CHUNK])  # rank 1 lacks the third chunk
+        ids = remote.keys(prompt)
+        assert remote.lookup(ids) == 2
+        assert remote.pin(ids) == [False, False]
+        assert [len(e.pins) for e in engines] == [2, 2]  # rank 0's third pin was given back
+        remote.unpin(ids[:2])
+        assert [len(e.pins) for e in engines] == [0, 0]
+        for e in engines:
+            e.pool.check_integrity()
+    finally:
+        remote.close()
+        for s, e in zip(servers, engines, strict=True):
+            s.close()
+            e.close()

@@ -314,3 +314,21 @@ def test_openai_server_with_scheduler_and_worker_in_separate_processes(model_dir
         read = counters.get('lmkv_tier_bytes_total{op="get",tier="disk"}', 0)
         assert (read > 0) == (run == "restarted"), counters
         assert not any(k.startswith("lmkv_errors_total") and v for k, v in counters.items()), counters
+
+
+def test_tensor_parallel_2_stores_and_loads_each_ranks_shard(model_dir, tmp_path):
+    """vLLM with tensor_parallel_size 2 (one worker process per rank, one core each): each
+    rank stores its own shard of every chunk under its own keys; a second instance finds
+    every chunk on both ranks and gives the same tokens as vLLM without lmkv."""
+    disk = str(tmp_path / "disk")
+    lmkv = {"chunk_size": CHUNK, "max_local_cpu_size": 0.1, "local_disk": disk,
+            "max_local_disk_size": 1.0}
+    plain = _Run({"model": str(model_dir), "lmkv": None, "tp": 2, "seeds": [0]}).rounds()
+    (first,) = _Run({"model": str(model_dir), "tp": 2, "seeds": [0], "lmkv": lmkv}).rounds()
+    (second,) = _Run({"model": str(model_dir), "tp": 2, "seeds": [0], "lmkv": lmkv}).rounds()
+    want = plain[0]["tokens"]
+    assert first["tokens"] == want and first["cached"] == [0] * N
+    assert second["tokens"] == want and second["cached"] == _full(0)
+    # two shards of every full chunk, one per rank, under different keys
+    files = list(Path(disk).glob("*"))
+    assert len(files) == 2 * sum(_full(0)) // CHUNK, files

@@ -6,7 +6,8 @@ SPEC_JSON keys: model (dir), lmkv (kv_connector_extra_config, or null for plain 
 seeds (one prompt-set seed per round, or [seed, cut]: its prompts cut to that length), n,
 length, prefix_caching (vLLM's own prefix cache), max_tokens, fail ({round: "save" or
 "load"}: every chunk copy in that direction raises during that round), failure_policy
-(vLLM's kv_load_failure_policy), kill_pid and kill_after (SIGKILL that process after that
+(vLLM's kv_load_failure_policy), tp (tensor_parallel_size: one worker process per rank,
+each on its own core; lmkv's counters are then not reported), kill_pid and kill_after (SIGKILL that process after that
 round: a remote store dying mid-run). With metrics_port in the lmkv config, each round also
 reports the counters scraped from that port.
 """
@@ -68,9 +69,13 @@ def main(spec: dict) -> None:
             kv_role="kv_both", kv_connector_extra_config=spec["lmkv"],
             kv_load_failure_policy=spec.get("failure_policy", "fail"),
         )
+    tp = spec.get("tp", 1)
+    if tp > 1:  # one process per rank, each bound to its own core
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
     llm = LLM(model=spec["model"], enforce_eager=True, dtype="float32", max_model_len=2048,
               enable_prefix_caching=spec.get("prefix_caching", False), kv_transfer_config=kv,
-              seed=0)
+              seed=0, tensor_parallel_size=tp,
+              distributed_executor_backend="mp" if tp > 1 else None)
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     seeds = spec.get("seeds", [0])
     port = (spec.get("lmkv") or {}).get("metrics_port")
@@ -89,7 +94,7 @@ def main(spec: dict) -> None:
             "seed": seed if cut is None else f"{seed}:{cut}",
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "cached": [o.num_cached_tokens for o in outs],
-            "lmkv": lmkv_counters() if kv is not None else {},
+            "lmkv": lmkv_counters() if kv is not None and tp == 1 else {},  # ranks: elsewhere
             "scraped": _scrape(port) if port else {},
         }), flush=True)
         if spec.get("kill_after") == r:
