@@ -8,8 +8,8 @@ length, prefix_caching (vLLM's own prefix cache), max_tokens, fail ({round: "sav
 "load"}: every chunk copy in that direction raises during that round), failure_policy
 (vLLM's kv_load_failure_policy), tp (tensor_parallel_size: one worker process per rank,
 each on its own core; lmkv's counters are then not reported), kill_pid and kill_after
-(SIGKILL that process after that round: a remote store dying mid-run). With metrics_port in the lmkv config, each round also
-reports the counters scraped from that port.
+(SIGKILL that process after that round: a remote store dying mid-run). With metrics_port
+in the lmkv config, each round also reports the counters scraped from that port.
 """
 
 from __future__ import annotations
