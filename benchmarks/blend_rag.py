@@ -58,7 +58,7 @@ def blend_llm(model: str, args: argparse.Namespace, ratio: float) -> LLM:
 
 def set_ratio(llm: LLM, ratio: float) -> None:
     """The recompute ratio of the next prompts (lmkv reads it per prompt)."""
-    lmkv = llm.engine.kv_connector.engine
+    lmkv = llm.engine.kv_connector.cache
     lmkv.config = dataclasses.replace(lmkv.config, blend_recompute_ratio=ratio)
 
 

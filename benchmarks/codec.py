@@ -53,7 +53,7 @@ def hot_llm(model: str | None, chunk: int, **lmkv) -> LLM:
 
 
 def chunks_of(llm: LLM, prompt: list[int]) -> list[torch.Tensor]:
-    eng = llm.engine.kv_connector.engine
+    eng = llm.engine.kv_connector.cache
     bufs = eng.fetch(eng.keys(prompt))
     out = [b.kv.clone() for b in bufs]
     for b in bufs:
@@ -65,7 +65,7 @@ def serve_transformed(llm: LLM, prompt: list[int], params: SamplingParams,
                       transform: Callable[[torch.Tensor], torch.Tensor], exact: dict[str, torch.Tensor]):
     """Generate for ``prompt`` with its stored chunks replaced by transform(kv) and served
     from the hot cache (no prefix caching). ``exact`` keeps the original KV per key."""
-    eng = llm.engine.kv_connector.engine
+    eng = llm.engine.kv_connector.cache
     keys = eng.keys(prompt)
     bufs = eng.fetch(keys)
     assert len(bufs) == len(keys), "the hot cache lost chunks: raise max_local_cpu_size"

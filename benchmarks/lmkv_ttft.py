@@ -123,7 +123,7 @@ def main() -> None:
 
     plain = LLM(str(model_dir), kv_cache_memory=1 << 30, enable_prefix_caching=False)
     llm = disk_llm(model_dir, disk, args.chunk)
-    lay = llm.engine.kv_connector.engine.layout
+    lay = llm.engine.kv_connector.cache.layout
     vocab = llm.engine.model_config.vocab_size
     prompt = random_prompt(n, vocab, seed=0)
     fresh = [random_prompt(n, vocab, seed=1000 + i) for i in range(2 * reps + 1)]
@@ -143,7 +143,7 @@ def main() -> None:
 
     # warm from the hot cache
     first = llm.generate([prompt], FIRST_TOKEN)[0]
-    llm.engine.kv_connector.engine.drain()  # its disk writes (background) do not share the cores
+    llm.engine.kv_connector.cache.drain()  # its disk writes (background) do not share the cores
     warm = [ttft(llm, prompt) for _ in range(reps)]
     out = llm.generate([prompt], FIRST_TOKEN)[0]
     hit = out.num_external_tokens
@@ -159,7 +159,7 @@ def main() -> None:
     floor_hot = kv_bytes / (bw_mem * 1e9) + t_tail
 
     # retrieve bandwidth, hot: fetch + scatter into paged memory vs memcpy
-    lm = llm.engine.kv_connector.engine
+    lm = llm.engine.kv_connector.cache
     keys = lm.keys(prompt)[: -(-hit // args.chunk)]  # the chunks the hit loads from
     chunk_bytes = len(keys) * args.chunk * lay.bytes_per_token
     block_ids = list(range(n // 16 + 1))

@@ -88,7 +88,7 @@ def first_instance(args) -> dict:
 
 def remote_run(llm: LLM, prompt: list[int]) -> tuple[float, RequestOutput]:
     """TTFT with nothing in the hot cache: every stored chunk comes from the store."""
-    llm.engine.kv_connector.engine.storage.hot.clear()
+    llm.engine.kv_connector.cache.storage.hot.clear()
     start = time.perf_counter()
     out = llm.generate([prompt], FIRST_TOKEN)[0]
     return time.perf_counter() - start, out
@@ -105,7 +105,7 @@ def second_instance(args) -> dict:
     prompt = random_prompt(n, 32000, seed=0)
     llm = remote_llm(args)
     plain = LLM(str(args.model_dir), kv_cache_memory=1 << 30)  # no lmkv; prefix cache on
-    lm = llm.engine.kv_connector.engine
+    lm = llm.engine.kv_connector.cache
     # warm-up on a prompt the store does not have (it opens the connection), then wait
     # for its chunks' background writes so they do not overlap the timed runs
     warm_up = random_prompt(n, 32000, seed=1)

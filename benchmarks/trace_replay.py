@@ -7,7 +7,7 @@ The trace (default: the Mooncake conversation trace in ../shared/data/traces: on
 a production chat service, 12,031 requests, prompts of ~12K tokens in 512-token blocks
 named by prefix hash ids) gives each request's blocks. Every request, in arrival order,
 does what the engine's connector does: fetch the leading chunks lmkv holds (a real
-LMKVEngine: its hot cache, LRU that never evicts a pinned chunk), then store the chunks it
+LMKVCache: its hot cache, LRU that never evicts a pinned chunk), then store the chunks it
 computed. A chunk here is one trace block of 512 tokens; only full blocks are stored
 (lmkv's rule), and the last prompt token is always computed. Chunk contents are tiny so
 that 50K chunks fit in memory: capacity is counted in chunks, not bytes (one chunk of a
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
+from lmkv.cache import LMKVCache
 from lmkv.config import load_config
-from lmkv.engine import LMKVEngine
 from lmkv.layout import KVLayout
 from lmkv.memory import HEADER_BYTES
 
@@ -64,7 +64,7 @@ def replay(trace: list[tuple[int, list[str]]], capacity: int) -> tuple[int, floa
     slot = HEADER_BYTES + LAYOUT.chunk_bytes
     cfg = load_config(env={}, chunk_size=BLOCK, max_local_cpu_size=capacity * slot / 1e9 + 1e-9,
                       enable_prefetch=False)
-    engine = LMKVEngine(cfg, LAYOUT, "trace")
+    engine = LMKVCache(cfg, LAYOUT, "trace")
     assert engine.pool.num_slots == capacity, (engine.pool.num_slots, capacity)
     served = 0
     start = time.perf_counter()

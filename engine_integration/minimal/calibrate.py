@@ -26,4 +26,4 @@ def calibrate_model(model: str | None, config: LMKVConfig, settings: Calibration
         engine = llm.engine
         prompts = calibration_prompts(engine.model_config.vocab_size, num_prompts, length,
                                       text=text, tokenize=engine.tokenizer.encode)
-        return calibrate_kv(engine, engine.kv_connector.engine, settings, prompts, out)
+        return calibrate_kv(engine, engine.kv_connector.cache, settings, prompts, out)

@@ -11,9 +11,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from lmkv.blend.segments import separator_tokens
+from lmkv.cache import LMKVCache
 from lmkv.config import LMKVConfig
 from lmkv.connector import SchedulerConnector, WorkerConnector
-from lmkv.engine import LMKVEngine
 from lmkv.layout import KVLayout
 from lmkv.metrics import LMKVMetrics
 from lmkv.model_id import model_fingerprint
@@ -40,13 +40,13 @@ class KVConnector:
                  model_dir: Path, kv_cache: torch.Tensor, registry: CollectorRegistry,
                  encode: Callable[[str, bool], list[int]], launcher=None):
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, config.chunk_size)
-        self.engine = LMKVEngine(config, layout, model_fingerprint(model_dir), LMKVMetrics(registry))
+        self.cache = LMKVCache(config, layout, model_fingerprint(model_dir), LMKVMetrics(registry))
         self._encode = encode
         # the separator's ids as running text has them (lmkv.blend.segments)
         self.blend_separator = separator_tokens(lambda text: encode(text, False),
                                                 config.blend_special_str) if config.enable_blending else []
-        self.scheduler = SchedulerConnector(self.engine, block_size, self.blend_separator)
-        self.worker = WorkerConnector(self.engine)
+        self.scheduler = SchedulerConnector(self.cache, block_size, self.blend_separator)
+        self.worker = WorkerConnector(self.cache)
         self.worker.register_kv_caches(BlockPagedMemory(kv_cache, launcher))
         self._checks: dict[str, list[int]] = {}  # quality-gate re-run id -> the tokens served
 
@@ -54,7 +54,7 @@ class KVConnector:
         """With blending on, a prompt holding the separator: its parts tokenized separately
         (as precompute tokenized the chunks) and joined with the separator's ids. None
         otherwise: the engine tokenizes as usual. Thread-safe."""
-        sep = self.engine.config.blend_special_str
+        sep = self.cache.config.blend_special_str
         if not self.blend_separator or sep not in text:
             return None
         parts = text.split(sep)
@@ -68,7 +68,7 @@ class KVConnector:
         (codec_check_every) re-runs a sample of the greedy requests served lossy KV without
         any cached KV: the re-run to schedule is returned (it produces no output), and when
         it finishes both token lists go to the gate."""
-        gate = self.engine.gate
+        gate = self.cache.gate
         if gate is None:
             return None
         if req.request_id in self._checks:
@@ -101,7 +101,7 @@ class KVConnector:
             failed, blocks = self._failed_requests(sched)
             self.worker.wait_for_save(skip={r.request_id for r in failed})
             for req in blended:
-                self.engine.metrics.blend_recomputed_tokens.inc(req.num_blend_recomputed)
+                self.cache.metrics.blend_recomputed_tokens.inc(req.num_blend_recomputed)
         for req in failed:
             sampled.pop(req.request_id, None)
         return StepResult(sampled, failed, blocks)
@@ -124,7 +124,7 @@ class KVConnector:
 
     def close(self) -> None:
         self.worker.close()
-        self.engine.close()
+        self.cache.close()
 
 
 class _LayerHooks:

@@ -64,7 +64,7 @@ class LLM:
 
         if self.engine.kv_connector is None:
             raise ValueError("precompute needs lmkv: pass lmkv_config")
-        return precompute(self.engine, self.engine.kv_connector.engine, documents, batch_size,
+        return precompute(self.engine, self.engine.kv_connector.cache, documents, batch_size,
                           progress)
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ Configuration: lmkv's usual sources (defaults < YAML at LMKV_CONFIG_FILE < LMKV_
 then ``kv_connector_extra_config`` on top, key for key (unknown keys fail, naming the key).
 
 vLLM builds this class once per role; both delegate to lmkv's connector roles
-(``lmkv.connector``). The worker role owns the LMKVEngine (the hot cache beside the KV
+(``lmkv.connector``). The worker role owns the LMKVCache (the hot cache beside the KV
 memory); the scheduler role asks it by key over a Unix socket (lookup_socket.py), whether
 vLLM runs the two roles in one process or, as ``vllm serve`` does, in two: one code path.
 
@@ -34,8 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from lmkv.cache import LMKVCache
 from lmkv.connector import ConnectorMetadata, SchedulerConnector, WorkerConnector
-from lmkv.engine import LMKVEngine
 from lmkv.paged import PagedMemory
 
 from .engines import engine_spec
@@ -71,15 +71,15 @@ def _show_lmkv_logs() -> None:
 _show_lmkv_logs()
 
 
-def worker_engine() -> LMKVEngine:
-    """The LMKVEngine of this process's worker role (vLLM's KV connector of this process),
+def worker_engine() -> LMKVCache:
+    """The LMKVCache of this process's worker role (vLLM's KV connector of this process),
     for benchmarks and tests that read its metrics or drain its writes."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     connector = get_kv_transfer_group()
     if not isinstance(connector, LMKVConnector) or connector.worker is None:
         raise RuntimeError("no lmkv worker role in this process")
-    return connector.engine
+    return connector.cache
 
 
 class LMKVConnectorMetadata(KVConnectorMetadata):
@@ -102,26 +102,26 @@ class LMKVConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerConnector | None = None
         self.worker: WorkerConnector | None = None
         self.lookups: LookupServer | None = None
-        self.engine: LMKVEngine | LookupClient
+        self.cache: LMKVCache | LookupClient
         if role == KVConnectorRole.SCHEDULER:
             # vLLM builds the scheduler after its workers, which serve their sockets by then
             paths = [socket_path(self.engine_id, dp_rank, r) for r in range(self.spec.tp_size)]
-            self.engine = LookupClient(self.spec.config, paths)
-            self.scheduler = SchedulerConnector(self.engine, self.block_size)
+            self.cache = LookupClient(self.spec.config, paths)
+            self.scheduler = SchedulerConnector(self.cache, self.block_size)
             self.views = RequestViews()
         else:
             tp_rank = _tp_rank() if self.spec.tp_size > 1 else 0
             layout = replace(self.spec.layout, rank=tp_rank)  # each rank stores its own shard
-            self.engine = LMKVEngine(self.spec.config, layout, self.spec.model_id)
+            self.cache = LMKVCache(self.spec.config, layout, self.spec.model_id)
             atexit.register(self.shutdown)  # vLLM may exit without shutting connectors down
             path = socket_path(self.engine_id, dp_rank, tp_rank)
             try:
-                self.lookups = LookupServer(self.engine, path)
+                self.lookups = LookupServer(self.cache, path)
             except OSError as e:
                 log.warning("lmkv: cannot serve lookups on %s (%s); the scheduler role will "
                             "find no hits", path, e)
             # the scheduler names chunks by rank-free ids: this rank's keys are its shard's
-            self.worker = WorkerConnector(self.engine, key_of=self.engine.key_of)
+            self.worker = WorkerConnector(self.cache, key_of=self.cache.key_of)
             self.layer_index: dict[str, int] = {}
             self.paged: PagedMemory | None = None
             self._load_errors: set[int] = set()
@@ -142,7 +142,7 @@ class LMKVConnector(KVConnectorBase_V1):
             n, _ = self.scheduler.get_num_new_matched_tokens(view, num_computed_tokens)
         except Exception:
             log.exception("lmkv: lookup for request %s failed; computing it", request.request_id)
-            self.engine.count_error("connector", "lookup")
+            self.cache.count_error("connector", "lookup")
             return 0, False
         if n:
             log.debug("lmkv: request %s: loading tokens [%d, %d) of %d", request.request_id,
@@ -214,7 +214,7 @@ class LMKVConnector(KVConnectorBase_V1):
             self.worker.wait_for_save(skip={spec.request_id for spec in failed})
         except Exception as e:
             log.warning("lmkv: saving KV failed (%s); those chunks will be recomputed next time", e)
-            self.engine.count_error("connector", "save")
+            self.cache.count_error("connector", "save")
             self.worker.meta = ConnectorMetadata()
         finally:
             self._save_failed = False
@@ -242,7 +242,7 @@ class LMKVConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.close()
             atexit.unregister(self.shutdown)
-        self.engine.close()  # the worker's: finish background writes
+        self.cache.close()  # the worker's: finish background writes
 
 
 def _tp_rank() -> int:

@@ -1,4 +1,4 @@
-"""Which LMKVEngine a vLLM engine's worker role builds: lmkv's config, the KV layout and
+"""Which LMKVCache a vLLM engine's worker role builds: lmkv's config, the KV layout and
 the model id, from vLLM's config and kv_connector_extra_config."""
 
 from __future__ import annotations

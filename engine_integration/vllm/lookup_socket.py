@@ -1,13 +1,13 @@
 """The scheduler role's lookups and pins, served by the worker processes over Unix sockets.
 
 vLLM runs its scheduler in one process (the engine core under ``vllm serve``) and the model
-(the worker role, the KV memory, and so lmkv's engine and hot cache) in others, one per
+(the worker role, the KV memory, and so lmkv's cache object) in others, one per
 tensor-parallel rank, or all in one; lmkv's vLLM scheduler role always asks the workers,
 each over a Unix socket named after vLLM's engine id and the rank, so every layout runs
 the same code:
 
-- ``LookupServer`` (a worker process) answers with its LMKVEngine: lookups, pins of the
-  chunks a load will take (from the engine's PinTable), pins given back, prefetches, lookup
+- ``LookupServer`` (a worker process) answers with its LMKVCache: lookups, pins of the
+  chunks a load will take (from the cache's PinTable), pins given back, prefetches, lookup
   metrics, draining writes. Chunks are named by rank-free ids; it scopes them to its keys.
 - ``LookupClient`` (the scheduler process) is the ``ChunkIndex`` the scheduler role uses:
   it asks every rank (``RankConnection`` each) and agrees on what all of them hold.
@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmkv.cache import LMKVCache
 from lmkv.config import LMKVConfig
-from lmkv.engine import LMKVEngine
 from lmkv.keys import chunk_ids
 
 log = logging.getLogger(__name__)
@@ -64,10 +64,10 @@ def _unlink_if_dead(path: Path) -> None:
 
 
 class LookupServer:
-    """In the worker's process: serves the scheduler role's calls on its engine."""
+    """In the worker's process: serves the scheduler role's calls on its lmkv cache."""
 
-    def __init__(self, engine: LMKVEngine, path: Path):
-        self.engine = engine
+    def __init__(self, cache: LMKVCache, path: Path):
+        self.cache = cache
         self.path = path
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
@@ -146,7 +146,7 @@ class LookupServer:
                 self._conns.discard(conn)
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
-        op, e = msg.get("op"), self.engine
+        op, e = msg.get("op"), self.cache
         # the scheduler names chunks by rank-free ids; this worker's keys are its shard's
         keys = [e.key_of(str(k)) for k in msg.get("keys", [])]
         if op == "lookup":

@@ -8,8 +8,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..cache import LMKVCache
 from ..compute import KVComputer
-from ..engine import LMKVEngine
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ class PrecomputeReport:
     seconds: float
 
 
-def precompute(engine: KVComputer, lmkv: LMKVEngine, documents: Sequence[str | list[int]],
+def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Sequence[str | list[int]],
                batch_size: int = 8, progress: bool = True) -> PrecomputeReport:
     """Compute and store each document chunk's KV. Idempotent: stored chunks are skipped."""
     start = time.perf_counter()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..cache import LMKVCache
 from ..compute import KVComputer
-from ..engine import LMKVEngine
 from .calibration import CacheGenTable, CalibrationSettings, calibrate, default_path
 
 
@@ -32,7 +32,7 @@ def calibration_prompts(vocab_size: int, num: int, length: int, seed: int = 0,
     return [torch.randint(5, vocab_size, (length,), generator=g).tolist() for _ in range(num)]
 
 
-def calibrate_kv(computer: KVComputer, lmkv: LMKVEngine, settings: CalibrationSettings,
+def calibrate_kv(computer: KVComputer, lmkv: LMKVCache, settings: CalibrationSettings,
                  prompts: list[list[int]], out: str | Path | None = None) -> tuple[CacheGenTable, Path]:
     """Measure the KV ``computer`` computes for ``prompts`` (their full chunks) and save the
     table; returns the table as lmkv will load it and where it went."""

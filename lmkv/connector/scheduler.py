@@ -1,6 +1,6 @@
 """The scheduler role: how many tokens lmkv can supply, and what to load and save each step.
 
-It speaks keys only, through ``ChunkIndex``: the LMKVEngine itself where the worker role
+It speaks keys only, through ``ChunkIndex``: the LMKVCache itself where the worker role
 shares its process, a client of the worker's process otherwise (vLLM's ``vllm serve``).
 Requests are duck-typed: ``request_id``, ``prompt_token_ids``, ``all_token_ids``,
 ``block_ids`` and ``num_computed_tokens``, as the bundled engine's and vLLM's have them.
@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class ChunkIndex(Protocol):
-    """What the scheduler role asks of the engine that holds the chunks (LMKVEngine).
-    With enable_blending it also needs ``blend_plan``, which only an engine in the same
+    """What the scheduler role asks of lmkv's cache object that holds the chunks (LMKVCache).
+    With enable_blending it also needs ``blend_plan``, which only a cache object in the same
     process has (a plan holds chunk buffers)."""
 
     config: LMKVConfig
@@ -54,19 +54,19 @@ class _RequestState:
 
 
 class SchedulerConnector:
-    def __init__(self, engine: ChunkIndex, block_size: int, blend_separator: list[int] | None = None):
-        if engine.chunk_size % block_size:
+    def __init__(self, cache: ChunkIndex, block_size: int, blend_separator: list[int] | None = None):
+        if cache.chunk_size % block_size:
             raise ValueError(
-                f"lmkv chunk_size {engine.chunk_size} must be a multiple of the engine's "
+                f"lmkv chunk_size {cache.chunk_size} must be a multiple of the engine's "
                 f"block size {block_size}"
             )
-        self.engine = engine
+        self.cache = cache
         self.block_size = block_size
-        self.save_decode_cache = engine.config.save_decode_cache
+        self.save_decode_cache = cache.config.save_decode_cache
         # prefill/decode disaggregation: a producer only saves, a consumer only loads
-        self.loads = engine.config.kv_role != "producer"
-        self.saves = engine.config.kv_role != "consumer"
-        self.blending = engine.config.enable_blending
+        self.loads = cache.config.kv_role != "producer"
+        self.saves = cache.config.kv_role != "consumer"
+        self.blending = cache.config.enable_blending
         if self.blending and not blend_separator:
             raise ValueError("enable_blending needs the token ids of blend_special_str")
         self.blend_separator = blend_separator or []
@@ -75,7 +75,7 @@ class SchedulerConnector:
     def on_new_request(self, request: Any) -> None:
         """A request entered the engine's queue: start pulling its chunks up to the hot cache."""
         st = self._state(request)
-        self.engine.prefetch(st.keys)
+        self.cache.prefetch(st.keys)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (the engine's own prefix cache hit) that lmkv
@@ -90,7 +90,7 @@ class SchedulerConnector:
         self._unpin(st)
         if not self.loads or st.no_loads:
             return 0, False
-        c = self.engine.chunk_size
+        c = self.cache.chunk_size
         # the prompt's full chunks, any of which may be loaded (after a preemption, st.keys
         # may also name chunks of generated tokens: they are recomputed)
         full = min(len(st.keys), len(request.prompt_token_ids) // c)
@@ -98,8 +98,8 @@ class SchedulerConnector:
         # ask whether lmkv has them (for the hit metric and to skip re-saving them); fetch
         # from the first chunk the engine lacks.
         first = min(num_computed_tokens // c, full)
-        below = self.engine.lookup(st.keys[:first]) if first else 0
-        lossy = self.engine.pin(st.keys[first:full]) if full > first else []
+        below = self.cache.lookup(st.keys[:first]) if first else 0
+        lossy = self.cache.pin(st.keys[first:full]) if full > first else []
         # at once: whatever follows, these pins are given back or loaded
         st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
         found = first + len(lossy) if lossy else below
@@ -107,13 +107,13 @@ class SchedulerConnector:
         st.lossy = st.lossy or any(lossy)
         hit = min((first + len(lossy)) * c, len(request.prompt_token_ids) - 1)
         # lmkv's hit is what it can load beyond the engine's own prefix cache
-        self.engine.record_lookup(len(request.prompt_token_ids), max(0, hit - num_computed_tokens),
+        self.cache.record_lookup(len(request.prompt_token_ids), max(0, hit - num_computed_tokens),
                                   num_computed_tokens)
         if hit <= num_computed_tokens:
             self._unpin(st)
             return 0, False
         holding = -(-hit // c) - first  # chunks that hold loaded tokens (chunk_size 1: one less)
-        self.engine.unpin(st.pinned[holding:])
+        self.cache.unpin(st.pinned[holding:])
         del st.pinned[holding:]
         return hit - num_computed_tokens, False
 
@@ -125,7 +125,7 @@ class SchedulerConnector:
             return None
         st = self._state(request)
         self._drop_plan(st)
-        st.plan = self.engine.blend_plan(request.prompt_token_ids, self.blend_separator)
+        st.plan = self.cache.blend_plan(request.prompt_token_ids, self.blend_separator)
         st.blended = st.plan is not None
         return st.plan
 
@@ -143,7 +143,7 @@ class SchedulerConnector:
         """``scheduled``: (request, num_new_tokens) for this step, with each request's
         ``num_computed_tokens`` as it stands before the step (loaded tokens included)."""
         meta = ConnectorMetadata()
-        c = self.engine.chunk_size
+        c = self.cache.chunk_size
         for request, num_new in scheduled:
             st = self._state(request)
             if st.pinned:
@@ -159,7 +159,7 @@ class SchedulerConnector:
                     keys.append(key)
                     slots.append(self._slots(request.block_ids, start, end))
                     skips.append(max(0, st.load_from - start))
-                self.engine.unpin(unused)
+                self.cache.unpin(unused)
                 if keys:
                     meta.loads.append(LoadSpec(request.request_id, keys, slots, skips))
                 st.pinned = []
@@ -172,7 +172,7 @@ class SchedulerConnector:
             if full > st.saved_chunks:
                 if full > len(st.keys):
                     try:
-                        st.keys = self.engine.keys(request.all_token_ids[: full * c])
+                        st.keys = self.cache.keys(request.all_token_ids[: full * c])
                     except Exception as e:  # saves are optional: this step's are skipped
                         log.warning("lmkv: request %s: not saving its new chunks (%s)",
                                     request.request_id, e)
@@ -198,22 +198,22 @@ class SchedulerConnector:
         if st is not None:
             self._unpin(st)
             self._drop_plan(st)
-        if self.engine.config.kv_role == "producer":
+        if self.cache.config.kv_role == "producer":
             # the consumer may ask as soon as this request is reported done
-            self.engine.drain()
+            self.cache.drain()
         return False, None
 
     def recompute_without_loads(self, request: Any) -> None:
         """A load into ``request``'s pages failed and the engine computes it again from its
         first token: start its state afresh, and load nothing for it from now on."""
         self.request_finished(request)
-        self.states[request.request_id] = _RequestState(self.engine.keys(request.prompt_token_ids),
+        self.states[request.request_id] = _RequestState(self.cache.keys(request.prompt_token_ids),
                                                         no_loads=True)
 
     def _state(self, request: Any) -> _RequestState:
         st = self.states.get(request.request_id)
         if st is None:
-            st = _RequestState(self.engine.keys(request.prompt_token_ids))
+            st = _RequestState(self.cache.keys(request.prompt_token_ids))
             self.states[request.request_id] = st
         return st
 
@@ -235,5 +235,5 @@ class SchedulerConnector:
 
     def _unpin(self, st: _RequestState) -> None:
         if st.pinned:
-            self.engine.unpin(st.pinned)
+            self.cache.unpin(st.pinned)
         st.pinned = []

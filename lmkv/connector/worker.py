@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from ..engine import LMKVEngine
+from ..cache import LMKVCache
 from ..memory import ChunkBuffer
 from ..paged import PagedMemory
 from .metadata import ConnectorMetadata, LoadSpec
@@ -25,11 +25,11 @@ log = logging.getLogger(__name__)
 
 
 class WorkerConnector:
-    def __init__(self, engine: LMKVEngine, key_of: Callable[[str], str] | None = None):
-        self.engine = engine
-        # the metadata's names -> this engine's keys (rank-free ids under tensor parallelism)
+    def __init__(self, cache: LMKVCache, key_of: Callable[[str], str] | None = None):
+        self.cache = cache
+        # the metadata's names -> this cache's keys (rank-free ids under tensor parallelism)
         self._key = key_of or (lambda key: key)
-        self.layerwise = engine.config.use_layerwise
+        self.layerwise = cache.config.use_layerwise
         self.paged: PagedMemory | None = None
         self.meta = ConnectorMetadata()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer") if self.layerwise else None
@@ -41,7 +41,7 @@ class WorkerConnector:
 
     def register_kv_caches(self, paged: PagedMemory) -> None:
         """The engine's paged KV memory, in whatever layout ``paged`` implements."""
-        lay = self.engine.layout
+        lay = self.cache.layout
         want = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
         got = (paged.num_layers, paged.num_kv_heads, paged.head_dim, paged.dtype)
         if got != want:
@@ -62,7 +62,7 @@ class WorkerConnector:
         self._layer_loaded = []
         if not loads:
             return
-        chunks = [[self.engine.take(self._key(k)) for k in spec.keys] for spec in loads]
+        chunks = [[self.cache.take(self._key(k)) for k in spec.keys] for spec in loads]
         missing = [k for spec, bufs in zip(loads, chunks, strict=True)
                    for k, b in zip(spec.keys, bufs, strict=True) if b is None]
         if missing:  # never expected: the scheduler role pinned them
@@ -77,7 +77,7 @@ class WorkerConnector:
             finally:  # a failed load still returns its chunks to the pool
                 self._release(chunks)
             return
-        self._layer_loaded = [threading.Event() for _ in range(self.engine.layout.num_layers)]
+        self._layer_loaded = [threading.Event() for _ in range(self.cache.layout.num_layers)]
         self.load_job = self._executor.submit(self._load_layers, loads, chunks, self._layer_loaded)
 
     def _load_layers(self, loads, chunks, events: list[threading.Event]) -> None:
@@ -118,14 +118,14 @@ class WorkerConnector:
             self.load_job = None
         if self._load_error is None:
             if self.meta.loads:
-                self.engine.metrics.loaded_tokens.inc(sum(
+                self.cache.metrics.loaded_tokens.inc(sum(
                     slots.shape[0] - skip for spec in self.meta.loads
                     for slots, skip in zip(spec.slot_mappings, spec.skips, strict=True)))
             return []
         n = sum(len(spec.keys) for spec in self.meta.loads)
         log.warning("lmkv: loading %d chunks of %d requests failed (%r); their tokens are "
                     "recomputed", n, len(self.meta.loads), self._load_error)
-        self.engine.count_error("connector", "load")
+        self.cache.count_error("connector", "load")
         self._load_error = None
         return list(self.meta.loads)
 
@@ -165,7 +165,7 @@ class WorkerConnector:
                     self.paged.save(slots, buf.kv)
             for key, buf, _ in bufs:
                 if key not in skip_keys:
-                    self.engine.store(key, buf)
+                    self.cache.store(key, buf)
         finally:  # a failed gather stores nothing and still returns its buffers
             for _, buf, _ in bufs:
                 buf.release()
@@ -176,9 +176,9 @@ class WorkerConnector:
         for spec in self.meta.saves:
             for name, slots in zip(spec.keys, spec.slot_mappings, strict=True):
                 key = self._key(name)
-                if self.engine.storage.hot.contains(key):  # stored already: skip the gather
+                if self.cache.storage.hot.contains(key):  # stored already: skip the gather
                     continue
-                buf = self.engine.allocate()
+                buf = self.cache.allocate()
                 if buf is None:  # the hot cache is full of pinned chunks: skip this save
                     log.debug("lmkv: no free chunk slot; not saving %s", key)
                     return out

@@ -68,11 +68,11 @@ def test_the_whole_engine_step_through_the_emulated_kernels(tiny_model_dir, monk
     with _llm(tiny_model_dir, "cpu") as cpu:
         want = _workload(cpu)
         want_kv = cpu.engine.kv_cache.clone()
-        cpu_loaded = cpu.engine.kv_connector.engine.metrics.loaded_tokens._value.get()
+        cpu_loaded = cpu.engine.kv_connector.cache.metrics.loaded_tokens._value.get()
     assert not launched  # the torch path launches nothing
     with _llm(tiny_model_dir, "emulate") as emu:
         got = _workload(emu)
-        lmkv = emu.engine.kv_connector.engine
+        lmkv = emu.engine.kv_connector.cache
         assert lmkv.metrics.loaded_tokens._value.get() == cpu_loaded > 0
         assert lmkv.metrics.blend_recomputed_tokens._value.get() > 0
         torch.testing.assert_close(emu.engine.kv_cache, want_kv, atol=1e-4, rtol=1e-4)

@@ -150,7 +150,7 @@ def test_partial_recompute_text_prompts_metrics_and_idempotent_precompute(tiny_m
         assert reg.get_sample_value("lmkv_blend_hit_tokens_total") == out.num_external_tokens
         recomputed = reg.get_sample_value("lmkv_blend_recomputed_tokens_total")
         assert recomputed == round(0.15 * out.num_external_tokens)
-        llm.engine.kv_connector.engine.pool.check_integrity()
+        llm.engine.kv_connector.cache.pool.check_integrity()
         # a prompt whose chunks were never precomputed takes the normal path
         miss = llm.generate([" # # ".join(["other text", "never stored", "q"])], GREEDY)[0]
         assert miss.num_external_tokens == 0

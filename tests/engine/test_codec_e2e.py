@@ -43,8 +43,8 @@ def test_disk_tier_with_cachegen_gives_same_tokens(tiny_model_dir, reference, tm
     opts = dict(local_disk_codec="cachegen", cachegen_calibration=str(tmp_path / "fine.safetensors"))
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
         assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
-        assert llm.engine.kv_connector.engine.storage.tiers[0].codec.name == "cachegen"
-        assert llm.engine.kv_connector.engine.storage.tiers[0].table.table_id == table.table_id
+        assert llm.engine.kv_connector.cache.storage.tiers[0].codec.name == "cachegen"
+        assert llm.engine.kv_connector.cache.storage.tiers[0].table.table_id == table.table_id
     raw_bytes = sum(_full_chunks(p) // CHUNK for p in prompts()) * (2 * 2 * CHUNK * 64 * 4)
     stored = sum(f.stat().st_size for f in (tmp_path / "disk").rglob("*") if f.is_file())
     assert stored < raw_bytes / 2  # fp32 KV at a 0.05% error: still > 2x smaller
@@ -90,14 +90,14 @@ def test_calibrate_cli_writes_where_the_engine_looks(tiny_model_dir, monkeypatch
     path = next((tmp_path / "home" / ".cache" / "lmkv" / "calibration").glob("*.safetensors"))
     assert path.name in capsys.readouterr().out
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", local_disk_codec="cachegen") as llm:
-        tier = llm.engine.kv_connector.engine.storage.tiers[0]
+        tier = llm.engine.kv_connector.cache.storage.tiers[0]
         assert tier.codec.name == "cachegen" and tier.table.target[0, 0].item() == pytest.approx(0.01)
 
 
 def test_missing_calibration_falls_back_to_zstd(tiny_model_dir, reference, tmp_path):
     opts = dict(local_disk_codec="cachegen", cachegen_calibration=str(tmp_path / "none.safetensors"))
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
-        assert llm.engine.kv_connector.engine.storage.tiers[0].codec.name == "zstd"
+        assert llm.engine.kv_connector.cache.storage.tiers[0].codec.name == "zstd"
         assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
 
 
@@ -109,7 +109,7 @@ def test_quality_gate_measures_agreement_and_turns_lossless(tiny_model_dir, refe
         llm.generate(prompts(), GREEDY)  # fills the disk tier (and the hot cache, exact KV)
         assert metric(llm, "lmkv_codec_checks_total") == 0  # nothing was served lossy
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
-        engine = llm.engine.kv_connector.engine
+        engine = llm.engine.kv_connector.cache
         served = llm.generate(prompts(), GREEDY)  # every prompt is served lossy KV from disk
         agreement = metric(llm, "lmkv_codec_agreement")
         same = sum(o.output_token_ids == r for o, r in zip(served, reference, strict=True))

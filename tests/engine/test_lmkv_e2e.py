@@ -60,8 +60,8 @@ def test_hot_cache_hit_gives_same_tokens(tiny_model_dir, reference, layerwise):
         assert [o.num_external_tokens for o in again] == [_full_chunks(p) for p in prompts()]
         assert metric(llm, "lmkv_hit_tokens_total") == sum(_full_chunks(p) for p in prompts())
         assert metric(llm, "lmkv_tier_hits_total", tier="hot") > 0
-        assert len(llm.engine.kv_connector.engine.pins) == 0  # every pin was taken by its load
-        llm.engine.kv_connector.engine.pool.check_integrity()
+        assert len(llm.engine.kv_connector.cache.pins) == 0  # every pin was taken by its load
+        llm.engine.kv_connector.cache.pool.check_integrity()
 
 
 def test_disk_hit_in_a_new_process(tiny_model_dir, reference, tmp_path):
@@ -116,7 +116,7 @@ def test_chunks_the_engine_has_are_not_fetched_again(tiny_model_dir, tmp_path):
     want = _fill.generate([base], GREEDY)[0].output_token_ids
     _fill.close()
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", prefix_caching=True) as llm:
-        lmkv = llm.engine.kv_connector.engine
+        lmkv = llm.engine.kv_connector.cache
         fetched: list[str] = []
         real_fetch = lmkv.fetch
         lmkv.fetch = lambda keys: fetched.extend(keys) or real_fetch(keys)
@@ -142,7 +142,7 @@ def test_a_prompt_of_whole_chunks_loads_all_but_its_last_token(tiny_model_dir, t
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", use_layerwise=layerwise) as llm:
         assert llm.generate([exact], GREEDY)[0].output_token_ids == want
         assert metric(llm, "lmkv_stored_chunks_total") == 4
-        llm.engine.kv_connector.engine.storage.hot.clear()
+        llm.engine.kv_connector.cache.storage.hot.clear()
         out = llm.generate([exact], GREEDY)[0]
         assert out.output_token_ids == want and out.num_external_tokens == 4 * CHUNK - 1
         assert metric(llm, "lmkv_loaded_tokens_total") == 4 * CHUNK - 1
@@ -170,7 +170,7 @@ def test_many_concurrent_requests_under_memory_pressure(tiny_model_dir, referenc
             outs = llm.generate(prompts(), GREEDY)
             assert [o.output_token_ids for o in outs] == reference()
         assert metric(llm, "lmkv_dropped_total", what="no_memory") >= 0
-        llm.engine.kv_connector.engine.pool.check_integrity()
+        llm.engine.kv_connector.cache.pool.check_integrity()
     with lmkv_llm(tiny_model_dir) as llm:  # ample memory, 12 requests in one batch
         many = prompts() + prompts(seed=1)
         outs = llm.generate(many, GREEDY)
@@ -221,7 +221,7 @@ def test_disk_cap_of_a_few_chunks(tiny_model_dir, reference, tmp_path):
     frame = 64 + 2 * 2 * CHUNK * 64 * 4
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", disk_gb=3.5 * frame / 1e9) as llm:
         llm.generate(prompts(), GREEDY)
-        llm.engine.kv_connector.engine.storage.io.drain()
+        llm.engine.kv_connector.cache.storage.io.drain()
         assert len(list((tmp_path / "disk").glob("*.kv"))) == 3
         assert metric(llm, "lmkv_evictions_total", tier="disk") > 0
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", disk_gb=3.5 * frame / 1e9) as llm:
@@ -281,7 +281,7 @@ def test_a_failed_load_is_recomputed_never_attended(tiny_model_dir, reference, l
         assert metric(llm, "lmkv_loaded_tokens_total") == 0
         assert metric(llm, "lmkv_stored_chunks_total") == stored  # all were stored already
         llm.engine.block_manager.check_integrity()
-        llm.engine.kv_connector.engine.pool.check_integrity()
+        llm.engine.kv_connector.cache.pool.check_integrity()
         # nothing stale was left in the engine's prefix cache or in lmkv
         llm.engine.block_manager.reset_prefix_cache()
         again = llm.generate(ps, GREEDY)

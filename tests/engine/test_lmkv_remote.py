@@ -55,7 +55,7 @@ def test_second_process_reuses_kv_through_redis_cluster(tiny_model_dir, referenc
 def test_killed_store_costs_recompute_and_reconnects(tiny_model_dir, reference, redis_server):  # noqa: F811
     with lmkv_llm(tiny_model_dir, remote_url=redis_server.url, remote_timeout=0.5, cpu_gb=1e-4) as llm:
         llm.generate(prompts(), GREEDY)
-        llm.engine.kv_connector.engine.storage.io.drain()
+        llm.engine.kv_connector.cache.storage.io.drain()
         redis_server.kill()  # kill -9
         start = time.monotonic()
         outs = llm.generate(prompts(), GREEDY)  # the hot cache holds 3 of the 38 chunks
@@ -67,7 +67,7 @@ def test_killed_store_costs_recompute_and_reconnects(tiny_model_dir, reference, 
         try:
             time.sleep(2.5)  # past the breaker's interval
             llm.generate(prompts(seed=3)[:2], GREEDY)
-            llm.engine.kv_connector.engine.storage.io.drain()
+            llm.engine.kv_connector.cache.storage.io.drain()
             assert redis.Redis(port=redis_server.port).dbsize() > 0  # writing again
         finally:
             subprocess.run(["redis-cli", "-p", str(redis_server.port), "shutdown", "nosave"],
@@ -112,7 +112,7 @@ def test_store_down_at_start_is_picked_up_later(tiny_model_dir, reference, tmp_p
         try:
             time.sleep(2.5)  # past the breaker's interval
             llm.generate(prompts(seed=4)[:2], GREEDY)
-            llm.engine.kv_connector.engine.storage.io.drain()
+            llm.engine.kv_connector.cache.storage.io.drain()
             assert redis.Redis(port=server.port).dbsize() > 0
         finally:
             server.kill()
@@ -158,7 +158,7 @@ def test_local_cpu_false_serves_every_hit_from_lmcache_server(tiny_model_dir, re
     CPU memory; the remote tier serves the hits, in this process and in a new one."""
     with lmkv_llm(tiny_model_dir, remote_url=lmcache_server, local_cpu=False) as llm:
         first = llm.generate(prompts(), GREEDY)
-        lmkv = llm.engine.kv_connector.engine
+        lmkv = llm.engine.kv_connector.cache
         lmkv.storage.io.drain()
         assert len(lmkv.storage.hot) == 0
         again = llm.generate(prompts(), GREEDY)

@@ -9,8 +9,8 @@ import urllib.request
 
 import torch
 
+from lmkv.cache import LMKVCache
 from lmkv.config import load_config
-from lmkv.engine import LMKVEngine
 from lmkv.layout import KVLayout
 
 
@@ -20,9 +20,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _engine(port: int) -> LMKVEngine:
+def _engine(port: int) -> LMKVCache:
     cfg = load_config(env={}, chunk_size=16, max_local_cpu_size=0.01, metrics_port=port)
-    return LMKVEngine(cfg, KVLayout(2, 1, 8, torch.float32, 16), "model")
+    return LMKVCache(cfg, KVLayout(2, 1, 8, torch.float32, 16), "model")
 
 
 def _scrape(port: int) -> str:
@@ -36,7 +36,7 @@ def test_metrics_are_served_on_their_port_until_close(caplog):
     try:
         engine.metrics.hit_tokens.inc(48)
         assert "lmkv_hit_tokens_total 48.0" in _scrape(port)
-        caplog.set_level(logging.ERROR, logger="lmkv.engine")
+        caplog.set_level(logging.ERROR, logger="lmkv.cache")
         second = _engine(port)  # the port is taken: logged, the engine still works
         try:
             assert second._metrics_server is None

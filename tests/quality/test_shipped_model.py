@@ -24,7 +24,7 @@ def test_shipped_model_answers_single_document_questions():
         ids = [llm.tokenizer.encode(p.text) for p in prompts]
         cold = greedy(llm, ids, max_tokens=4)  # computes and stores every prompt's chunks
         warm = greedy(llm, ids, max_tokens=4)  # the same prompts from lmkv's hot cache
-        assert llm.engine.kv_connector.engine.metrics.hit_tokens._value.get() > 0
+        assert llm.engine.kv_connector.cache.metrics.hit_tokens._value.get() > 0
         answers = [llm.tokenizer.decode(o) for o in cold]
     assert warm == cold
     score = metrics.qa_accuracy(answers, [p.answer for p in prompts])

@@ -1,5 +1,5 @@
 """The lookup socket between vLLM's scheduler role and its worker's process
-(lookup_socket.py), on a plain LMKVEngine: the scheduler role's plan through it is keys
+(lookup_socket.py), on a plain LMKVCache: the scheduler role's plan through it is keys
 that the worker takes from the pins made there, pins never loaded are given back or
 expire, and bad messages or a missing worker cost an error, not a crash or a hang."""
 
@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
+from lmkv.cache import LMKVCache
 from lmkv.config import load_config
 from lmkv.connector import SchedulerConnector
-from lmkv.engine import LMKVEngine
 from lmkv.layout import KVLayout
 from lmkv_engines.vllm import lookup_socket
 from lmkv_engines.vllm.lookup_socket import LookupClient, LookupServer, socket_path
@@ -26,7 +26,7 @@ CHUNK = 16
 @pytest.fixture
 def served(tmp_path):
     cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
-    engine = LMKVEngine(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
+    engine = LMKVCache(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
     server = LookupServer(engine, tmp_path / "lookups.sock")
     remote = LookupClient(cfg, [server.path], connect_timeout=5)
     yield engine, server, remote
@@ -35,7 +35,7 @@ def served(tmp_path):
     engine.close()
 
 
-def _store(engine: LMKVEngine, tokens: list[int]) -> None:
+def _store(engine: LMKVCache, tokens: list[int]) -> None:
     for key in engine.keys(tokens):
         buf = engine.allocate()
         buf.kv.normal_()
@@ -155,7 +155,7 @@ def test_two_tensor_parallel_ranks_agree_on_hits_and_pins(tmp_path):
     """Each rank stores its own shard under its own keys; the scheduler's ids hit only
     where every rank holds its shard, and every rank pins (and gives back) the same chunks."""
     cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
-    engines = [LMKVEngine(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK, rank=r), "model")
+    engines = [LMKVCache(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK, rank=r), "model")
                for r in range(2)]
     servers = [LookupServer(e, tmp_path / f"tp{r}.sock") for r, e in enumerate(engines)]
     remote = LookupClient(cfg, [s.path for s in servers], connect_timeout=5)

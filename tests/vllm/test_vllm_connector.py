@@ -96,7 +96,7 @@ def runs(model_dir, tmp_path_factory) -> dict:
         with _bundled(model_dir, remote_url=redis.url) as llm:
             greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
             out["bundled_wrote"] = [o.output_token_ids for o in llm.generate(prompts(N, LENGTH, 1), greedy)]
-            llm.engine.kv_connector.engine.storage.io.drain()
+            llm.engine.kv_connector.cache.storage.io.drain()
         # new processes: one on redis only (killed after round 1), one on the disk only
         # (with vLLM's prefix cache on: round 0 leaves it block 0 of each prompt set 0 prompt)
         remote = _Run({"model": str(model_dir), "seeds": [[0, 150], 0, 1, 3], "prefix_caching": True,
@@ -208,7 +208,7 @@ def test_lmkv_server_shares_kv_between_vllm_and_the_bundled_engine(runs, model_d
         greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         with _bundled(model_dir, remote_url=url) as llm:
             llm.generate(prompts(N, LENGTH, 1), greedy)
-            llm.engine.kv_connector.engine.storage.io.drain()
+            llm.engine.kv_connector.cache.storage.io.drain()
         loaded, stored = _Run({"model": str(model_dir), "seeds": [1, 2], "lmkv": {
             "chunk_size": CHUNK, "remote_url": url, "max_local_cpu_size": 0.1}}).rounds()
         assert loaded["tokens"] == runs["plain"][1] and loaded["cached"] == _full(1)

@@ -7,8 +7,8 @@ import torch
 
 from lmkv.blend.plan import select_recompute
 from lmkv.blend.segments import Segment, join_segments, split_segments
+from lmkv.cache import LMKVCache
 from lmkv.config import load_config
-from lmkv.engine import LMKVEngine
 from lmkv.keys import content_hashes, prefix_hashes
 from lmkv.layout import KVLayout
 from lmkv.ops import rerotate_keys
@@ -40,10 +40,10 @@ def test_pre_rope_chunks_are_never_read_as_post_rope_and_arrive_from_disk(tmp_pa
     an engine reading the other way (here: another process's chunks on the disk tier)."""
     layout = KVLayout(2, 1, 8, torch.float32, 16)
 
-    def engine(pre_rope: bool) -> LMKVEngine:
+    def engine(pre_rope: bool) -> LMKVCache:
         cfg = load_config(env={}, chunk_size=16, max_local_cpu_size=0.01, local_disk=str(tmp_path),
                           max_local_disk_size=0.01, blend_store_pre_rope=pre_rope)
-        return LMKVEngine(cfg, layout, "model")
+        return LMKVCache(cfg, layout, "model")
 
     doc, sep = list(range(100, 140)), [7]
     kv = torch.randn(2, 2, len(doc), 1, 8)
@@ -100,8 +100,8 @@ def test_a_blend_check_layer_past_the_model_is_refused():
     cfg = load_config(env={}, chunk_size=16, max_local_cpu_size=0.001, enable_blending=True,
                       blend_check_layer=2)
     with pytest.raises(ValueError, match=r"blend_check_layer is 2, but the model has 2 layers \(0\.\.1\)"):
-        LMKVEngine(cfg, layout, "model")
-    LMKVEngine(cfg.__class__(**{**cfg.__dict__, "blend_check_layer": 1}), layout, "model").close()
+        LMKVCache(cfg, layout, "model")
+    LMKVCache(cfg.__class__(**{**cfg.__dict__, "blend_check_layer": 1}), layout, "model").close()
 
 
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
@@ -113,7 +113,7 @@ def test_a_rag_chunk_tail_is_stored_at_its_own_size(tmp_path, codec):
                       max_local_disk_size=0.1, local_disk_codec=codec, enable_prefetch=False)
     tokens = list(range(1000, 1300))  # one full chunk and a 44-token tail
     kv = torch.randn(2, 2, len(tokens), 2, 16)
-    with_tail = LMKVEngine(cfg, layout, "model")
+    with_tail = LMKVCache(cfg, layout, "model")
     assert with_tail.store_chunk(tokens, kv)
     with_tail.storage.io.drain()
     with_tail.close()
@@ -123,7 +123,7 @@ def test_a_rag_chunk_tail_is_stored_at_its_own_size(tmp_path, codec):
         assert sizes == [64 + full * 44 // 256, 64 + full]
     else:
         assert sizes[0] < 64 + full * 44 // 256 + 1024 and sizes[1] > 64 + full // 2
-    again = LMKVEngine(cfg, layout, "model")
+    again = LMKVCache(cfg, layout, "model")
     bufs = again.fetch(again.content_keys(tokens))
     assert [b.num_tokens for b in bufs] == [256, 44]
     assert torch.equal(bufs[0].kv, kv[:, :, :256])

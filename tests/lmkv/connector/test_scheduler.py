@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lmkv.cache import LMKVCache
 from lmkv.config import load_config
 from lmkv.connector import SchedulerConnector, WorkerConnector
-from lmkv.engine import LMKVEngine
 from lmkv.layout import KVLayout
 from lmkv.paged import BlockPagedMemory
 
@@ -29,12 +29,12 @@ class Request:
         return self.prompt_token_ids
 
 
-def _engine() -> LMKVEngine:
+def _engine() -> LMKVCache:
     cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
-    return LMKVEngine(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
+    return LMKVCache(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
 
 
-def _store(engine: LMKVEngine, tokens: list[int]) -> list[torch.Tensor]:
+def _store(engine: LMKVCache, tokens: list[int]) -> list[torch.Tensor]:
     """Store every full chunk of ``tokens`` with distinct KV; returns the chunks' KV."""
     kvs = []
     for i, key in enumerate(engine.keys(tokens)):

@@ -11,10 +11,10 @@ import threading
 import pytest
 import torch
 
+from lmkv.cache import LMKVCache
 from lmkv.config import load_config
 from lmkv.connector import ConnectorMetadata, WorkerConnector
 from lmkv.connector.metadata import LoadSpec, SaveSpec
-from lmkv.engine import LMKVEngine
 from lmkv.layout import KVLayout
 from lmkv.paged import BlockPagedMemory
 
@@ -23,14 +23,14 @@ CHUNK, BLOCK, LAYERS = 8, 4, 3
 
 def _setup(layerwise: bool):
     cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001, use_layerwise=layerwise)
-    engine = LMKVEngine(cfg, KVLayout(LAYERS, 2, 4, torch.float32, CHUNK), "model")
+    engine = LMKVCache(cfg, KVLayout(LAYERS, 2, 4, torch.float32, CHUNK), "model")
     kv_cache = torch.zeros(LAYERS, 2, 16, BLOCK, 2, 4)
     worker = WorkerConnector(engine)
     worker.register_kv_caches(BlockPagedMemory(kv_cache))
     return engine, worker, kv_cache
 
 
-def _pinned(engine: LMKVEngine, keys: list[str]) -> list[torch.Tensor]:
+def _pinned(engine: LMKVCache, keys: list[str]) -> list[torch.Tensor]:
     kvs = []
     for key in keys:
         buf = engine.allocate()

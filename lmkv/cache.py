@@ -1,4 +1,4 @@
-"""LMKVEngine: lmkv for one model on one rank. Keys, the memory pool and the tier stack."""
+"""LMKVCache: lmkv for one model on one rank. Keys, the memory pool and the tier stack."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .storage.tier import Tier
 log = logging.getLogger(__name__)
 
 
-class LMKVEngine:
+class LMKVCache:
     def __init__(self, config: LMKVConfig, layout: KVLayout, model: str,
                  metrics: LMKVMetrics | None = None):
         if layout.chunk_size != config.chunk_size:
