@@ -8,6 +8,8 @@
  * answered with one sendmsg of the 36-byte response header and VALUE_BYTES from one of
  * BUFFERS preallocated, pre-faulted values in turn (byte i of value b is (i + b) & 0xff);
  * EXIST and HEALTH get SUCCESS with no payload. Prints "ready" once listening.
+ * Buffers are 2 MiB aligned and advised MADV_HUGEPAGE, as lmkv_server's arena is (with
+ * transparent huge pages on "madvise", only advised memory gets them).
  */
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -18,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -30,6 +33,15 @@ static char **values;
 static int32_t get_reply[9];    /* code, length, fmt, dtype, shape0..3, location */
 static int32_t empty_reply[9];
 static atomic_uint turn;
+
+static char *huge_buffer(size_t n) {  /* pre-faulted, on huge pages where the kernel can */
+    void *p = NULL;
+    if (posix_memalign(&p, 2u << 20, n))
+        return NULL;
+    madvise(p, n, MADV_HUGEPAGE);
+    memset(p, 0, n);
+    return p;
+}
 
 static int recv_all(int fd, char *buf, size_t n) {
     while (n) {
@@ -68,8 +80,7 @@ static void *serve(void *arg) {
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     size_t cap = value_bytes;
-    char *scratch = malloc(cap);
-    memset(scratch, 0, cap);
+    char *scratch = huge_buffer(cap);
     char header[REQUEST_SIZE];
     while (scratch && recv_all(fd, header, REQUEST_SIZE)) {
         int32_t command, length;
@@ -81,7 +92,7 @@ static void *serve(void *arg) {
             if ((size_t)length > cap) {
                 free(scratch);
                 cap = (size_t)length;
-                scratch = malloc(cap);
+                scratch = huge_buffer(cap);
                 if (!scratch)
                     break;
             }
@@ -117,7 +128,7 @@ int main(int argc, char **argv) {
     }
     values = calloc((size_t)num_buffers, sizeof *values);
     for (int b = 0; b < num_buffers; b++) {
-        values[b] = malloc(value_bytes);
+        values[b] = huge_buffer(value_bytes);
         if (!values[b])
             return 1;
         for (size_t i = 0; i < value_bytes; i++)
