@@ -10,7 +10,8 @@ A store counts until the chunks are in the tier (disk: written). Disk retrieves 
 the tier's files dropped from the page cache, on both sides. Each figure is the best of
 --repeats; each retrieve is checked against the source blocks. Lines end with the ratio
 lmkv/LMCache. Targets: hot retrieve >= 2x LMCache and >= 0.5x memcpy (a torch copy of the
-same bytes into pre-faulted memory); disk retrieve >= 1.2x LMCache.
+same bytes into pre-faulted memory, best of runs before and after both sides); disk
+retrieve >= 1.2x LMCache.
 """
 
 from __future__ import annotations
@@ -139,10 +140,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="lmkv-vs-lmcache-") as tmp:
             root = Path(tmp)
             paged, meta = make_work(root, args, dtype)
+            nbytes = meta["kv_bytes"]
+            memcpy = memcpy_gbps(nbytes)  # best of before and after both sides: a ceiling
             theirs = lmcache_side(root)
             ours = lmkv_side(root, paged, meta)
-        nbytes = meta["kv_bytes"]
-        memcpy = memcpy_gbps(nbytes)
+            memcpy = max(memcpy, memcpy_gbps(nbytes))
         for tier, what in (("cpu", "store"), ("cpu", "retrieve"), ("disk", "store"), ("disk", "retrieve")):
             key = f"{tier}_{what}"
             a, b = nbytes / min(ours[key]) / 1e9, nbytes / min(theirs[key]) / 1e9
