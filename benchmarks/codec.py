@@ -6,7 +6,11 @@ benchmarks/quality/models when present, else the random-weight demo model) and l
 - cachegen bytes vs fp16 bytes of the same KV (target >= 4x) at greedy-token agreement
   >= 99% over 64 generated tokens, with the stored KV replaced by its decoded copy;
 - vs per-token int8 (one fp16 scale per token, layer, K/V; target: >= 2x smaller at equal or
-  better agreement) and vs zstd on the fp16 bytes (lossless);
+  better agreement), compared only at equal or better quality on the same prompts: the
+  error target is halved from --error (--match-steps times at most) until cachegen's
+  agreement reaches int8's, and the smallest cachegen level tried (those and --also-error)
+  at or above int8's agreement (and, with QA prompts, at or above int8's QA accuracy) is
+  the one compared; vs zstd on the fp16 bytes (lossless);
 - the agreement of the KV merely rounded to bfloat16: the floor of the agreement measure on
   these prompts (a model at near-ties flips on any rounding);
 - cachegen decode and encode GB/s on one core (KV bytes in the model's dtype produced /
@@ -28,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -102,6 +107,21 @@ def qa_accuracy(llm: LLM, prompts: list, transform: Callable[[torch.Tensor], tor
     return metrics.qa_accuracy(answers, [p.answer for p in prompts]).accuracy
 
 
+class Level(NamedTuple):
+    """cachegen at one calibration error target, measured on the test prompts."""
+    error: float
+    nbytes: int
+    agreement: float
+    bound: float  # worst per-layer relative error / its target
+    table: CacheGenTable
+
+
+def matched(levels: list[Level], quality: Callable[[Level], float], floor: float) -> Level | None:
+    """The smallest level whose quality is at least ``floor`` (None if no level reaches it)."""
+    ok = [lv for lv in levels if quality(lv) >= floor]
+    return min(ok, key=lambda lv: lv.nbytes) if ok else None
+
+
 def int8_roundtrip(kv: torch.Tensor) -> torch.Tensor:
     # per token: one scale per (kv, layer, token) over [H, D]
     scale = kv.float().abs().amax(dim=(3, 4), keepdim=True).clamp_min(1e-8) / 127
@@ -123,6 +143,9 @@ def main() -> None:
     ap.add_argument("--deep-ratio", type=float, default=CalibrationSettings().deep_ratio)
     ap.add_argument("--also-error", type=float, nargs="*", default=[0.002],
                     help="further calibration error targets to report size and agreement for")
+    ap.add_argument("--match-steps", type=int, default=6,
+                    help="times the error target is halved from --error while cachegen's "
+                    "agreement stays below int8's")
     ap.add_argument("--repeats", type=int, default=3, help="TTFT measurements per codec")
     ap.add_argument("--qa-prompts", type=int, default=None,
                     help="held-out long single-document QA prompts answered with each codec's "
@@ -152,12 +175,13 @@ def main() -> None:
         test_p = calibration_prompts(vocab, args.prompts, args.length, seed=1,
                                      text=text[:half] if text else None, tokenize=tok)
         calib = [c for p in calib_p if llm.generate([p], FIRST) for c in chunks_of(llm, p)]
-        tables = []
-        for i, err in enumerate([args.error, *args.also_error]):
-            table = calibrate(calib, CalibrationSettings(error=err, deep_ratio=args.deep_ratio))
-            table.save(root / f"table{i}.safetensors")
-            tables.append(CacheGenTable.load(root / f"table{i}.safetensors"))
-        table, table_path = tables[0], root / "table0.safetensors"
+
+        def make_table(err: float) -> CacheGenTable:
+            path = root / f"table-{err:g}.safetensors"
+            calibrate(calib, CalibrationSettings(error=err, deep_ratio=args.deep_ratio)).save(path)
+            return CacheGenTable.load(path)
+
+        table, table_path = make_table(args.error), root / f"table-{args.error:g}.safetensors"
 
         refs = [o.output_token_ids for o in llm.generate(test_p, GEN)]  # no lmkv hit: cold
         kv = [c for p in test_p for c in chunks_of(llm, p)]
@@ -182,16 +206,26 @@ def main() -> None:
             return fn
 
         exact: dict[str, torch.Tensor] = {}
-        levels = []  # (error, bytes, agreement, per-layer error / target)
-        for t in tables:
+
+        def level(t: CacheGenTable) -> Level:
             rt = roundtrip(t)
             size = sum(len(cachegen.encode(c, t)) for c in kv)
             errs = torch.stack([((rt(c).float() - c.float()).square().sum(dim=(2, 3, 4))
                                  / c.float().square().sum(dim=(2, 3, 4))).sqrt() for c in kv])
-            levels.append((t.target[0, 0].item(), size, agreement(llm, test_p, refs, rt, exact),
-                           (errs.amax(0) / t.target).max().item()))
-        agree_cg = levels[0][2]
+            return Level(t.target[0, 0].item(), size, agreement(llm, test_p, refs, rt, exact),
+                         (errs.amax(0) / t.target).max().item(), t)
+
         agree_i8 = agreement(llm, test_p, refs, int8_roundtrip, exact)
+        levels = [level(table)] + [level(make_table(err)) for err in args.also_error]
+        agree_cg = levels[0].agreement
+        err, last = args.error, levels[0]
+        for _ in range(args.match_steps):  # halve the error until int8's agreement is reached
+            if last.agreement >= agree_i8:
+                break
+            err /= 2
+            last = level(make_table(err))
+            levels.append(last)
+        levels.sort(key=lambda lv: -lv.error)
         # the floor of the agreement measure: the same KV only rounded to bfloat16 (~0.17%
         # error); where this is below 99%, no lossy codec can reach 99% on these prompts
         agree_bf16 = agreement(llm, test_p, refs, lambda x: x.to(torch.bfloat16).to(x.dtype), exact)
@@ -203,8 +237,8 @@ def main() -> None:
             llm.generate([llm.tokenizer.encode(p.text) for p in qa_p], FIRST)  # stores their chunks
             qa["lossless"] = qa_accuracy(llm, qa_p, lambda x: x, exact)
             qa["int8"] = qa_accuracy(llm, qa_p, int8_roundtrip, exact)
-            for t in tables:
-                qa[f"cachegen {t.target[0, 0].item():g}"] = qa_accuracy(llm, qa_p, roundtrip(t), exact)
+            for lv in levels:
+                qa[f"cachegen {lv.error:g}"] = qa_accuracy(llm, qa_p, roundtrip(lv.table), exact)
         llm.engine.close()
 
         torch.set_num_threads(1)
@@ -254,21 +288,40 @@ def main() -> None:
           f"{args.error} (x{args.deep_ratio} at the last layer)")
     print(f"cachegen size vs fp16: {cg_bytes / 1e6:.2f} MB vs {fp16 / 1e6:.2f} MB at agreement "
           f"{agree_cg:.2%} (64 greedy tokens): {fp16 / cg_bytes:.2f}x")
-    print(f"per-token int8 vs cachegen size: {i8 / 1e6:.2f} MB (agreement {agree_i8:.2%}) vs "
-          f"{cg_bytes / 1e6:.2f} MB (agreement {agree_cg:.2%}): {i8 / cg_bytes:.2f}x")
+    same = matched(levels, lambda lv: lv.agreement, agree_i8)
+    if same is None:
+        top = max(levels, key=lambda lv: lv.agreement)
+        print(f"per-token int8 vs cachegen size at equal or better agreement: no error target "
+              f"tried (down to {levels[-1].error:g}) reaches int8's agreement {agree_i8:.2%} "
+              f"(best {top.agreement:.2%} at {top.error:g}, {top.nbytes / 1e6:.2f} MB vs int8 "
+              f"{i8 / 1e6:.2f} MB): not comparable")
+    else:
+        print(f"per-token int8 vs cachegen size at equal or better agreement: {i8 / 1e6:.2f} MB "
+              f"(agreement {agree_i8:.2%}) vs cachegen at error target {same.error:g} "
+              f"{same.nbytes / 1e6:.2f} MB (agreement {same.agreement:.2%}): "
+              f"{i8 / same.nbytes:.2f}x")
     print(f"KV rounded to bfloat16 (the size of fp16, ~0.17% error): agreement "
           f"{agree_bf16:.2%} vs cachegen {agree_cg:.2%}: {agree_cg / max(agree_bf16, 1e-9):.2f}x")
     print(f"zstd-only (lossless) on fp16 vs cachegen size: {zs / 1e6:.2f} MB (fp16/zstd "
           f"{fp16 / zs:.2f}x) vs {cg_bytes / 1e6:.2f} MB: {zs / cg_bytes:.2f}x")
-    for err, size, agree, bound in levels:
-        print(f"cachegen at error target {err:g}: {size / 1e6:.2f} MB, agreement {agree:.2%}, "
-              f"worst per-layer relative error {bound:.2f}x of its target; size vs fp16: "
-              f"{fp16 / size:.2f}x")
+    for lv in levels:
+        print(f"cachegen at error target {lv.error:g}: {lv.nbytes / 1e6:.2f} MB, agreement "
+              f"{lv.agreement:.2%}, worst per-layer relative error {lv.bound:.2f}x of its target; "
+              f"size vs fp16: {fp16 / lv.nbytes:.2f}x")
     if qa:
-        default = f"cachegen {tables[0].target[0, 0].item():g}"
+        default = f"cachegen {args.error:g}"
         print(f"QA accuracy with the stored KV decoded ({args.qa_prompts} long single-document "
               f"prompts): " + ", ".join(f"{k} {v:.1%}" for k, v in qa.items())
               + f": {default} - lossless = {100 * (qa[default] - qa['lossless']):+.1f} points")
+        same_qa = matched(levels, lambda lv: qa[f"cachegen {lv.error:g}"], qa["int8"])
+        if same_qa is None:
+            print(f"per-token int8 vs cachegen size at equal or better QA accuracy: no error "
+                  f"target tried reaches int8's {qa['int8']:.1%}: not comparable")
+        else:
+            print(f"per-token int8 vs cachegen size at equal or better QA accuracy: "
+                  f"{i8 / 1e6:.2f} MB (QA {qa['int8']:.1%}) vs cachegen at error target "
+                  f"{same_qa.error:g} {same_qa.nbytes / 1e6:.2f} MB (QA "
+                  f"{qa[f'cachegen {same_qa.error:g}']:.1%}): {i8 / same_qa.nbytes:.2f}x")
     print(f"cachegen decode vs disk read (one core): {dec_gbps:.2f} GB/s of KV produced vs "
           f"{disk_read:.2f} GB/s raw read: {dec_gbps / disk_read:.2f}x")
     print(f"cachegen encode vs disk read (one core): {enc_gbps:.2f} GB/s of KV consumed vs "

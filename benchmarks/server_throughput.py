@@ -1,4 +1,4 @@
-"""lm:// server throughput: lmkv_server vs a trivial sink server vs LMCache's lmcache_server.
+"""lm:// server throughput: lmkv_server vs two sink servers vs LMCache's lmcache_server.
 
     python benchmarks/server_throughput.py [--clients 1 8 32] [--total 1GiB]
 
@@ -17,10 +17,13 @@ filled with new chunks does (lmkv_server evicts; lmcache_server, which never fre
 restarted before each run so that it does not exhaust the machine; the sink does not
 care); ``get`` reads the last 64 keys written (256 MiB).
 
-The sink accepts the same frames, stores nothing (reads PUT payloads into one reused
-buffer) and answers every GET from one preallocated buffer (``--sink-buffers``): the
-ceiling for a server that has to keep the bytes. lmcache_server is started from
-.venv-lmcache if present (scripts/setup_lmcache_venv.sh).
+The sinks accept the same frames, store nothing (read PUT payloads into one reused
+buffer) and answer every GET from one preallocated buffer (``--sink-buffers``):
+``py-sink`` is this file's Python thread-per-connection loop; ``c-sink`` is
+benchmarks/sink.c, compiled at run time with the system C compiler (thread per connection,
+one MSG_WAITALL recv per payload, one sendmsg per reply): the ceiling for a server that
+has to keep the bytes. lmcache_server is started from .venv-lmcache if present
+(scripts/setup_lmcache_venv.sh).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import itertools
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
 import subprocess
 import sys
@@ -49,6 +53,7 @@ VALUE = 4 * MiB
 KEY_SPACE = 256  # PUT keys cycle through 256 x 4 MiB = 1 GiB
 GET_KEYS = 64  # GET reads the last 64 keys written
 LMCACHE_SERVER = REPO / ".venv-lmcache" / "bin" / "lmcache_server"
+C_SINK = Path(__file__).with_name("sink.c")
 
 
 class Result(NamedTuple):
@@ -88,6 +93,25 @@ def run_sink(port: int, buffers: int) -> None:
     while True:
         conn, _ = listener.accept()
         threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def build_c_sink(out_dir: Path) -> Path:
+    """Compile benchmarks/sink.c with the system C compiler; returns the executable."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH for the C sink")
+    exe = out_dir / "lm-sink"
+    subprocess.run([cc, "-O2", "-pthread", "-o", str(exe), str(C_SINK)], check=True)
+    return exe
+
+
+def start_c_sink(exe: Path, port: int, buffers: int, value: int = VALUE) -> subprocess.Popen:
+    proc = subprocess.Popen([str(exe), str(port), str(value), str(buffers)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        raise RuntimeError(f"the C sink did not start (exit {proc.wait()})")
+    return proc
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
@@ -228,21 +252,22 @@ def lmkv_env(tmp: Path) -> dict[str, str]:
 
 
 def start_servers(
-    env: dict[str, str], max_memory: str, sink_buffers: int
+    env: dict[str, str], max_memory: str, sink_buffers: int, c_sink: Path
 ) -> tuple[dict[str, int], dict[str, subprocess.Popen]]:
-    ports = {"lmkv": free_port(), "sink": free_port()}
+    ports = {"lmkv": free_port(), "py-sink": free_port(), "c-sink": free_port()}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     lmkv = [sys.executable, "-m", "lmkv_server", "127.0.0.1", str(ports["lmkv"])]
     procs = {
         "lmkv": subprocess.Popen(
             [*lmkv, "--max-memory", max_memory, "--log-level", "WARNING"], env=env, **quiet
         ),
-        "sink": subprocess.Popen(
-            [sys.executable, __file__, "--serve-sink", str(ports["sink"])]
+        "py-sink": subprocess.Popen(
+            [sys.executable, __file__, "--serve-sink", str(ports["py-sink"])]
             + ["--sink-buffers", str(sink_buffers)],
             env=env,
             **quiet,
         ),
+        "c-sink": start_c_sink(c_sink, ports["c-sink"], sink_buffers),
     }
     if LMCACHE_SERVER.exists():
         ports["lmcache"], procs["lmcache"] = start_lmcache()
@@ -279,7 +304,8 @@ def format_line(r: Result) -> str:
     ratios = []
     if "lmcache" in r.gbps:
         ratios.append(f"lmkv/lmcache={r.gbps['lmkv'] / r.gbps['lmcache']:.2f}x")
-    ratios.append(f"lmkv/sink={r.gbps['lmkv'] / r.gbps['sink']:.2f}x")
+    ratios.append(f"lmkv/py-sink={r.gbps['lmkv'] / r.gbps['py-sink']:.2f}x")
+    ratios.append(f"lmkv/c-sink={r.gbps['lmkv'] / r.gbps['c-sink']:.2f}x")
     return " ".join(parts) + "  " + " ".join(ratios)
 
 
@@ -292,9 +318,9 @@ def main() -> None:
     p.add_argument(
         "--sink-buffers",
         type=int,
-        default=1,
-        help="values the sink answers GETs from (1, the default, stays in cache; "
-        f"{GET_KEYS} gives it the same working set as the servers)",
+        default=GET_KEYS,
+        help=f"values the sinks answer GETs from (default {GET_KEYS}: the servers' working "
+        "set; with 1, answering every GET from one buffer was slower at 1 client)",
     )
     p.add_argument("--serve-sink", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -306,7 +332,8 @@ def main() -> None:
         from lmkv_server.config import parse_size
 
         total = parse_size(args.total)
-        ports, procs = start_servers(env, args.max_memory, args.sink_buffers)
+        c_sink = build_c_sink(Path(tmp))
+        ports, procs = start_servers(env, args.max_memory, args.sink_buffers, c_sink)
         try:
             print(
                 f"# {VALUE // MiB} MiB values, {total / 2**30:.2f} GiB per measurement, "
@@ -318,7 +345,7 @@ def main() -> None:
             for op in ("put", "fill", "get"):
                 if op == "get":
                     for name, port in ports.items():
-                        if name != "sink":
+                        if not name.endswith("sink"):
                             seed_get_keys(port)
                 for clients in args.clients:
                     best = {name: 0.0 for name in ports}
