@@ -3,7 +3,7 @@
 The same paged CPU KV buffer [L, 2, blocks, 16, H, D] (block table shuffled), the same
 prompts (4096 tokens, chunks of 256), fp16 and fp32. Each side stores the prompt's chunks
 from paged memory into its tier and retrieves them into other blocks of paged memory:
-- lmkv: LMKVEngine (hot CPU tier; disk tier) with lmkv.ops paged_to_chunk / chunk_to_paged;
+- lmkv: LMKVCache (hot CPU tier; disk tier) with lmkv.ops paged_to_chunk / chunk_to_paged;
 - LMCache: LMCacheEngine (local_cpu; local_disk with local_cpu off), driven by
   benchmarks/lmcache_side.py in LMCache's venv (.venv-lmcache) as a subprocess.
 A store counts until the chunks are in the tier (disk: written). Disk retrieves start with
@@ -32,7 +32,7 @@ from lmkv_ttft import memcpy_gbps  # noqa: E402
 
 from lmkv import ops  # noqa: E402
 from lmkv.config import load_config  # noqa: E402
-from lmkv.engine import LMKVEngine  # noqa: E402
+from lmkv.cache import LMKVCache  # noqa: E402
 from lmkv.layout import KVLayout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def lmkv_side(root: Path, paged: torch.Tensor, meta: dict) -> dict[str, list[flo
     for tier in ("cpu", "disk"):
         disk = root / "lmkv-disk"
         extra = dict(local_disk=str(disk), max_local_disk_size=gb) if tier == "disk" else {}
-        engine = LMKVEngine(load_config(env={}, chunk_size=chunk, max_local_cpu_size=gb, **extra),
+        engine = LMKVCache(load_config(env={}, chunk_size=chunk, max_local_cpu_size=gb, **extra),
                             layout, "bench")
         stores, retrieves = [], []
         for tokens in meta["prompts"]:  # a fresh prompt per store: nothing is stored twice
