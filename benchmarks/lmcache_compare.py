@@ -31,8 +31,8 @@ from common import drop_page_cache, random_prompt  # noqa: E402
 from lmkv_ttft import memcpy_gbps  # noqa: E402
 
 from lmkv import ops  # noqa: E402
-from lmkv.config import load_config  # noqa: E402
 from lmkv.cache import LMKVCache  # noqa: E402
+from lmkv.config import load_config  # noqa: E402
 from lmkv.layout import KVLayout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
