@@ -35,7 +35,8 @@ class LMKVEngine:
         self.metrics = metrics or LMKVMetrics()
         self.pool = MemoryPool(layout, config.hot_cache_bytes)
         self.storage = StorageManager(self.pool, self._build_tiers(), self.metrics,
-                                      config.io_queue_size, keep_hot=config.local_cpu)
+                                      config.io_queue_size, keep_hot=config.local_cpu,
+                                      policy=config.cache_policy)
         if config.enable_blending and config.blend_check_layer >= layout.num_layers:
             raise ConfigError(
                 f"lmkv config key blend_check_layer is {config.blend_check_layer}, but the model "
@@ -141,8 +142,9 @@ class LMKVEngine:
     def allocate(self) -> ChunkBuffer | None:
         return self.storage.allocate()
 
-    def store(self, key: str, buf: ChunkBuffer) -> None:
-        self.storage.put(key, buf)
+    def store(self, key: str, buf: ChunkBuffer, parent: str | None = None) -> None:
+        """Store one chunk; ``parent`` is the key of the chunk before it in its prompt."""
+        self.storage.put(key, buf, parent)
 
     # ---- RAG chunks (CacheBlend): keyed by content, reusable anywhere in a prompt ----------
     def content_keys(self, tokens: list[int]) -> list[str]:

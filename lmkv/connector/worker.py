@@ -159,9 +159,10 @@ class WorkerConnector:
                 bufs = self._allocate_saves()
                 for _, buf, slots in bufs:
                     self.paged.save(slots, buf.kv)
+            parents = {k: p for spec in self.meta.saves for k, p in spec.parents().items()}
             for key, buf, _ in bufs:
                 if key not in skip_keys:
-                    self.engine.store(key, buf)
+                    self.engine.store(key, buf, parents.get(key))
         finally:  # a failed gather stores nothing and still returns its buffers
             for _, buf, _ in bufs:
                 buf.release()
