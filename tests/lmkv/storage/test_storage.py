@@ -11,6 +11,7 @@ from lmkv.codec import FrameError, decode_into, encode
 from lmkv.keys import KeyScope, prefix_hashes
 from lmkv.layout import KVLayout
 from lmkv.memory import MemoryPool
+from lmkv.policy import POLICIES
 from lmkv.storage.hot_cache import HotCache
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, chunk_size=4)
@@ -53,9 +54,10 @@ def test_pool_refcounts_and_integrity():
         bufs[0].release()
 
 
-def test_hot_cache_evicts_lru_but_never_a_referenced_chunk():
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_hot_cache_never_evicts_a_referenced_chunk(policy):
     pool = MemoryPool(LAYOUT, 2 * (64 + LAYOUT.chunk_bytes))
-    hot = HotCache(pool)
+    hot = HotCache(pool, policy)
     a, b = hot.allocate(), hot.allocate()
     hot.put("a", a)
     hot.put("b", b)
