@@ -61,7 +61,8 @@ class LMKVEngine:
             from .backends.disk import DiskBackend
 
             try:
-                backend = DiskBackend(self.config.local_disk, self.config.disk_bytes)
+                backend = DiskBackend(self.config.local_disk, self.config.disk_bytes,
+                                      self.config.cache_policy)
             except BackendError as e:
                 raise ValueError(f"lmkv config key local_disk: {e}") from e
             tiers.append(_tier("disk", backend, self.config.local_disk_codec, table, self.metrics))
