@@ -35,7 +35,8 @@ class LMKVCache:
         self.metrics = metrics or LMKVMetrics()
         self.pool = MemoryPool(layout, config.hot_cache_bytes)
         self.storage = StorageManager(self.pool, self._build_tiers(), self.metrics,
-                                      config.io_queue_size, keep_hot=config.local_cpu)
+                                      config.io_queue_size, keep_hot=config.local_cpu,
+                                      policy=config.cache_policy)
         if config.enable_blending and config.blend_check_layer >= layout.num_layers:
             raise ConfigError(
                 f"lmkv config key blend_check_layer is {config.blend_check_layer}, but the model "
@@ -60,7 +61,8 @@ class LMKVCache:
             from .backends.disk import DiskBackend
 
             try:
-                backend = DiskBackend(self.config.local_disk, self.config.disk_bytes)
+                backend = DiskBackend(self.config.local_disk, self.config.disk_bytes,
+                                      self.config.cache_policy)
             except BackendError as e:
                 raise ValueError(f"lmkv config key local_disk: {e}") from e
             tiers.append(_tier("disk", backend, self.config.local_disk_codec, table, self.metrics))
@@ -145,8 +147,9 @@ class LMKVCache:
     def allocate(self) -> ChunkBuffer | None:
         return self.storage.allocate()
 
-    def store(self, key: str, buf: ChunkBuffer) -> None:
-        self.storage.put(key, buf)
+    def store(self, key: str, buf: ChunkBuffer, parent: str | None = None) -> None:
+        """Store one chunk; ``parent`` is the key of the chunk before it in its prompt."""
+        self.storage.put(key, buf, parent)
 
     # ---- RAG chunks (CacheBlend): keyed by content, reusable anywhere in a prompt ----------
     def content_keys(self, tokens: list[int]) -> list[str]:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from .policy import POLICIES
+
 CONFIG_FILE_ENV = "LMKV_CONFIG_FILE"
 ENV_PREFIX = "LMKV_"
 _NOT_KEYS = {"CONFIG_FILE", "CACHE_DIR", "TEST_CACHE_DIR"}  # LMKV_* variables that are not keys
@@ -32,6 +34,7 @@ class LMKVConfig:
     chunk_size: int = 256  # tokens per stored chunk
     local_cpu: bool = True  # the hot CPU cache
     max_local_cpu_size: float = 5.0  # GB of the hot CPU cache
+    cache_policy: str = "prefix_lru"  # lru | prefix_lru | prefix_lfu: what the hot cache evicts
     local_disk: str | None = None  # directory (or file:// URL) of the disk tier; None = off
     max_local_disk_size: float = 0.0  # GB cap of the disk tier (required when local_disk is set)
     remote_url: str | None = None  # lm://, redis://, ... (issue: cross-instance sharing)
@@ -61,6 +64,8 @@ class LMKVConfig:
     def __post_init__(self) -> None:
         _require(self.chunk_size >= 1, "chunk_size", "must be >= 1")
         _require(self.max_local_cpu_size > 0, "max_local_cpu_size", "must be > 0 (GB)")
+        _require(self.cache_policy in POLICIES, "cache_policy",
+                 f"must be one of {', '.join(POLICIES)}, got {self.cache_policy!r}")
         _require(self.max_local_disk_size >= 0, "max_local_disk_size", "must be >= 0 (GB)")
         _require(self.io_queue_size >= 1, "io_queue_size", "must be >= 1")
         _require(self.kv_role in ("both", "producer", "consumer"), "kv_role",

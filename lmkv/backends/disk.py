@@ -3,8 +3,9 @@
 Files are named by a hash of the key. A write goes to a temporary file that is renamed
 into place, so a crash mid-write leaves either the old entry or none, never a torn one
 (and the frame checksum catches anything else). The index is rebuilt from the directory
-at start, so the cache survives restarts; least recently used files are evicted to stay
-under the cap.
+at start, so the cache survives restarts; a cache policy (lmkv.policy, by name) picks the
+files evicted to stay under the cap. The backend contract carries no prefix parents, so
+every file is a root to the policy: prefix_lfu is LFU with aging here, lru plain LRU.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..policy import CachePolicy, make_policy
 from .base import BackendError, StorageBackend
 
 log = logging.getLogger(__name__)
@@ -23,14 +24,15 @@ SUFFIX = ".kv"
 
 
 class DiskBackend(StorageBackend):
-    def __init__(self, root: str | Path, capacity_bytes: int):
+    def __init__(self, root: str | Path, capacity_bytes: int, policy: CachePolicy | str = "lru"):
         self.root = Path(root)
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy  # over file names
         self.capacity = capacity_bytes
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise BackendError(f"cannot create the disk tier directory {self.root}: {e}") from e
-        self.index: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, LRU first
+        self.index: dict[str, int] = {}  # file name -> bytes
         self.used = 0
         self.num_evictions = 0
         self._rebuild_index()
@@ -43,9 +45,8 @@ class DiskBackend(StorageBackend):
             elif entry.name.endswith(SUFFIX) and entry.is_file():
                 st = entry.stat()
                 entries.append((st.st_mtime, entry.name, st.st_size))
-        for _, name, size in sorted(entries):
-            self.index[name] = size
-            self.used += size
+        for _, name, size in sorted(entries):  # oldest first
+            self._add(name, size)
         self._evict_to(self.capacity)
         if entries:
             log.info("disk tier %s: %d entries, %.1f MB", self.root, len(self.index), self.used / 1e6)
@@ -70,8 +71,12 @@ class DiskBackend(StorageBackend):
             except OSError as e:
                 tmp.unlink(missing_ok=True)
                 raise BackendError(f"disk tier write failed: {e}") from e
-            self.index[name] = size
-            self.used += size
+            self._add(name, size)
+
+    def _add(self, name: str, size: int) -> None:
+        self.index[name] = size
+        self.used += size
+        self.policy.inserted(name, None)
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -82,7 +87,7 @@ class DiskBackend(StorageBackend):
                 continue
             try:
                 out.append((self.root / name).read_bytes())
-                self.index.move_to_end(name)
+                self.policy.accessed(name)
             except FileNotFoundError:
                 self._forget(name)
                 out.append(None)
@@ -105,7 +110,7 @@ class DiskBackend(StorageBackend):
             return None
         except OSError as e:
             raise BackendError(f"disk tier read failed: {e}") from e
-        self.index.move_to_end(name)
+        self.policy.accessed(name)
         return n
 
     def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
@@ -141,11 +146,13 @@ class DiskBackend(StorageBackend):
         if size is None:
             return False
         self.used -= size
+        self.policy.removed(name)
         return True
 
     def _evict_to(self, limit: int) -> None:
         while self.used > limit and self.index:
-            name, size = self.index.popitem(last=False)
-            self.used -= size
+            name = self.policy.victim(lambda _: True)  # no reader holds a file open across calls
+            assert name is not None, "the policy lost track of the disk tier's files"
+            self._forget(name)
             self.num_evictions += 1
             (self.root / name).unlink(missing_ok=True)

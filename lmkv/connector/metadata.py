@@ -24,11 +24,17 @@ class LoadSpec:
 
 @dataclass(slots=True)
 class SaveSpec:
-    """Gather the tokens at ``slot_mappings[i]`` into a new chunk stored under ``keys[i]``."""
+    """Gather the tokens at ``slot_mappings[i]`` into a new chunk stored under ``keys[i]``;
+    ``parent`` is the key of the chunk before ``keys[0]`` in the prompt (None: the first)."""
 
     request_id: str
     keys: list[str]
     slot_mappings: list[torch.Tensor]
+    parent: str | None = None
+
+    def parents(self) -> dict[str, str | None]:
+        """key -> the key of the chunk before it (the cache policy's prefix tree)."""
+        return dict(zip(self.keys, [self.parent, *self.keys[:-1]], strict=True))
 
 
 @dataclass(slots=True)

@@ -182,6 +182,7 @@ class SchedulerConnector:
                     request.request_id,
                     [st.keys[i] for i in idx],
                     [self._slots(request.block_ids, i * c, (i + 1) * c) for i in idx],
+                    st.keys[st.saved_chunks - 1] if st.saved_chunks else None,
                 ))
                 st.saved_chunks = full
         return meta

@@ -163,9 +163,11 @@ class WorkerConnector:
                 bufs = self._allocate_saves()
                 for _, buf, slots in bufs:
                     self.paged.save(slots, buf.kv)
+            parents = {self._key(k): None if p is None else self._key(p)
+                       for spec in self.meta.saves for k, p in spec.parents().items()}
             for key, buf, _ in bufs:
                 if key not in skip_keys:
-                    self.cache.store(key, buf)
+                    self.cache.store(key, buf, parents.get(key))
         finally:  # a failed gather stores nothing and still returns its buffers
             for _, buf, _ in bufs:
                 buf.release()

@@ -1,21 +1,24 @@
-"""The hot tier: chunks in CPU memory slots, bounded by the pool, LRU."""
+"""The hot tier: chunks in CPU memory slots, bounded by the pool; a CachePolicy (by name,
+``cache_policy``) picks what to evict and what not to keep."""
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
 from ..memory import ChunkBuffer, MemoryPool
+from ..policy import DEFAULT_POLICY, CachePolicy, make_policy
 
 
 class HotCache:
     """key -> ChunkBuffer. The cache holds one reference per entry; readers get their own.
     Only entries nobody else references can be evicted."""
 
-    def __init__(self, pool: MemoryPool):
+    def __init__(self, pool: MemoryPool, policy: CachePolicy | str = DEFAULT_POLICY):
         self.pool = pool
-        self.entries: OrderedDict[str, ChunkBuffer] = OrderedDict()
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.entries: dict[str, ChunkBuffer] = {}
         self.num_evictions = 0
+        self.num_refused = 0  # chunks the policy did not admit
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -30,19 +33,30 @@ class HotCache:
             buf = self.entries.get(key)
             if buf is None:
                 return None
-            self.entries.move_to_end(key)
+            self.policy.accessed(key)
             return buf.retain()
 
-    def put(self, key: str, buf: ChunkBuffer) -> None:
-        """Insert (or replace) ``key``; the cache takes its own reference."""
+    def put(self, key: str, buf: ChunkBuffer, parent: str | None = None) -> bool:
+        """Insert (or replace) ``key``, the chunk after ``parent`` in its prompt (None: a
+        first or content-keyed chunk); the cache takes its own reference. False if the
+        policy does not keep it (its parent is gone, or it is not worth the room)."""
         with self._lock:
-            old = self.entries.pop(key, None)
-            self.entries[key] = buf.retain()
+            old = self.entries.get(key)
+            if old is not None:
+                self.entries[key] = buf.retain()
+                self.policy.accessed(key)
+            elif self.policy.admit(key, parent, self.entries.__contains__):
+                self.entries[key] = buf.retain()
+                self.policy.inserted(key, parent)
+            else:
+                self.num_refused += 1
+                return False
         if old is not None:
             old.release()
+        return True
 
     def allocate(self) -> ChunkBuffer | None:
-        """A free slot, evicting least recently used unreferenced entries if needed."""
+        """A free slot, evicting unreferenced entries the policy picks if needed."""
         buf = self.pool.allocate()
         while buf is None:
             if not self._evict_one():
@@ -52,12 +66,11 @@ class HotCache:
 
     def _evict_one(self) -> bool:
         with self._lock:
-            for key, buf in self.entries.items():
-                if buf.ref_count == 1:  # only the cache holds it
-                    del self.entries[key]
-                    break
-            else:
+            key = self.policy.victim(lambda k: self.entries[k].ref_count == 1)  # only we hold it
+            if key is None:
                 return False
+            buf = self.entries.pop(key)
+            self.policy.removed(key)
         buf.release()
         self.num_evictions += 1
         return True
@@ -67,12 +80,16 @@ class HotCache:
         with self._lock:
             keys = [k for k, b in self.entries.items() if b.lossy]
             dropped = [self.entries.pop(k) for k in keys]
+            for key in keys:
+                self.policy.removed(key)
         for buf in dropped:
             buf.release()
         return len(dropped)
 
     def clear(self) -> None:
         with self._lock:
-            entries, self.entries = self.entries, OrderedDict()
+            entries, self.entries = self.entries, {}
+            for key in entries:
+                self.policy.removed(key)
         for buf in entries.values():
             buf.release()

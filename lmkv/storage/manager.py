@@ -16,6 +16,7 @@ from concurrent.futures import Future
 
 from ..memory import ChunkBuffer, MemoryPool
 from ..metrics import LMKVMetrics
+from ..policy import DEFAULT_POLICY
 from .hot_cache import HotCache
 from .io import IOWorker
 from .tier import Tier
@@ -28,8 +29,8 @@ LOAD_BATCH = 8  # chunks asked of a tier at once when loading a run of them
 
 class StorageManager:
     def __init__(self, pool: MemoryPool, tiers: list[Tier], metrics: LMKVMetrics,
-                 io_queue_size: int = 256, keep_hot: bool = True):
-        self.hot = HotCache(pool)
+                 io_queue_size: int = 256, keep_hot: bool = True, policy: str = DEFAULT_POLICY):
+        self.hot = HotCache(pool, policy)
         # keep_hot False (LMCache's local_cpu: false): the pool only stages loads and saves;
         # no chunk stays in it, and the tiers below serve every hit
         self.keep_hot = keep_hot
@@ -50,11 +51,12 @@ class StorageManager:
             self.metrics.dropped.labels("no_memory").inc()
         return buf
 
-    def put(self, key: str, buf: ChunkBuffer) -> None:
-        """Store ``buf`` under ``key``: hot now, lower tiers in the background. The caller
-        keeps its own reference and releases it as usual."""
+    def put(self, key: str, buf: ChunkBuffer, parent: str | None = None) -> None:
+        """Store ``buf`` under ``key`` (the chunk after ``parent`` in its prompt; None for a
+        first or content-keyed chunk): hot now if the policy keeps it, lower tiers in the
+        background. The caller keeps its own reference and releases it as usual."""
         if self.keep_hot:
-            self.hot.put(key, buf)
+            self.hot.put(key, buf, parent)
         self.metrics.stored_chunks.inc()
         self.metrics.hot_chunks.set(len(self.hot))
         if not self.tiers:

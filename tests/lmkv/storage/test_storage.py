@@ -11,6 +11,7 @@ from lmkv.codec import FrameError, decode_into, encode
 from lmkv.keys import KeyScope, prefix_hashes
 from lmkv.layout import KVLayout
 from lmkv.memory import MemoryPool
+from lmkv.policy import POLICIES
 from lmkv.storage.hot_cache import HotCache
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, chunk_size=4)
@@ -53,9 +54,10 @@ def test_pool_refcounts_and_integrity():
         bufs[0].release()
 
 
-def test_hot_cache_evicts_lru_but_never_a_referenced_chunk():
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_hot_cache_never_evicts_a_referenced_chunk(policy):
     pool = MemoryPool(LAYOUT, 2 * (64 + LAYOUT.chunk_bytes))
-    hot = HotCache(pool)
+    hot = HotCache(pool, policy)
     a, b = hot.allocate(), hot.allocate()
     hot.put("a", a)
     hot.put("b", b)
@@ -188,3 +190,20 @@ def test_a_chunk_written_to_two_tiers_with_one_codec_is_encoded_once(tmp_path, m
     assert len(calls) == 3  # once per chunk, not once per tier
     assert [t.backend.contains(["k0", "k1", "k2"]) for t in tiers] == [[True] * 3] * 3
     manager.close()
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("lru", False), ("prefix_lfu", True)])
+def test_disk_tier_evicts_by_its_policy(tmp_path, policy, kept):
+    disk = DiskBackend(tmp_path, capacity_bytes=400, policy=policy)
+    disk.put([("hot", b"h" * 100)])
+    for _ in range(3):
+        assert disk.get(["hot"]) == [b"h" * 100]
+    for i in range(20):  # one-pass writes; "hot" is read after every 4 (LRU has dropped it)
+        disk.put([(f"scan{i}", b"s" * 100)])
+        if i % 4 == 3:
+            assert disk.get(["hot"]) == [b"h" * 100 if kept or i < 3 else None]
+    assert disk.contains(["hot"]) == [kept]
+    assert disk.used <= 400 and len(disk.index) == len(disk.policy) == 4
+    assert disk.num_evictions == 17
+    files = sorted(p.name for p in tmp_path.glob("*.kv"))
+    assert files == sorted(disk.index)

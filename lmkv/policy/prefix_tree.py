@@ -1,0 +1,101 @@
+"""PrefixTreePolicy: the base of the prefix-aware policies. Only leaves of the prefix tree
+(chunks no cached chunk continues) are eviction candidates, so a cached chunk's parent is
+always cached: a chunk is only useful while its whole prefix is. Candidates sit in a heap
+ordered by a priority the subclass defines (lazy deletion: O(log n) per operation)."""
+
+from __future__ import annotations
+
+import heapq
+from abc import abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .base import CachePolicy
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    key: str
+    parent: Node | None  # the node object, so a parent dropped and stored again is a new one
+    count: int = 1  # accesses, insert included
+    children: int = 0  # cached chunks whose parent this is
+    priority: float = 0.0
+    tick: int = 0  # when the priority was last set; ties go to the older
+
+
+class PrefixTreePolicy(CachePolicy):
+    def __init__(self) -> None:
+        self.nodes: dict[str, Node] = {}
+        self._heap: list[tuple[float, int, str]] = []  # (priority, tick, key); stale ones skipped
+        self._tick = 0
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @abstractmethod
+    def priority(self, node: Node) -> float:
+        """Lower is evicted first."""
+
+    def evicted(self, node: Node) -> None:  # noqa: B027 - an optional hook
+        """The policy's victim ``node`` left the cache (aging hooks in here)."""
+
+    def inserted(self, key: str, parent: str | None) -> None:
+        up = self.nodes.get(parent) if parent is not None else None  # None: a root
+        node = Node(key, up)
+        self.nodes[key] = node
+        if up is not None:
+            up.children += 1
+        self._set(node)
+
+    def accessed(self, key: str) -> None:
+        node = self.nodes.get(key)
+        if node is not None:
+            node.count += 1
+            self._set(node)
+
+    def removed(self, key: str) -> None:
+        node = self.nodes.pop(key, None)
+        if node is None:
+            return
+        # an inner chunk dropped by the cache (not a victim) leaves its children in place;
+        # their parent object is no longer in ``nodes``, so their removal touches nothing live
+        parent = node.parent
+        if parent is not None and self.nodes.get(parent.key) is parent:
+            parent.children -= 1
+            if parent.children == 0:  # a leaf again: a candidate
+                heapq.heappush(self._heap, (parent.priority, parent.tick, parent.key))
+
+    def victim(self, evictable: Callable[[str], bool]) -> str | None:
+        skipped = []
+        found = None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            _, tick, key = entry
+            node = self.nodes.get(key)
+            if node is None or node.tick != tick or node.children > 0:
+                continue  # stale: gone, re-prioritised, or no longer a leaf
+            if not evictable(key):
+                skipped.append(entry)
+                continue
+            found = key
+            self.evicted(node)
+            break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        if found is None and skipped:
+            return None
+        if len(self._heap) > 4 * len(self.nodes) + 64:
+            self._compact()
+        return found
+
+    def _set(self, node: Node) -> None:
+        self._tick += 1
+        node.tick = self._tick
+        node.priority = self.priority(node)
+        if not node.children:
+            heapq.heappush(self._heap, (node.priority, node.tick, node.key))
+
+    def _compact(self) -> None:
+        """Drop the stale heap entries (amortised O(1) per operation)."""
+        self._heap = [(n.priority, n.tick, k) for k, n in self.nodes.items() if not n.children]
+        heapq.heapify(self._heap)

@@ -1,0 +1,157 @@
+"""Cache policies: their invariants under random operations (bounded size, pinned chunks
+never evicted, no chunk held without its prefix parent), driven directly and through the
+real hot cache; and what each is for (prefix_lfu keeps a reused prefix through a scan)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lmkv.config import ConfigError, load_config
+from lmkv.layout import KVLayout
+from lmkv.memory import HEADER_BYTES, MemoryPool
+from lmkv.policy import DEFAULT_POLICY, POLICIES, make_policy
+from lmkv.storage.hot_cache import HotCache
+
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, chunk_size=4)
+PREFIX_AWARE = ["prefix_lru", "prefix_lfu"]
+
+
+def _random_prompt(rng: random.Random) -> list[str]:
+    """Chained keys: a prompt continues one of a few shared prefixes, then goes its own way."""
+    root = rng.randrange(5)
+    shared = rng.randrange(6)
+    own = rng.randrange(1, 6)
+    tag = rng.randrange(40)  # few enough that whole prompts recur
+    return [f"r{root}-{i}" for i in range(shared)] + [f"r{root}-{shared}-t{tag}-{i}" for i in range(own)]
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("seed", range(3))
+def test_invariants_under_random_operations(name, seed):
+    rng = random.Random(seed)
+    pol = make_policy(name)
+    held: dict[str, str | None] = {}  # key -> parent
+    pinned: set[str] = set()
+    capacity = 30
+    for _ in range(3000):
+        keys = _random_prompt(rng)
+        n = 0
+        while n < len(keys) and keys[n] in held:
+            pol.accessed(keys[n])
+            n += 1
+        if rng.random() < 0.3:  # a planned load pins a random held chunk; another is unpinned
+            pinned.add(rng.choice(sorted(held))) if held else None
+            if pinned and rng.random() < 0.5:
+                pinned.discard(rng.choice(sorted(pinned)))
+        for i in range(n, len(keys)):
+            key, parent = keys[i], keys[i - 1] if i else None
+            if key in held:
+                pol.accessed(key)
+                continue
+            if len(held) >= capacity:
+                victim = pol.victim(lambda k: k not in pinned)
+                if victim is None:
+                    break
+                assert victim in held and victim not in pinned
+                if name in PREFIX_AWARE:  # only leaves go
+                    assert all(p != victim for p in held.values())
+                del held[victim]
+                pol.removed(victim)
+            if pol.admit(key, parent, held.__contains__):
+                held[key] = parent
+                pol.inserted(key, parent)
+        assert len(held) <= capacity and len(pol) == len(held)
+        assert pinned <= held.keys()
+        if name in PREFIX_AWARE:  # no orphan children
+            assert all(p is None or p in held for p in held.values())
+
+
+@pytest.mark.parametrize("name", PREFIX_AWARE)
+def test_prefix_policies_refuse_a_chunk_whose_parent_is_gone(name):
+    pol = make_policy(name)
+    assert not pol.admit("b", "a", {}.__contains__)
+    assert pol.admit("b", "a", {"a"}.__contains__) and pol.admit("a", None, {}.__contains__)
+
+
+def test_prefix_lfu_keeps_a_reused_prefix_through_a_one_pass_scan():
+    def served(name: str) -> int:
+        pol, held, hits = make_policy(name), set(), 0
+        prompts = []
+        for i in range(200):  # a reused 8-chunk prompt, then 20 one-pass chunks, repeated
+            prompts.append([f"sys-{j}" for j in range(8)])
+            prompts.append([f"scan{i}-{j}" for j in range(20)])
+        for keys in prompts:
+            n = 0
+            while n < len(keys) and keys[n] in held:
+                pol.accessed(keys[n])
+                n += 1
+            hits += n
+            for i in range(n, len(keys)):
+                if len(held) >= 16:
+                    v = pol.victim(lambda _: True)
+                    held.discard(v)
+                    pol.removed(v)
+                held.add(keys[i])
+                pol.inserted(keys[i], keys[i - 1] if i else None)
+        return hits
+
+    assert served("lru") == 0  # the scan flushes the prompt every time
+    assert served("prefix_lfu") >= 195 * 8  # after a few repeats (counts build up), every one hits
+
+
+def _hot(name: str, slots: int) -> HotCache:
+    return HotCache(MemoryPool(LAYOUT, slots * (HEADER_BYTES + LAYOUT.chunk_bytes)), name)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_hot_cache_under_random_operations_keeps_pins_and_prefixes(name):
+    rng = random.Random(7)
+    hot = _hot(name, 24)
+    pinned: dict[str, object] = {}  # key -> the buffer our pin holds
+    for _ in range(1500):
+        keys = _random_prompt(rng)
+        n = 0
+        while n < len(keys):
+            buf = hot.get(keys[n])
+            if buf is None:
+                break
+            if rng.random() < 0.05 and keys[n] not in pinned:
+                pinned[keys[n]] = buf  # held by us: never evicted
+            else:
+                buf.release()
+            n += 1
+        for i in range(n, len(keys)):
+            if hot.contains(keys[i]):  # held beyond a gap: not stored again (as the worker does)
+                continue
+            buf = hot.allocate()
+            if buf is None:
+                break
+            buf.kv.fill_(float(hash(keys[i]) % 1000))
+            hot.put(keys[i], buf, keys[i - 1] if i else None)
+            buf.release()
+        if pinned and rng.random() < 0.1:
+            pinned.pop(rng.choice(sorted(pinned))).release()
+        for key, buf in pinned.items():
+            assert hot.contains(key)
+            held = hot.get(key)
+            assert held is buf  # the same slot: never evicted nor replaced
+            held.release()
+        assert len(hot) <= 24 and len(hot.policy) == len(hot)
+        if name in PREFIX_AWARE:
+            tree = hot.policy.nodes
+            assert all(n.parent is None or tree.get(n.parent.key) is n.parent for n in tree.values())
+    for buf in pinned.values():
+        buf.release()
+    hot.clear()
+    hot.pool.check_integrity()
+    assert hot.pool.num_free == 24 and len(hot.policy) == 0
+
+
+def test_cache_policy_is_validated_by_key():
+    assert load_config(env={}).cache_policy == DEFAULT_POLICY
+    assert load_config(env={"LMKV_CACHE_POLICY": "lru"}).cache_policy == "lru"
+    with pytest.raises(ConfigError, match="cache_policy.*lru.*prefix_lfu.*'arc'"):
+        load_config(env={}, cache_policy="arc")
