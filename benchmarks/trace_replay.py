@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -34,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.synthetic_traces import SHAPES
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script or with -m
+from benchmarks.synthetic_traces import SHAPES  # noqa: E402
 from lmkv.cache import LMKVCache
 from lmkv.config import load_config
 from lmkv.layout import KVLayout

@@ -11,7 +11,7 @@ POLICIES = {  # name -> (module, class)
     "prefix_lru": ("prefix_lru", "PrefixLRUPolicy"),
     "prefix_lfu": ("prefix_lfu", "PrefixLFUPolicy"),
 }
-DEFAULT_POLICY = "prefix_lfu"
+DEFAULT_POLICY = "prefix_lru"  # never below LRU on any trace measured (docs/operations.md)
 
 
 def make_policy(name: str) -> CachePolicy:
