@@ -1,7 +1,7 @@
 """CacheBlend on RAG prompts: answer quality and time to first token, one line per result.
 
     python -m benchmarks.blend_rag [--model DIR] [--qa-prompts N] [--ttft-prompts N]
-        [--continued [--filler N]]
+        [--continued [--filler N]] [--rag [--qa-seconds S]]
 
 A prompt is a held-out QA example (benchmarks/quality/qa.py): 6 documents of ~512 tokens
 (LONG_FILLER; ``--filler``) in a shuffled order, then the question, separated by the blend
@@ -21,6 +21,10 @@ before it.
 - TTFT over one document set in --ttft-prompts distinct orders: blending at 15% with the
   chunks in the hot cache vs full prefill (target >= 3x), and vs prefix caching alone (the
   engine's prefix cache plus lmkv's prefix chunks, warmed with each document as a prompt).
+
+With ``--rag``: the chat model's RAG QA set (benchmarks/quality/rag_qa.py, default model
+SmolLM2-135M-Instruct) for both: accuracy (answer words in the reply) and TTFT over one
+6-document example's orders.
 
 Default model: the realistic-shape random Llama of benchmarks/common.py.
 """
