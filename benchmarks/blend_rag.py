@@ -1,7 +1,7 @@
 """CacheBlend on RAG prompts: answer quality and time to first token, one line per result.
 
     python -m benchmarks.blend_rag [--model DIR] [--qa-prompts N] [--ttft-prompts N]
-        [--continued [--filler N]]
+        [--continued [--filler N]] [--rag [--qa-seconds S]]
 
 A prompt is a held-out QA example (benchmarks/quality/qa.py): 6 documents of ~512 tokens
 (LONG_FILLER; ``--filler``) in a shuffled order, then the question, separated by the blend
@@ -22,6 +22,10 @@ before it.
   chunks in the hot cache vs full prefill (target >= 3x), and vs prefix caching alone (the
   engine's prefix cache plus lmkv's prefix chunks, warmed with each document as a prompt).
 
+With ``--rag``: the chat model's RAG QA set (benchmarks/quality/rag_qa.py, default model
+SmolLM2-135M-Instruct) for both: accuracy (answer words in the reply) and TTFT over one
+6-document example's orders.
+
 Default model: the realistic-shape random Llama of benchmarks/common.py.
 """
 
@@ -37,12 +41,14 @@ import torch
 
 from lmkv.blend.segments import split_segments
 from lmkv.config import load_config
+from lmkv_engines.minimal.default_model import resolve_model
 from lmkv_engines.minimal.llm import LLM
 
 from .common import realistic_model_dir, trained_model_dir
 from .quality import metrics
 from .quality.probe import greedy, open_llm
 from .quality.qa import LONG_FILLER, QAPrompt, heldout_prompts
+from .quality.rag_qa import MAX_TOKENS, RagExample, make_examples
 
 RATIOS = (0.05, 0.15, 0.30)
 CONTINUED_MODEL = "qa-2layer-continued"  # --continued's default model (benchmarks/quality/models)
@@ -53,7 +59,12 @@ def blend_llm(model: str, args: argparse.Namespace, ratio: float) -> LLM:
     cfg = load_config(env={}, chunk_size=args.chunk_size, max_local_cpu_size=args.hot_cache_gb,
                       enable_blending=True, blend_recompute_ratio=ratio,
                       blend_special_str=args.separator)
-    return open_llm(model, lmkv_config=cfg)
+    return open_llm(model, lmkv_config=cfg, **engine_args(args))
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    """--rag prompts reach ~5,000 tokens: a longer window and more KV memory."""
+    return dict(max_len=8192, kv_cache_memory=1 << 30) if args.rag else {}
 
 
 def set_ratio(llm: LLM, ratio: float) -> None:
@@ -62,18 +73,73 @@ def set_ratio(llm: LLM, ratio: float) -> None:
     lmkv.config = dataclasses.replace(lmkv.config, blend_recompute_ratio=ratio)
 
 
-def rag_ids(llm: LLM, prompt: QAPrompt, separator: str) -> tuple[list[int], list[list[int]]]:
+def rag_ids(llm: LLM, prompt: QAPrompt | RagExample, separator: str
+            ) -> tuple[list[int], list[list[int]]]:
     """The prompt's token ids (as the blending engine tokenizes it: part by part) and the ids
-    of its stored segments (the documents; the first carries the prompt's special tokens)."""
-    ids = llm.engine.tokenize(separator.join([*prompt.documents, prompt.question]))
+    of its stored segments (the documents; the first carries the prompt's special tokens).
+    A RagExample is the chat model's prompt: [header + instruction], documents, [question +
+    the assistant's turn], joined by blank lines (the separator must be "\\n\\n")."""
+    if isinstance(prompt, RagExample):
+        text = llm.tokenizer.apply_chat_template(prompt.messages())
+    else:
+        text = separator.join([*prompt.documents, prompt.question])
+    ids = llm.engine.tokenize(text)
     segs = split_segments(ids, llm.engine.blend_separator)[:-1]
     return ids, [ids[s.start : s.end] for s in segs]
 
 
-def shuffled(prompt: QAPrompt, rng: random.Random) -> QAPrompt:
+def shuffled(prompt, rng: random.Random):
     docs = list(prompt.documents)
     rng.shuffle(docs)
     return dataclasses.replace(prompt, documents=tuple(docs))
+
+
+def rag_accuracy(model: str, args: argparse.Namespace) -> list[str]:
+    """--rag: held-out RAG QA prompts (benchmarks/quality/rag_qa.py) with the documents in a
+    shuffled order, each document precomputed alone; correct = the answer's words appear in
+    the greedy reply (up to rag_qa.MAX_TOKENS tokens, cut at end of sequence)."""
+    rng = random.Random(args.seed)
+    full = open_llm(model, **engine_args(args))
+    blend = blend_llm(model, args, 0.0)
+    tok = full.tokenizer
+    examples = [shuffled(e, rng) for e in
+                make_examples(args.qa_prompts, "heldout", lambda t: len(tok.encode(t)))]
+    names = ["full", "naive"] + [f"blend{round(r * 100)}" for r in RATIOS]
+    correct = {name: 0 for name in names}
+    lengths = []
+
+    def answer(llm: LLM, ids: list[int]) -> str:
+        out = []
+        for t in greedy(llm, [ids], MAX_TOKENS)[0]:
+            if t in tok.eos_token_ids:
+                break
+            out.append(t)
+        return tok.decode(out)
+
+    start = time.perf_counter()
+    for i, e in enumerate(examples):  # one prompt at a time: the hot cache only needs its docs
+        ids, docs = rag_ids(blend, e, args.separator)
+        lengths.append(len(ids))
+        blend.precompute(docs, progress=False)
+        correct["full"] += e.is_correct(answer(full, ids))
+        for name, ratio in zip(names[1:], (0.0, *RATIOS), strict=True):
+            set_ratio(blend, ratio)
+            correct[name] += e.is_correct(answer(blend, ids))
+        elapsed = time.perf_counter() - start
+        print(f"[{i + 1}/{len(examples)}] {len(ids)} tokens, {elapsed:.0f}s: "
+              + ", ".join(f"{k} {v}" for k, v in correct.items()), flush=True)
+        if args.qa_seconds and elapsed > args.qa_seconds:
+            examples = examples[: i + 1]
+            break
+    full.close()
+    blend.close()
+    acc = {name: 100 * c / len(examples) for name, c in correct.items()}
+    scores = ", ".join(f"{name} {a:.1f}%" for name, a in acc.items())
+    return [f"RAG QA accuracy over {len(examples)} held-out prompts (documents shuffled, "
+            f"{min(lengths)}-{max(lengths)} tokens, mean {statistics.mean(lengths):.0f}): {scores}: "
+            f"blend15 - full = {acc['blend15'] - acc['full']:+.1f} points",
+            f"RAG QA accuracy blend15 {acc['blend15']:.1f}% vs naive reuse {acc['naive']:.1f}%: "
+            f"blend15 - naive = {acc['blend15'] - acc['naive']:+.1f} points"]
 
 
 def qa_accuracy(model: str, args: argparse.Namespace) -> list[str]:
@@ -125,20 +191,26 @@ def ttft_ms(llm: LLM, ids: list[int], clock: str) -> float:
 
 def ttft(model: str, args: argparse.Namespace) -> list[str]:
     rng = random.Random(args.seed)
-    base = heldout_prompts(1, NUM_DOCUMENTS, 1, LONG_FILLER, seed=args.seed)[0]
-    orders: list[QAPrompt] = []
+    full = open_llm(model, **engine_args(args))
+    if args.rag:  # the first held-out RAG example with 6 documents
+        tok = full.tokenizer
+        base = next(e for e in make_examples(50, "heldout", lambda t: len(tok.encode(t)))
+                    if len(e.documents) == NUM_DOCUMENTS)
+    else:
+        base = heldout_prompts(1, NUM_DOCUMENTS, 1, LONG_FILLER, seed=args.seed)[0]
+    orders = []
     while len(orders) < args.ttft_prompts:
         p = shuffled(base, rng)
         if p not in orders:
             orders.append(p)
-    full = open_llm(model)
     blend = blend_llm(model, args, 0.15)
     prefix = open_llm(model, enable_prefix_caching=True, lmkv_config=load_config(
-        env={}, chunk_size=args.chunk_size, max_local_cpu_size=args.hot_cache_gb))
+        env={}, chunk_size=args.chunk_size, max_local_cpu_size=args.hot_cache_gb),
+        **engine_args(args))
     prompts = [rag_ids(blend, p, args.separator) for p in orders]
     blend.precompute([d for _, docs in prompts for d in docs], progress=False)
-    for doc in base.documents:  # warm prefix caching: each document as a prompt's start
-        greedy(prefix, [prefix.engine.tokenize(doc)], 1)
+    for doc in prompts[0][1] if args.rag else base.documents:  # warm prefix caching: each
+        greedy(prefix, [doc if args.rag else prefix.engine.tokenize(doc)], 1)  # doc as a start
     greedy(full, [prompts[0][1][1]], 1)  # warm-up
     times: dict[str, list[float]] = {"full": [], "blend15": [], "prefix": []}
     for ids, _ in prompts:  # interleaved: a busy machine slows all three alike
@@ -182,9 +254,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="every document in two paragraphs, so two chunks, the second saying "
                    "\"it\"; the question asks about a fact in a second paragraph: its KV means "
                    "something only after its first paragraph, which naive reuse never shows it")
+    form.add_argument("--rag", action="store_true",
+                   help="the chat model's RAG QA set (benchmarks/quality/rag_qa.py; default "
+                   "model SmolLM2-135M-Instruct): 4-8 documents of 300-600 tokens, shuffled")
     p.add_argument("--filler", type=int, default=LONG_FILLER[0],
                    help=f"filler sentences after each fact of a QA prompt's documents (default "
                    f"{LONG_FILLER[0]}: ~512-token documents)")
+    p.add_argument("--qa-seconds", type=float, default=0,
+                   help="--rag: stop adding QA prompts after this many seconds (0: all)")
     p.add_argument("--ttft-prompts", type=int, default=4, help="orders timed (default 4)")
     p.add_argument("--separator", default="\n\n", help="blend_special_str (default: blank line)")
     p.add_argument("--chunk-size", type=int, default=256)
@@ -199,12 +276,14 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if args.continued and not args.model and (shipped := trained_model_dir(CONTINUED_MODEL)):
         args.model = str(shipped)
+    if args.rag and not args.model:
+        args.model = str(resolve_model(None))
     if args.qa_prompts is None:
         args.qa_prompts = 40 if args.model else 0
     model = args.model or str(realistic_model_dir())
     print(f"model {model}", flush=True)
     if args.qa_prompts:
-        for line in qa_accuracy(model, args):
+        for line in (rag_accuracy if args.rag else qa_accuracy)(model, args):
             print(line, flush=True)
     if args.ttft_prompts:
         for line in ttft(model, args):

@@ -34,7 +34,7 @@ FORMAT = "lmkv-cachegen-table/1"
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    error: float = 0.06  # relative error target of layer 0 (keys)
+    error: float = 0.04  # relative error target of layer 0 (keys)
     deep_ratio: float = 2.0  # the last layer's target is error * deep_ratio
     value_ratio: float = 1.0  # V's target relative to K's
     group_size: int = 16  # tokens per anchor group

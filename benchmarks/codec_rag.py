@@ -1,0 +1,175 @@
+"""KV codecs judged by task quality on a real chat model (SmolLM2-135M-Instruct by default):
+held-out RAG QA prompts (benchmarks/quality/rag_qa.py) answered with the prompt's KV stored
+through a codec and decoded back, beside lossless full prefill.
+
+    python -m benchmarks.codec_rag [--model PATH] [--n 100] [--errors 0.03 0.06 0.12]
+
+Each prompt is prefilled once (lossless: the reference answer and 64 greedy tokens); its
+chunks (lmkv's hot cache) are then replaced by codec.decode(codec.encode(kv)) and the prompt
+is run again, the chunks loaded instead of computed (the last partial chunk, the question's
+end, is computed). Settings: per-token int8 (one fp16 scale per token, layer, K/V) and
+cachegen at each error target, calibrated on "dev" prompts of the same set. One line per
+setting: size vs fp16 of the stored KV, QA accuracy, greedy agreement over 64 tokens with the
+lossless run; then the summary lines of the issue's targets and decode GB/s on one core vs
+the disk's raw read rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from codec import chunks_of, int8_bytes, int8_roundtrip, serve_transformed  # noqa: E402
+from common import best  # noqa: E402
+from lmkv_ttft import raw_read_seconds  # noqa: E402
+from quality.rag_qa import MAX_TOKENS, make_examples  # noqa: E402
+
+from lmkv.codec import cachegen  # noqa: E402
+from lmkv.codec.calibration import CacheGenTable, CalibrationSettings, calibrate  # noqa: E402
+from lmkv.config import load_config  # noqa: E402
+from lmkv_engines.minimal.default_model import resolve_model  # noqa: E402
+from lmkv_engines.minimal.llm import LLM  # noqa: E402
+from lmkv_engines.minimal.sampling_params import SamplingParams  # noqa: E402
+
+GEN = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+FIRST = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+
+def roundtrip(table: CacheGenTable) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        cachegen.decode_into(cachegen.encode(x, table), out, table)
+        return out
+    return fn
+
+
+def reply(llm: LLM, ids: list[int]) -> str:
+    """The answer as rag_qa reads it: up to MAX_TOKENS tokens, cut at end of sequence."""
+    eos = llm.tokenizer.eos_token_ids
+    out = []
+    for t in ids[:MAX_TOKENS]:
+        if t in eos:
+            break
+        out.append(t)
+    return llm.tokenizer.decode(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--n", type=int, default=100, help="held-out prompts")
+    ap.add_argument("--calib", type=int, default=4, help="dev prompts to calibrate on")
+    ap.add_argument("--errors", type=float, nargs="+", default=[0.03, 0.06, 0.12])
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--seconds", type=float, default=0, help="stop adding prompts after this")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    path = resolve_model(args.model)
+    cfg = load_config(env={}, chunk_size=args.chunk, max_local_cpu_size=1.0, codec_check_every=0)
+    llm = LLM(str(path), lmkv_config=cfg, kv_cache_memory=512 << 20, enable_prefix_caching=False)
+    tok = llm.tokenizer
+
+    def encode(e) -> list[int]:
+        return tok.encode(tok.apply_chat_template(e.messages()))
+
+    count = lambda t: len(tok.encode(t))  # noqa: E731
+    calib = []
+    for e in make_examples(args.calib, "dev", count, seed=1):
+        ids = encode(e)
+        llm.generate([ids], FIRST)
+        calib += chunks_of(llm, ids)
+    tables = {err: calibrate(calib, CalibrationSettings(error=err)) for err in args.errors}
+    print(f"calibrated on {args.calib} dev prompts ({len(calib)} chunks): errors {args.errors}",
+          flush=True)
+
+    settings: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"int8": int8_roundtrip}
+    settings |= {f"cachegen {err:g}": roundtrip(t) for err, t in tables.items()}
+    correct = {"lossless": 0} | {s: 0 for s in settings}
+    agree = {s: 0 for s in settings}
+    size = {"fp16": 0, "int8": 0} | {f"cachegen {err:g}": 0 for err in tables}
+    examples = make_examples(args.n, "heldout", count)
+    lengths, kv_sample = [], []
+    start = time.perf_counter()
+    done = 0
+    for i, e in enumerate(examples):
+        ids = encode(e)
+        lengths.append(len(ids))
+        ref = llm.generate([ids], GEN)[0].output_token_ids  # cold: full prefill, chunks stored
+        correct["lossless"] += e.is_correct(reply(llm, ref))
+        kv = chunks_of(llm, ids)
+        if len(kv_sample) < 8:
+            kv_sample += kv[: 8 - len(kv_sample)]
+        size["fp16"] += sum(c.numel() * 2 for c in kv)
+        size["int8"] += sum(int8_bytes(c) for c in kv)
+        for err, t in tables.items():
+            size[f"cachegen {err:g}"] += sum(len(cachegen.encode(c, t)) for c in kv)
+        exact: dict[str, torch.Tensor] = {}
+        for name, fn in settings.items():
+            out = serve_transformed(llm, ids, GEN, fn, exact).output_token_ids
+            correct[name] += e.is_correct(reply(llm, out))
+            agree[name] += sum(a == b for a, b in zip(out, ref, strict=True))
+        done = i + 1
+        elapsed = time.perf_counter() - start
+        print(f"[{done}/{args.n}] {len(ids)} tokens, {elapsed:.0f}s: " + ", ".join(
+            f"{k} {v}" for k, v in correct.items()), flush=True)
+        if args.seconds and elapsed > args.seconds:
+            break
+    llm.close()
+
+    acc = {k: 100 * v / done for k, v in correct.items()}
+    agr = {k: v / (64 * done) for k, v in agree.items()}
+    print(f"model {path.name}: {done} held-out RAG QA prompts ({min(lengths)}-{max(lengths)} "
+          f"tokens, mean {sum(lengths) / done:.0f}), chunks of {args.chunk}; lossless (full "
+          f"prefill) accuracy {acc['lossless']:.1f}%")
+    for name in settings:
+        print(f"{name}: {size[name] / 1e6:.1f} MB vs fp16 {size['fp16'] / 1e6:.1f} MB, QA accuracy "
+              f"{acc[name]:.1f}% (lossless {acc['lossless']:.1f}%), agreement {agr[name]:.1%} over "
+              f"64 tokens: size vs fp16 = {size['fp16'] / size[name]:.2f}x")
+    within = [err for err in tables if acc[f"cachegen {err:g}"] >= acc["lossless"] - 1]
+    if within:
+        best_err = max(within)
+        name = f"cachegen {best_err:g}"
+        print(f"largest cachegen error within 1 point of lossless: {best_err:g} ({acc[name]:.1f}% "
+              f"vs {acc['lossless']:.1f}%): size vs fp16 = {size['fp16'] / size[name]:.2f}x")
+    else:
+        print("no cachegen error target within 1 point of lossless accuracy")
+    eq = [err for err in tables if acc[f"cachegen {err:g}"] >= acc["int8"]]
+    if eq:
+        name = f"cachegen {max(eq):g}"
+        print(f"per-token int8 vs {name} (accuracy {acc['int8']:.1f}% vs {acc[name]:.1f}%): "
+              f"{size['int8'] / 1e6:.1f} MB vs {size[name] / 1e6:.1f} MB: "
+              f"int8/cachegen = {size['int8'] / size[name]:.2f}x")
+    else:
+        print(f"no cachegen error target at or above per-token int8's accuracy {acc['int8']:.1f}%")
+
+    # decode speed of the default error target on one core vs the disk's raw read rate
+    table = tables.get(CalibrationSettings().error) or next(iter(tables.values()))
+    payloads = [cachegen.encode(c, table) for c in kv_sample]
+    outs = [torch.empty_like(c) for c in kv_sample]
+    torch.set_num_threads(1)
+    dec_s = best(lambda: [cachegen.decode_into(b, o, table)
+                          for b, o in zip(payloads, outs, strict=True)], repeats=3)
+    model_bytes = sum(c.numel() * c.element_size() for c in kv_sample)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = []
+        for i, c in enumerate(kv_sample):
+            p = Path(tmp) / f"chunk{i}"
+            p.write_bytes(c.contiguous().view(torch.uint8).numpy().tobytes())
+            files.append(p)
+        secs, nbytes = raw_read_seconds(files)
+    dec, disk = model_bytes / dec_s / 1e9, nbytes / secs / 1e9
+    print(f"cachegen {table.target[0, 0].item():g} decode vs disk read (one core, "
+          f"{len(kv_sample)} chunks): {dec:.2f} GB/s of KV produced vs {disk:.2f} GB/s raw read: "
+          f"{dec / disk:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
