@@ -19,6 +19,9 @@ import traceback
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py (no lmkv import)
+from common import drop_page_cache  # noqa: E402
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
@@ -62,15 +65,8 @@ class PagedCPUConnector(GPUConnectorInterface):
         return torch.Size([2, self.layers, num_tokens, self.heads * self.head_dim])
 
 
-def drop_page_cache(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+def drop_tier_from_page_cache(root: Path) -> None:
+    drop_page_cache([p for p in root.rglob("*") if p.is_file()])
 
 
 def build(name: str, meta: dict, connector: PagedCPUConnector, disk: Path | None):
@@ -130,7 +126,7 @@ def main() -> None:
         for _ in prompts:
             paged[:, :, dst_blocks] = 0
             if disk is not None:
-                drop_page_cache(disk)
+                drop_tier_from_page_cache(disk)
             start = time.perf_counter()
             hit = engine.retrieve(prompts[-1], slot_mapping=dst)
             retrieves.append(time.perf_counter() - start)
