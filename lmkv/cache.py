@@ -33,14 +33,14 @@ class LMKVCache:
         self.layout = layout
         self.scope = KeyScope(model, layout, config.cache_salt)
         self.metrics = metrics or LMKVMetrics()
+        if config.enable_blending and config.blend_check_layer >= layout.num_layers:
+            raise ConfigError(  # before any pool, file or thread is opened
+                f"lmkv config key blend_check_layer is {config.blend_check_layer}, but the model "
+                f"has {layout.num_layers} layers (0..{layout.num_layers - 1})")
         self.pool = MemoryPool(layout, config.hot_cache_bytes)
         self.storage = StorageManager(self.pool, self._build_tiers(), self.metrics,
                                       config.io_queue_size, keep_hot=config.local_cpu,
                                       policy=config.cache_policy)
-        if config.enable_blending and config.blend_check_layer >= layout.num_layers:
-            raise ConfigError(
-                f"lmkv config key blend_check_layer is {config.blend_check_layer}, but the model "
-                f"has {layout.num_layers} layers (0..{layout.num_layers - 1})")
         self.pins = PinTable()
         self.gate: QualityGate | None = None
         if config.quality_check_every and any(t.lossy for t in self.storage.tiers):
@@ -102,7 +102,7 @@ class LMKVCache:
         return [self.scope.key(h) for h in hashes]
 
     def key_of(self, chunk_id: str) -> str:
-        """The key of a rank-free chunk id (``chunk_ids``) in this engine's scope."""
+        """The key of a rank-free chunk id (``lmkv.keys.chunk_ids``) in this cache's scope."""
         return self.scope.key(bytes.fromhex(chunk_id))
 
     def lookup(self, keys: list[str]) -> int:

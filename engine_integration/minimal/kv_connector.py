@@ -112,10 +112,7 @@ class KVConnector:
         failed = self.worker.failed_loads()
         if not failed:
             return [], set()
-        bs = self.scheduler.block_size
-        blocks = {b for spec in failed
-                  for slots, skip in zip(spec.slot_mappings, spec.skips, strict=True)
-                  for b in (slots[skip:] // bs).unique().tolist()}
+        blocks = set().union(*(spec.blocks(self.scheduler.block_size) for spec in failed))
         return [s.request for s in sched.scheduled if blocks.intersection(s.request.block_ids)], blocks
 
     def recompute(self, request) -> None:

@@ -207,7 +207,7 @@ class LMKVConnector(KVConnectorBase_V1):
         # those requests computed this step over unloaded pages are not stored
         failed = self.worker.failed_loads()
         for spec in failed:
-            self._load_errors.update(self._blocks(zip(spec.slot_mappings, spec.skips, strict=True)))
+            self._load_errors.update(spec.blocks(self.block_size))
         try:
             if self._save_failed:
                 raise RuntimeError("a layer failed to save")
@@ -227,10 +227,6 @@ class LMKVConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
-
-    def _blocks(self, loads) -> set[int]:
-        """The vLLM blocks that (slot mapping, tokens to skip) pairs write into."""
-        return {b for slots, skip in loads for b in (slots[skip:] // self.block_size).unique().tolist()}
 
     # ==== both ==========================================================================
     def shutdown(self) -> None:

@@ -21,6 +21,11 @@ class LoadSpec:
     slot_mappings: list[torch.Tensor]  # [n <= chunk_size] int64 each
     skips: list[int]
 
+    def blocks(self, block_size: int) -> set[int]:
+        """The engine's KV blocks this load writes into (the skipped tokens' excluded)."""
+        return {b for slots, skip in zip(self.slot_mappings, self.skips, strict=True)
+                for b in (slots[skip:] // block_size).unique().tolist()}
+
 
 @dataclass(slots=True)
 class SaveSpec:
