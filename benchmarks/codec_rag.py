@@ -10,8 +10,9 @@ is run again, the chunks loaded instead of computed (the last partial chunk, the
 end, is computed). Settings: per-token int8 (one fp16 scale per token, layer, K/V) and
 cachegen at each error target, calibrated on "dev" prompts of the same set. One line per
 setting: size vs fp16 of the stored KV, QA accuracy, greedy agreement over 64 tokens with the
-lossless run; then the summary lines of the issue's targets and decode GB/s on one core vs
-the disk's raw read rate.
+lossless run; the size each error target would take without cachegen's decorrelating
+transform (per channel, as before it; size only); then the summary lines of the issue's
+targets and decode GB/s on one core vs the disk's raw read rate.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def main() -> None:
         llm.generate([ids], FIRST)
         calib += chunks_of(llm, ids)
     tables = {err: calibrate(calib, CalibrationSettings(error=err)) for err in args.errors}
+    per_channel = {err: calibrate(calib, CalibrationSettings(error=err, transform=False))
+                   for err in args.errors}  # size only: what the transform saves
     print(f"calibrated on {args.calib} dev prompts ({len(calib)} chunks): errors {args.errors}",
           flush=True)
 
@@ -111,6 +114,8 @@ def main() -> None:
         size["int8"] += sum(int8_bytes(c) for c in kv)
         for err, t in tables.items():
             size[f"cachegen {err:g}"] += sum(len(cachegen.encode(c, t)) for c in kv)
+            size[f"per-channel {err:g}"] = size.get(f"per-channel {err:g}", 0) + sum(
+                len(cachegen.encode(c, per_channel[err])) for c in kv)
         exact: dict[str, torch.Tensor] = {}
         for name, fn in settings.items():
             out = serve_transformed(llm, ids, GEN, fn, exact).output_token_ids
@@ -133,6 +138,12 @@ def main() -> None:
         print(f"{name}: {size[name] / 1e6:.1f} MB vs fp16 {size['fp16'] / 1e6:.1f} MB, QA accuracy "
               f"{acc[name]:.1f}% (lossless {acc['lossless']:.1f}%), agreement {agr[name]:.1%} over "
               f"64 tokens: size vs fp16 = {size['fp16'] / size[name]:.2f}x")
+    for err, t in tables.items():
+        name = f"cachegen {err:g}"
+        print(f"{name} ({'with' if t.basis is not None else 'without'} the transform) vs the same "
+              f"error target per channel: {size[f'per-channel {err:g}'] / 1e6:.1f} MB vs "
+              f"{size[name] / 1e6:.1f} MB: per-channel/cachegen = "
+              f"{size[f'per-channel {err:g}'] / size[name]:.2f}x")
     within = [err for err in tables if acc[f"cachegen {err:g}"] >= acc["lossless"] - 1]
     if within:
         best_err = max(within)

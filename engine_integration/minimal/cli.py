@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="V's target / K's (default %(default)s)")
     cal.add_argument("--group-size", type=int, default=CalibrationSettings.group_size,
                      help="tokens per delta group (default %(default)s)")
+    cal.add_argument("--no-transform", dest="transform", action="store_false",
+                     help="code channels as they are, without the decorrelating transform "
+                          "(default: the transform where it makes the calibration KV smaller)")
     cal.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     return parser
 
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             config = engine_config(args)
             settings = CalibrationSettings(args.error, args.deep_ratio, args.value_ratio,
-                                           args.group_size)
+                                           args.group_size, args.transform)
         except ValueError as e:
             parser.error(str(e))
         return _calibrate(config, settings, args)

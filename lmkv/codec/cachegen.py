@@ -9,9 +9,16 @@ A chunk kv [2, L, T, Hkv, D] becomes symbols, then bytes:
 3. entropy coding of each (kv, layer) stream: int8 symbols through zstd (default) or the
    numpy rANS coder (rans.py); a stream with a symbol outside int8 goes as int16 via zstd.
 
+With a table that has a decorrelating transform (calibration.py, the default), step 1
+quantizes each token's coefficients in the layer's basis instead of its channels (no
+deltas), and the streams are the table's bands of each (kv, layer): coefficients of similar
+spread, coefficient-major ([coefficients, T]); coefficients past the last band are not
+stored (they decode to their mean).
+
 Payload (inside the 64-byte frame, which names codec "cachegen" and checks the bytes):
-  "CGv1", table id u64, group size u16, coder u8, reserved u8, streams u32,
-  then per stream: width u8 (1 = int8, 2 = int16), length u32; then the stream bytes.
+  "CGv1" (per channel) or "CGv2" (transform), table id u64, group size u16, coder u8,
+  reserved u8, streams u32, then per stream: width u8 (1 = int8, 2 = int16, 3 = int8 not
+  entropy-coded), length u32; then the stream bytes (a stream of length 0 holds no symbols).
 
 ``quantize`` / ``dequantize`` are the torch twins of the CUDA kernels in
 cuda/cachegen.cu (same signatures; the wrappers are in cuda/cachegen.py; lmkv.ops picks one
@@ -21,6 +28,7 @@ today; ``encode`` takes a CUDA chunk too (quantized on the GPU, entropy-coded on
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 import numpy as np
@@ -33,7 +41,9 @@ from .calibration import CacheGenTable
 _HEAD = struct.Struct("<4sQHBBI")
 _STREAM = struct.Struct("<BI")
 MAGIC = b"CGv1"
+MAGIC_TRANSFORM = b"CGv2"
 CODERS = {"zstd": 0, "rans": 1}
+STORED = 3  # stream width code: int8 symbols as they are, not entropy-coded
 QMAX = 16383  # |q| <= QMAX, so anchor differences fit int16
 
 
@@ -79,60 +89,102 @@ def encode(kv: torch.Tensor, table: CacheGenTable, coder: str = "zstd") -> bytes
 
     table.check_layout(tuple(kv.shape))
     dev = kv.device  # a CUDA chunk is quantized by the kernel (lmkv.ops), then coded here
-    symbols = ops.cachegen_quantize(kv, table.step.to(dev), table.mean.to(dev),
+    two, layers, t, h, d = kv.shape
+    x = kv
+    if table.basis is not None:
+        x = (kv.float().reshape(two, layers, t, h * d) @ table.basis.to(dev)).view(kv.shape)
+    symbols = ops.cachegen_quantize(x, table.step.to(dev), table.mean.to(dev),
                                     table.delta.to(dev), table.group_size).cpu()
-    streams = symbols.reshape(2 * kv.shape[1], -1)  # [2 * L, T * H * D]
-    lo, hi = streams.aminmax(dim=1)
-    small = (lo >= -127) & (hi <= 127)
-    narrow = streams.to(torch.int8).numpy()  # wraps where a stream does not fit: not used
-    wide = streams.numpy()
-    zc = zstandard.ZstdCompressor(level=1)
+    if table.basis is None:
+        streams = list(symbols.reshape(two * layers, -1))  # [T * H * D] each
+    else:
+        coef = symbols.reshape(two * layers, t, h * d).transpose(1, 2)  # [2L, C, T]
+        edges = table.bands.reshape(two * layers, -1).tolist()
+        streams = [coef[i, a:b].reshape(-1) for i, e in enumerate(edges)
+                   for a, b in itertools.pairwise(e)]
+    zc = zstandard.ZstdCompressor(level=1, write_content_size=False)
     descs, blobs = [], []
-    for i, fits in enumerate(small.tolist()):
-        if fits:
-            arr = narrow[i]
-            blob = rans.encode(arr) if coder == "rans" else zc.compress(arr.data)
+    for stream in streams:
+        if stream.numel() == 0:
+            descs.append(_STREAM.pack(1, 0))
+            continue
+        lo, hi = stream.aminmax()
+        if lo >= -127 and hi <= 127:
+            arr = stream.to(torch.int8).numpy()
+            width, blob = 1, rans.encode(arr) if coder == "rans" else zc.compress(arr.data)
+            if len(blob) >= arr.nbytes:  # incompressible (tiny or noise-like): as it is
+                width, blob = STORED, arr.tobytes()
         else:
-            blob = zc.compress(wide[i].astype("<i2").tobytes())
-        descs.append(_STREAM.pack(1 if fits else 2, len(blob)))
+            width, blob = 2, zc.compress(stream.numpy().astype("<i2").tobytes())
+        descs.append(_STREAM.pack(width, len(blob)))
         blobs.append(blob)
-    head = _HEAD.pack(MAGIC, table.table_id, table.group_size, CODERS[coder], 0, len(blobs))
+    magic = MAGIC if table.basis is None else MAGIC_TRANSFORM
+    head = _HEAD.pack(magic, table.table_id, table.group_size, CODERS[coder], 0, len(descs))
     return b"".join([head, *descs, *blobs])
 
 
 def decode_into(payload: bytes | memoryview, out: torch.Tensor, table: CacheGenTable) -> None:
     """Decode a payload made by ``encode`` into out [2, L, T, H, D]. Raises PayloadError on
     anything unexpected."""
-    import zstandard
-
     view = memoryview(payload)
     if len(view) < _HEAD.size:
         raise PayloadError("truncated cachegen payload")
     magic, table_id, group, coder, _, count = _HEAD.unpack_from(view)
-    if magic != MAGIC:
+    if magic not in (MAGIC, MAGIC_TRANSFORM):
         raise PayloadError(f"not a cachegen payload (magic {bytes(magic)!r})")
     if table_id != table.table_id or group != table.group_size:
         raise PayloadError(f"payload made with calibration table {table_id:016x}, "
                            f"this reader has {table.table_id:016x}")
+    if (magic == MAGIC_TRANSFORM) != (table.basis is not None):
+        raise PayloadError("payload and calibration table disagree on the transform")
     if coder not in CODERS.values():
         raise PayloadError(f"unknown entropy coder id {coder}")
-    two, layers, t, h, d = out.shape
-    if count != two * layers:
-        raise PayloadError(f"payload has {count} streams, chunk needs {two * layers}")
     table.check_layout(tuple(out.shape))
-    n = t * h * d
+    two, layers, t, h, d = out.shape
+    if table.basis is None:
+        sizes = [t * h * d] * (two * layers)
+    else:
+        widths = table.bands.reshape(two * layers, -1).diff(dim=1)  # coefficients per band
+        sizes = (widths * t).reshape(-1).tolist()
+    if count != len(sizes):
+        raise PayloadError(f"payload has {count} streams, chunk needs {len(sizes)}")
+    parts = _read_streams(view, coder, sizes)
+    if table.basis is None:
+        wide = any(p.dtype != np.int8 for p in parts)
+        symbols = np.concatenate([p.astype(np.int16) for p in parts] if wide else parts)
+        q = torch.from_numpy(symbols).view(out.shape)
+        dequantize(q, table.step, table.mean, table.delta, table.group_size, out)
+    else:
+        _reconstruct(parts, table, out)
+
+
+def _read_streams(view: memoryview, coder: int, sizes: list[int]) -> list[np.ndarray]:
+    """The symbol arrays (int8 or int16) of the streams after the header; ``sizes`` says how
+    many symbols each must hold."""
+    import zstandard
+
+    count = len(sizes)
     off = _HEAD.size + count * _STREAM.size
     if len(view) < off:
         raise PayloadError("truncated cachegen payload")
-    wide = False
     parts: list[np.ndarray] = []
     dz = zstandard.ZstdDecompressor()
-    for i in range(count):
+    for i, n in enumerate(sizes):
         width, length = _STREAM.unpack_from(view, _HEAD.size + i * _STREAM.size)
         blob = view[off : off + length]
         off += length
-        if width not in (1, 2) or len(blob) != length:
+        if width not in (1, 2, STORED) or len(blob) != length:
             raise PayloadError(f"stream {i}: bad width {width} or truncated")
+        if n == 0 or length == 0:
+            if n != 0 or length != 0:
+                raise PayloadError(f"stream {i}: {length} bytes for {n} symbols")
+            parts.append(np.zeros(0, np.int8))
+            continue
+        if width == STORED:
+            if length != n:
+                raise PayloadError(f"stream {i}: {length} stored bytes for {n} symbols")
+            parts.append(np.frombuffer(blob, np.int8))
+            continue
         try:
             if width == 1 and coder == CODERS["rans"]:
                 parts.append(rans.decode(blob, n))
@@ -143,12 +195,39 @@ def decode_into(payload: bytes | memoryview, out: torch.Tensor, table: CacheGenT
         if len(raw) != n * width:
             raise PayloadError(f"stream {i} decodes to {len(raw)} bytes, expected {n * width}")
         parts.append(np.frombuffer(raw, np.int8 if width == 1 else "<i2"))
-        wide |= width == 2
     if off != len(view):
         raise PayloadError(f"{len(view) - off} stray bytes after the last stream")
-    if wide:
-        symbols = np.concatenate([p.astype(np.int16) for p in parts])
-    else:
-        symbols = np.concatenate(parts)
-    q = torch.from_numpy(symbols).view(out.shape)
-    dequantize(q, table.step, table.mean, table.delta, table.group_size, out)
+    return parts
+
+
+def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tensor) -> None:
+    """out[kv, layer] = coefficients @ basis^T, from the band streams of a transform payload;
+    the coefficients not stored are at their mean. The steps are folded into the basis
+    (``CacheGenTable.synthesis``). Coefficients coded as int8 are exact in bfloat16, so their
+    product runs in bfloat16 (2x the fp32 rate on CPUs with AMX or AVX512-BF16; its rounding
+    is ~0.3% of the KV's spread); the wider ones, the strongest few, in fp32."""
+    two, layers, t, h, d = out.shape
+    bands = table.bands.shape[2] - 1
+    synthesis, synthesis_bf16, offset = table.synthesis
+    flat = out.view(two * layers, t, h * d)
+    for i in range(two * layers):
+        streams = parts[i * bands : (i + 1) * bands]
+        sym = torch.from_numpy(np.concatenate(streams))  # int8, or int16 if any band is wide
+        rank = sym.numel() // t
+        coef = sym.view(rank, t).T  # [T, rank]
+        wide = 0  # rows up to the end of the last int16 band
+        row = 0
+        for p in streams:
+            row += len(p) // t
+            if p.dtype != np.int8:
+                wide = row
+        dst = flat[i] if out.dtype == torch.float32 else torch.empty(t, h * d)
+        if wide:
+            torch.addmm(offset[i], coef[:, :wide].float(), synthesis[i, :wide], out=dst)
+        if rank > wide:
+            low = coef[:, wide:].to(torch.bfloat16) @ synthesis_bf16[i, wide:rank]
+            dst.add_(low) if wide else torch.add(offset[i], low, out=dst)
+        elif not wide:
+            dst.copy_(offset[i].expand(t, -1))
+        if dst is not flat[i]:
+            flat[i].copy_(dst)

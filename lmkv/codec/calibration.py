@@ -12,6 +12,14 @@ Calibration (``calibrate``) looks at chunks of real KV [2, L, T, Hkv, D]:
 - ``delta`` [2, L] bool: code each token as its difference from the group's first token
   (the anchor) where that lowers the measured entropy of the symbols (KV of neighbouring
   tokens is similar in trained models; in random ones it is not, and the flag stays off).
+- with ``transform`` (the default), a decorrelating transform per [kv, layer]: ``basis``
+  [2, L, C, C] (C = Hkv * D), the eigenvectors of the covariance of the token vectors,
+  strongest first. Tokens are coded as their coefficients in it (``mean`` and ``step`` then
+  hold the coefficients' mean and step); for a near-Gaussian KV, an orthonormal transform
+  keeps the error and concentrates the variance in few coefficients, so equal steps cost
+  fewer bits. ``bands`` [2, L, B + 1] int32 splits the coefficients, by their spread in
+  steps, into runs entropy-coded apart; coefficients past ``bands[..., -1]`` (spread below
+  half a step) are not stored.
 
 The table id (xxh3-64 of the file's bytes) is written into every payload; a payload made
 with another table is rejected rather than decoded wrongly.
@@ -19,6 +27,7 @@ with another table is rejected rather than decoded wrongly.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterable
@@ -29,7 +38,10 @@ import numpy as np
 import torch
 import xxhash
 
-FORMAT = "lmkv-cachegen-table/1"
+FORMAT = "lmkv-cachegen-table/2"
+FORMATS = ("lmkv-cachegen-table/1", FORMAT)  # /1: no transform
+# band edges in coefficient spread / step, strongest first; below the last: not stored
+BAND_SPREADS = (64.0, 16.0, 4.0, 1.0, 0.5)
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,7 @@ class CalibrationSettings:
     deep_ratio: float = 2.0  # the last layer's target is error * deep_ratio
     value_ratio: float = 1.0  # V's target relative to K's
     group_size: int = 16  # tokens per anchor group
+    transform: bool = True  # decorrelating transform per [kv, layer] (see above)
 
     def __post_init__(self) -> None:
         if not (0 < self.error < 1 and self.deep_ratio >= 1 and self.value_ratio > 0):
@@ -60,10 +73,24 @@ class CacheGenTable:
     target: torch.Tensor  # [2, L] float32: the relative error each layer was calibrated to
     group_size: int
     table_id: int  # xxh3-64 of the serialized table
+    basis: torch.Tensor | None = None  # [2, L, C, C] float32, columns orthonormal
+    bands: torch.Tensor | None = None  # [2, L, B + 1] int32 coefficient band edges
 
     @property
     def num_layers(self) -> int:
         return self.step.shape[1]
+
+    @functools.cached_property
+    def synthesis(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For decoding with the transform: [2L, C, C] rows = step * basis^T (fp32 and
+        bfloat16), and [2L, C] the KV of all coefficients at their mean, so that
+        kv = symbols @ rows + offset."""
+        two, layers, h, d = self.step.shape
+        basis_t = self.basis.reshape(two * layers, h * d, h * d).transpose(1, 2)
+        step = self.step.reshape(two * layers, h * d, 1)
+        mean = self.mean.reshape(two * layers, 1, h * d)
+        rows = (step * basis_t).contiguous()
+        return rows, rows.to(torch.bfloat16), (mean @ basis_t).squeeze(1)
 
     def check_layout(self, shape: tuple[int, ...]) -> None:
         """Raise ValueError unless chunks of ``shape`` [2, L, T, H, D] fit this table."""
@@ -73,7 +100,8 @@ class CacheGenTable:
                              f"does not fit chunks {tuple(shape)}")
 
     def to_bytes(self) -> bytes:
-        return _serialize(self.step, self.mean, self.delta, self.target, self.group_size)
+        return _serialize(self.step, self.mean, self.delta, self.target, self.group_size,
+                          self.basis, self.bands)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -91,16 +119,28 @@ class CacheGenTable:
             meta = json.loads(_metadata(data).get("lmkv", "{}"))
         except Exception as e:  # safetensors raises its own error types
             raise ValueError(f"not a cachegen calibration table: {e}") from e
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"calibration table format {meta.get('format')!r}, expected {FORMAT}")
+        if meta.get("format") not in FORMATS:
+            raise ValueError(f"calibration table format {meta.get('format')!r}, expected one "
+                             f"of {FORMATS}")
         step, mean = tensors["step"].float(), tensors["mean"].float()
         delta, target = tensors["delta"].bool(), tensors["target"].float()
         if (step.dim() != 4 or step.shape[0] != 2 or mean.shape != step.shape
                 or delta.shape != step.shape[:2] or target.shape != step.shape[:2]
                 or not bool((step > 0).all()) or not bool(torch.isfinite(mean).all())):
             raise ValueError("calibration table has inconsistent tensors")
+        basis, bands = tensors.get("basis"), tensors.get("bands")
+        if (basis is None) != (bands is None):
+            raise ValueError("calibration table has a transform basis without bands or back")
+        if basis is not None:
+            basis, bands = basis.float(), bands.to(torch.int32)
+            c = step.shape[2] * step.shape[3]
+            if (tuple(basis.shape) != (*step.shape[:2], c, c) or bands.dim() != 3
+                    or bands.shape[:2] != step.shape[:2] or bands.shape[2] < 2
+                    or not bool(torch.isfinite(basis).all()) or bool((bands[..., 0] != 0).any())
+                    or bool((bands.diff(dim=2) < 0).any()) or bool((bands[..., -1] > c).any())):
+                raise ValueError("calibration table has an inconsistent transform")
         return cls(step, mean, delta, target, int(meta["group_size"]),
-                   xxhash.xxh3_64_intdigest(data))
+                   xxhash.xxh3_64_intdigest(data), basis, bands)
 
     @classmethod
     def load(cls, path: str | Path) -> CacheGenTable:
@@ -115,13 +155,16 @@ def default_path(scope_prefix: str) -> Path:
     return Path.home() / ".cache" / "lmkv" / "calibration" / f"{name}.safetensors"
 
 
-def _serialize(step, mean, delta, target, group_size: int) -> bytes:
+def _serialize(step, mean, delta, target, group_size: int, basis=None, bands=None) -> bytes:
     from safetensors.torch import save
 
-    meta = {"lmkv": json.dumps({"format": FORMAT, "group_size": group_size})}
-    return save({"step": step.float().contiguous(), "mean": mean.float().contiguous(),
-                 "delta": delta.to(torch.uint8).contiguous(),
-                 "target": target.float().contiguous()}, metadata=meta)
+    tensors = {"step": step.float().contiguous(), "mean": mean.float().contiguous(),
+               "delta": delta.to(torch.uint8).contiguous(), "target": target.float().contiguous()}
+    if basis is not None:
+        tensors |= {"basis": basis.float().contiguous(), "bands": bands.to(torch.int32).contiguous()}
+    meta = {"lmkv": json.dumps({"format": FORMAT if basis is not None else FORMATS[0],
+                                "group_size": group_size})}
+    return save(tensors, metadata=meta)
 
 
 def _metadata(data: bytes) -> dict[str, str]:
@@ -129,8 +172,9 @@ def _metadata(data: bytes) -> dict[str, str]:
     return json.loads(data[8 : 8 + n]).get("__metadata__", {})
 
 
-def build_table(step, mean, delta, target, group_size: int) -> CacheGenTable:
-    data = _serialize(step, mean, delta, target, group_size)
+def build_table(step, mean, delta, target, group_size: int, basis=None, bands=None
+                ) -> CacheGenTable:
+    data = _serialize(step, mean, delta, target, group_size, basis, bands)
     return CacheGenTable.from_bytes(data)
 
 
@@ -139,6 +183,7 @@ def calibrate(chunks: Iterable[torch.Tensor], settings: CalibrationSettings | No
     """The table for the model whose KV chunks [2, L, T, Hkv, D] are given (a few dozen
     chunks of ordinary prompts are enough)."""
     settings = settings or CalibrationSettings()
+    chunks = list(chunks)
     data = torch.cat([c.float() for c in chunks], dim=2)  # [2, L, N, H, D]
     if data.shape[2] == 0:
         raise ValueError("calibration needs at least one chunk")
@@ -156,7 +201,15 @@ def calibrate(chunks: Iterable[torch.Tensor], settings: CalibrationSettings | No
             plain = _entropy(q[kv, layer])
             diff = _entropy(q[kv, layer] - anchors[kv, layer])
             delta[kv, layer] = diff < plain
-    return build_table(step, mean, delta, target, g)
+    table = build_table(step, mean, delta, target, g)
+    if not settings.transform:
+        return table
+    # the transform where it pays: not on KV with no correlations to remove
+    from .cachegen import encode
+
+    transformed = _calibrate_transform(data, mean, step, target, g)
+    size = lambda t: sum(len(encode(c, t)) for c in chunks)  # noqa: E731
+    return transformed if size(transformed) < size(table) else table
 
 
 def _entropy(symbols: torch.Tensor) -> float:
@@ -164,3 +217,21 @@ def _entropy(symbols: torch.Tensor) -> float:
     _, counts = np.unique(symbols.numpy().astype(np.int32), return_counts=True)
     p = counts / counts.sum()
     return float(-(p * np.log2(p)).sum())
+
+
+def _calibrate_transform(data: torch.Tensor, mean: torch.Tensor, step: torch.Tensor,
+                         target: torch.Tensor, group_size: int) -> CacheGenTable:
+    """The table with a decorrelating transform (see the module docstring)."""
+    two, layers, n, heads, dim = data.shape
+    x = (data - mean[:, :, None]).reshape(two, layers, n, heads * dim).double()
+    cov = x.transpose(2, 3) @ x / n  # [2, L, C, C]
+    var, vec = torch.linalg.eigh(cov)  # ascending
+    var, basis = var.flip(-1).clamp_min(0), vec.flip(-1).float()  # strongest first
+    spread = var.sqrt().float() / step.reshape(two, layers, -1)  # std in steps per coefficient
+    edges = torch.tensor((float("inf"), *BAND_SPREADS))
+    # coefficients are sorted by spread, so each band is a run: its end = how many reach it
+    bands = (spread[..., None] >= edges[1:]).sum(dim=2).to(torch.int32)  # [2, L, B]
+    bands = torch.cat([torch.zeros_like(bands[..., :1]), bands], dim=2)
+    coef_mean = (mean.reshape(two, layers, 1, -1) @ basis).reshape_as(mean)
+    delta = torch.zeros(two, layers, dtype=torch.bool)
+    return build_table(step, coef_mean, delta, target, group_size, basis, bands)

@@ -85,9 +85,10 @@ def test_shallow_layers_and_keys_get_more_bins():
 
 def test_delta_coding_is_chosen_for_smooth_kv_and_shrinks_it():
     big = KVLayout(2, 2, 64, torch.float32, 256)  # streams of 32k symbols, as in real chunks
-    table = calibrate([kv_like(s, smooth=True, layout=big) for s in range(3)])
+    per_channel = CalibrationSettings(transform=False)
+    table = calibrate([kv_like(s, smooth=True, layout=big) for s in range(3)], per_channel)
     assert table.delta.all()
-    assert not calibrate([kv_like(s, layout=big) for s in range(3)]).delta.any()
+    assert not calibrate([kv_like(s, layout=big) for s in range(3)], per_channel).delta.any()
     x = kv_like(9, smooth=True, layout=big)
     plain = CacheGenTable.from_bytes(_with_delta(table, False))
     assert len(cachegen.encode(x, table)) < 0.9 * len(cachegen.encode(x, plain))
@@ -169,8 +170,71 @@ def test_rans_round_trip_and_rejects_garbage():
         rans.decode(blob[:-2], n)
     with pytest.raises(rans.RansError):
         rans.decode(blob[:3], n)
-    payload_r = cachegen.encode(kv_like(1), calibrate([kv_like(2)]), coder="rans")
+    payload_r = cachegen.encode(kv_like(1), calibrate([kv_like(2)], CalibrationSettings(
+        transform=False)), coder="rans")
     assert payload_r[:4] == b"CGv1"
+
+
+def kv_correlated(seed: int, layout: KVLayout, rank: int = 6) -> torch.Tensor:
+    """KV whose token vectors (all heads' channels of a layer) lie near a few shared
+    directions, as a trained model's do: what the decorrelating transform is for."""
+    two, layers, t, h, d = layout.chunk_shape
+    mix = torch.randn(two, layers, rank, h * d, generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(two, layers, t, rank, generator=g) * torch.linspace(4, 1, rank)
+    x = z @ mix + 0.05 * torch.randn(two, layers, t, h * d, generator=g) + 2.0
+    return x.reshape(layout.chunk_shape).to(layout.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transform_is_chosen_for_correlated_kv_and_keeps_the_error_bound(dtype):
+    big = KVLayout(3, 2, 32, dtype, 128)
+    chunks = [kv_correlated(s, big) for s in range(4)]
+    table = calibrate(chunks, CalibrationSettings(error=0.04))
+    per_channel = calibrate(chunks, CalibrationSettings(error=0.04, transform=False))
+    assert table.basis is not None and per_channel.basis is None
+    iid = [torch.randn(big.chunk_shape, generator=torch.Generator().manual_seed(s)).to(dtype)
+           for s in range(3)]
+    assert calibrate(iid).basis is None  # nothing to decorrelate: not worth its streams
+    basis = table.basis.reshape(6, 64, 64)
+    eye = torch.eye(64).expand(6, 64, 64)
+    assert torch.allclose(basis.transpose(1, 2) @ basis, eye, atol=1e-4)  # orthonormal
+    assert (table.bands[..., -1] < 64).all()  # the weak coefficients are not stored
+    x = kv_correlated(9, big)
+    payload = cachegen.encode(x, table)
+    assert payload[:4] == b"CGv2"
+    assert len(payload) < 0.7 * len(cachegen.encode(x, per_channel))
+    out = torch.empty_like(x)
+    cachegen.decode_into(payload, out, table)
+    centred = x.float() - x.float().mean(dim=2, keepdim=True)
+    err = ((out.float() - x.float()).square().sum(dim=(2, 3, 4))
+           / centred.square().sum(dim=(2, 3, 4))).sqrt()
+    assert (err <= table.target * 1.2).all(), (err, table.target)
+    with pytest.raises(cachegen.PayloadError, match="table"):  # the other table's payload
+        cachegen.decode_into(payload, out, per_channel)
+
+
+def test_transform_table_file_round_trip_and_older_tables_still_load(tmp_path):
+    big = KVLayout(2, 2, 32, torch.float32, 64)
+    table = calibrate([kv_correlated(s, big) for s in range(3)])
+    table.save(tmp_path / "t.safetensors")
+    again = CacheGenTable.load(tmp_path / "t.safetensors")
+    assert again.table_id == table.table_id and torch.equal(again.basis, table.basis)
+    assert torch.equal(again.bands, table.bands)
+    x = kv_correlated(5, big)
+    a, b = torch.empty_like(x), torch.empty_like(x)
+    cachegen.decode_into(cachegen.encode(x, table), a, table)
+    cachegen.decode_into(cachegen.encode(x, again), b, again)
+    assert torch.equal(a, b)
+    old = calibrate([kv_like(s) for s in range(2)], CalibrationSettings(transform=False))
+    assert CacheGenTable.from_bytes(old.to_bytes()).basis is None  # format /1: no transform
+    from lmkv.codec.calibration import build_table
+
+    bad = table.bands.clone()
+    bad[0, 0, -1] = 65  # more coefficients than channels
+    with pytest.raises(ValueError, match="inconsistent transform"):
+        build_table(table.step, table.mean, table.delta, table.target, table.group_size,
+                    table.basis, bad)
 
 
 def test_rans_payload_decodes_like_zstd(table):
