@@ -52,6 +52,10 @@ class StorageBackend(ABC):
         backends override it to pipeline the requests: one round trip, not one per key."""
         return [self.get_into(key, out) for key, out in zip(keys, outs, strict=True)]
 
+    def will_get(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """A hint: ``keys`` will be asked for soon (a run of chunks read in batches). A
+        backend may start fetching them; the default does nothing. Never raises."""
+
     def remove(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """Delete these keys where present (a corrupt value, say). The default keeps them:
         the codec frame's checksum rejects such a value again on every read."""

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..policy import CachePolicy, make_policy
@@ -21,6 +22,7 @@ from .base import BackendError, StorageBackend
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kv"
+READERS = 4  # files read side by side in a batch
 
 
 class DiskBackend(StorageBackend):
@@ -35,6 +37,7 @@ class DiskBackend(StorageBackend):
         self.index: dict[str, int] = {}  # file name -> bytes
         self.used = 0
         self.num_evictions = 0
+        self._pool: ThreadPoolExecutor | None = None  # reader threads, started at the first batch
         self._rebuild_index()
 
     def _rebuild_index(self) -> None:
@@ -96,41 +99,75 @@ class DiskBackend(StorageBackend):
         return out
 
     def get_into(self, key: str, out: memoryview) -> int | None:
-        name = self._name(key)
-        if name not in self.index:
-            return None
-        size = self.index[name]
-        if size > len(out):
-            return None  # not a frame this reader can hold; treated as a miss
-        try:
-            with open(self.root / name, "rb", buffering=0) as f:
-                n = f.readinto(out[:size])
-        except FileNotFoundError:
-            self._forget(name)
-            return None
-        except OSError as e:
-            raise BackendError(f"disk tier read failed: {e}") from e
-        self.policy.accessed(name)
-        return n
+        return self.get_into_many([key], [out])[0]
 
     def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
-        """get_into for a batch, with the kernel told first that all of its files are
-        wanted (POSIX_FADV_WILLNEED): their reads are queued together instead of one file
-        at a time (31 cold 1 MB files: ~1.5x faster here)."""
-        if hasattr(os, "posix_fadvise"):
-            for key in keys:
-                name = self._name(key)
-                if name not in self.index:
-                    continue
-                try:
-                    fd = os.open(self.root / name, os.O_RDONLY)
-                except OSError:
-                    continue  # get_into reports it
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
-        return [self.get_into(key, out) for key, out in zip(keys, outs, strict=True)]
+        """get_into for a batch: the kernel is told first that every file is wanted
+        (POSIX_FADV_WILLNEED, so their reads are queued together), then READERS threads
+        read them side by side (16 cold 8 MiB files: 2.0 GB/s vs 0.9 one after another).
+        The index and the policy are only touched on the calling thread."""
+        wanted: list[tuple[int, str, int]] = []  # (position, file name, size)
+        for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
+            name = self._name(key)
+            size = self.index.get(name)
+            if size is not None and size <= len(out):  # larger: not a frame this reader holds
+                wanted.append((i, name, size))
+        self._advise([name for _, name, _ in wanted])
+        if len(wanted) > 1:
+            pool = self._readers()
+            results = list(pool.map(lambda w: self._read(w[1], outs[w[0]], w[2]), wanted))
+        else:
+            results = [self._read(name, outs[i], size) for i, name, size in wanted]
+        lengths: list[int | None] = [None] * len(keys)
+        failed: OSError | None = None
+        for (i, name, _), result in zip(wanted, results, strict=True):
+            if isinstance(result, FileNotFoundError):
+                self._forget(name)
+            elif isinstance(result, OSError):
+                failed = result
+            else:
+                lengths[i] = result
+                self.policy.accessed(name)
+        if failed is not None:
+            raise BackendError(f"disk tier read failed: {failed}") from failed
+        return lengths
+
+    def _read(self, name: str, out: memoryview, size: int) -> int | OSError:
+        """One file into ``out`` (runs on a reader thread): its length, or the error."""
+        try:
+            with open(self.root / name, "rb", buffering=0) as f:
+                return f.readinto(out[:size])
+        except OSError as e:
+            return e
+
+    def _readers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="lmkv-disk-read")
+        return self._pool
+
+    def will_get(self, keys: Sequence[str]) -> None:
+        self._advise([n for n in map(self._name, keys) if n in self.index])
+
+    def _advise(self, names: list[str]) -> None:
+        """POSIX_FADV_WILLNEED on these files: the kernel starts reading them now."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for name in names:
+            try:
+                fd = os.open(self.root / name, os.O_RDONLY)
+            except OSError:
+                continue  # the read reports it
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         return [self._name(k) in self.index for k in keys]

@@ -90,6 +90,10 @@ class LazyBackend(StorageBackend):
     def remove(self, keys: Sequence[str]) -> None:
         self._call(lambda b: b.remove(keys))
 
+    def will_get(self, keys: Sequence[str]) -> None:
+        if self._backend is not None:  # a hint never opens a connection
+            self._backend.will_get(keys)
+
     @property
     def num_evictions(self) -> int:
         return self._backend.num_evictions if self._backend is not None else 0

@@ -123,6 +123,9 @@ class StorageManager:
         """On the I/O thread: the leading ``keys`` that some tier has, each retained. Each
         tier is asked for a batch of chunks at once (one pipelined round trip)."""
         out: list[ChunkBuffer] = []
+        if len(keys) > LOAD_BATCH:
+            for tier in self.tiers:  # the whole run, so that reads queue ahead of the batches
+                tier.will_get(keys)
         for start in range(0, len(keys), LOAD_BATCH):
             batch = keys[start : start + LOAD_BATCH]
             loaded = self._load_batch(batch, prefetch=False)

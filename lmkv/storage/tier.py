@@ -79,6 +79,11 @@ class Tier:
         self.breaker.success()
         return found
 
+    def will_get(self, keys: list[str]) -> None:
+        """Tell the backend that ``keys`` will be read soon (a disk tier starts the reads)."""
+        if self.available and keys:
+            self.backend.will_get(keys)
+
     def read(self, keys: list[str], bufs: list[ChunkBuffer]) -> list[bool]:
         """Read and decode ``keys[i]`` into ``bufs[i]``, one batch (one pipelined round trip
         where the backend can). True where the chunk arrived intact; a miss, a corrupt frame

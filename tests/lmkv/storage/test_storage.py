@@ -126,6 +126,32 @@ def test_disk_tier_batched_reads(tmp_path):
     assert not disk.contains(["batch-a"])[0]
 
 
+def test_disk_tier_reads_a_batch_side_by_side_into_the_right_buffers(tmp_path):
+    """A batch larger than the reader threads: every value lands in its own buffer, one
+    that does not fit is a miss, a file that cannot be read fails the batch with a
+    BackendError naming it, and a hint for any keys never raises."""
+    from lmkv.backends.disk import READERS
+
+    disk = DiskBackend(tmp_path, capacity_bytes=1 << 22)
+    n = 3 * READERS + 1
+    values = [bytes([i]) * (1000 + 37 * i) for i in range(n)]
+    disk.put([(f"v{i}", v) for i, v in enumerate(values)])
+    disk.will_get([f"v{i}" for i in range(n)] + ["absent"])
+    outs = [memoryview(bytearray(2000)) for _ in range(n)]
+    outs[2] = memoryview(bytearray(10))  # too small for its value
+    got = disk.get_into_many([f"v{i}" for i in range(n)], outs)
+    assert got[2] is None
+    for i in (j for j in range(n) if j != 2):
+        assert got[i] == len(values[i]) and bytes(outs[i][: got[i]]) == values[i]
+    (tmp_path / disk._name("v1")).unlink()
+    (tmp_path / disk._name("v1")).mkdir()  # not readable as a file
+    with pytest.raises(BackendError, match="disk tier read failed"):
+        disk.get_into_many(["v0", "v1"], [memoryview(bytearray(2000))] * 2)
+    readers = list(disk._pool._threads)
+    disk.close()
+    assert readers and not any(t.is_alive() for t in readers)
+
+
 def test_batched_loads_stop_at_the_first_missing_or_corrupt_chunk(tmp_path):
     """A run of chunks is read from a tier in batches; the hit ends at the first chunk no
     tier has or that arrives corrupt, chunks read beyond it are not handed out, and every
