@@ -34,7 +34,7 @@ class LMKVConfig:
     chunk_size: int = 256  # tokens per stored chunk
     local_cpu: bool = True  # the hot CPU cache
     max_local_cpu_size: float = 5.0  # GB of the hot CPU cache
-    cache_policy: str = DEFAULT_POLICY  # lru | prefix_lru | prefix_lfu: what the hot cache evicts
+    cache_policy: str = DEFAULT_POLICY  # a name in lmkv.policy.POLICIES: what the hot cache evicts
     local_disk: str | None = None  # directory (or file:// URL) of the disk tier; None = off
     max_local_disk_size: float = 0.0  # GB cap of the disk tier (required when local_disk is set)
     remote_url: str | None = None  # lm://, redis://, ... (issue: cross-instance sharing)

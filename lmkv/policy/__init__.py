@@ -10,6 +10,7 @@ POLICIES = {  # name -> (module, class)
     "lru": ("lru", "LRUPolicy"),
     "prefix_lru": ("prefix_lru", "PrefixLRUPolicy"),
     "prefix_lfu": ("prefix_lfu", "PrefixLFUPolicy"),
+    "prefix_horizon": ("prefix_horizon", "PrefixHorizonPolicy"),
 }
 DEFAULT_POLICY = "prefix_lru"  # never below LRU on any trace measured (docs/operations.md)
 

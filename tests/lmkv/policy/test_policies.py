@@ -16,7 +16,7 @@ from lmkv.policy import DEFAULT_POLICY, POLICIES, make_policy
 from lmkv.storage.hot_cache import HotCache
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, chunk_size=4)
-PREFIX_AWARE = ["prefix_lru", "prefix_lfu"]
+PREFIX_AWARE = ["prefix_lru", "prefix_lfu", "prefix_horizon"]
 
 
 def _random_prompt(rng: random.Random) -> list[str]:

@@ -1,0 +1,163 @@
+"""prefix_horizon: keep the chunks held for a horizon that adapts, and give up a new chunk
+before one still inside it; among the leaves of the prefix tree.
+
+For reuse that comes back after more chunks than the cache holds (a conversation's next
+turn), LRU keeps the newest chunks and loses each one just before its reuse. This policy
+holds what it has for ``horizon`` inserts after its last use: the victim is the oldest leaf
+past the horizon if there is one, else the newest leaf used only once (a new chunk waits
+its turn instead of pushing out one that is nearer its reuse), else the newest leaf used
+again (in a loop larger than the cache, part of the loop stays). A chunk evicted or refused
+is remembered (``HISTORY`` keys per entry held, with its use count and when it left), and
+its return moves the horizon:
+- one that left past the horizon: held longer, it would have served: the horizon grows;
+- one given up early (inside the horizon, or refused) that returns within (entries held)
+  inserts, where LRU would still have held it: the horizon shrinks ``SHRINK`` times as
+  fast. At 0 the policy is prefix LRU.
+A returning chunk keeps its use count, so a conversation seen twice counts as used again.
+Every operation is O(log n): two heaps with lazy deletion.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .base import CachePolicy
+from .prefix_tree import Node
+
+HISTORY = 16  # keys remembered after they leave, per entry held
+STEP = 0.01  # horizon change per returning chunk, in entries held
+SHRINK = 10  # a loss against LRU weighs this many gains
+
+
+@dataclass(slots=True, eq=False)
+class HorizonNode(Node):
+    clock: int = 0  # inserts counted when last used
+
+
+class Gone(NamedTuple):
+    count: int  # uses while held
+    early: bool  # given up inside the horizon (or refused), not past it
+    clock: int  # inserts counted when it left
+
+
+class PrefixHorizonPolicy(CachePolicy):
+    name = "prefix_horizon"
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, HorizonNode] = {}
+        self.horizon = 0.0  # inserts
+        self.clock = 0  # inserts so far
+        self.history: OrderedDict[str, Gone] = OrderedDict()  # oldest first
+        self._tick = 0  # orders the heaps; ties go to the older
+        self._oldest: list[tuple[int, str]] = []  # (tick, key): every leaf
+        self._newest: list[tuple[bool, int, str]] = []  # (used again, -tick, key): every leaf
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def admit(self, key: str, parent: str | None, contains: Callable[[str], bool]) -> bool:
+        if parent is None or contains(parent):
+            return True
+        gone = self.history.get(key)
+        self._remember(key, (gone.count if gone else 0) + 1, early=True)
+        return False
+
+    def inserted(self, key: str, parent: str | None) -> None:
+        self.clock += 1
+        gone = self.history.pop(key, None)
+        if gone is not None:
+            self._adapt(gone)
+        up = self.nodes.get(parent) if parent is not None else None  # None: a root
+        node = HorizonNode(key, up, count=1 + (gone.count if gone else 0))
+        self.nodes[key] = node
+        if up is not None:
+            up.children += 1
+        self._touch(node)
+
+    def accessed(self, key: str) -> None:
+        node = self.nodes.get(key)
+        if node is not None:
+            node.count += 1
+            self._touch(node)
+
+    def removed(self, key: str) -> None:
+        node = self.nodes.pop(key, None)
+        if node is None:
+            return
+        parent = node.parent  # as in PrefixTreePolicy: a dropped inner chunk's children stay
+        if parent is not None and self.nodes.get(parent.key) is parent:
+            parent.children -= 1
+            if parent.children == 0:  # a leaf again: a candidate
+                self._push(parent)
+
+    def victim(self, evictable: Callable[[str], bool]) -> str | None:
+        past = self.clock - self.horizon  # used before this: past the horizon
+        key = self._pop(self._oldest, evictable, lambda n: n.clock < past)
+        early = key is None
+        if early:
+            key = self._pop(self._newest, evictable)
+        if key is not None:
+            self._remember(key, self.nodes[key].count, early)
+        if len(self._oldest) + len(self._newest) > 8 * len(self.nodes) + 64:
+            self._compact()
+        return key
+
+    def _adapt(self, gone: Gone) -> None:
+        step = STEP * len(self.nodes)
+        if not gone.early:
+            self.horizon += step
+        elif self.clock - gone.clock < len(self.nodes):
+            self.horizon = max(0.0, self.horizon - SHRINK * step)
+
+    def _remember(self, key: str, count: int, early: bool) -> None:
+        self.history[key] = Gone(count, early, self.clock)
+        self.history.move_to_end(key)
+        while len(self.history) > HISTORY * len(self.nodes) + 64:
+            self.history.popitem(last=False)
+
+    def _touch(self, node: HorizonNode) -> None:
+        self._tick += 1
+        node.tick = self._tick
+        node.clock = self.clock
+        self._push(node)
+
+    def _push(self, node: HorizonNode) -> None:
+        if node.children:
+            return
+        heapq.heappush(self._oldest, (node.tick, node.key))
+        heapq.heappush(self._newest, (node.count >= 2, -node.tick, node.key))
+
+    def _pop(self, heap: list, evictable: Callable[[str], bool],
+             wanted: Callable[[HorizonNode], bool] | None = None) -> str | None:
+        """The first live leaf of ``heap`` that ``evictable`` accepts; None at the first one
+        ``wanted`` rejects. Stale entries (gone, used since, or no longer a leaf) are dropped."""
+        skipped = []
+        found = None
+        while heap:
+            tick, key = heap[0][-2:]
+            node = self.nodes.get(key)
+            if node is None or node.tick != abs(tick) or node.children:
+                heapq.heappop(heap)
+                continue
+            if wanted is not None and not wanted(node):
+                break
+            if not evictable(key):
+                skipped.append(heapq.heappop(heap))
+                continue
+            found = key
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _compact(self) -> None:
+        """Drop the stale heap entries (amortised O(1) per operation)."""
+        leaves = [n for n in self.nodes.values() if not n.children]
+        self._oldest = [(n.tick, n.key) for n in leaves]
+        self._newest = [(n.count >= 2, -n.tick, n.key) for n in leaves]
+        for heap in (self._oldest, self._newest):
+            heapq.heapify(heap)
