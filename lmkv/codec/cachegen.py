@@ -12,8 +12,8 @@ A chunk kv [2, L, T, Hkv, D] becomes symbols, then bytes:
 With a table that has a decorrelating transform (calibration.py, the default), step 1
 quantizes each token's coefficients in the layer's basis instead of its channels (no
 deltas), and the streams are the table's bands of each (kv, layer): coefficients of similar
-spread, coefficient-major ([coefficients, T]); coefficients past the last band are not
-stored (they decode to their mean).
+spread, coefficient-major ([coefficients, T]); coefficients past the last band, if the
+table drops any, are not stored (they decode to their mean).
 
 Payload (inside the 64-byte frame, which names codec "cachegen" and checks the bytes):
   "CGv1" (per channel) or "CGv2" (transform), table id u64, group size u16, coder u8,

@@ -18,8 +18,9 @@ Calibration (``calibrate``) looks at chunks of real KV [2, L, T, Hkv, D]:
   hold the coefficients' mean and step); for a near-Gaussian KV, an orthonormal transform
   keeps the error and concentrates the variance in few coefficients, so equal steps cost
   fewer bits. ``bands`` [2, L, B + 1] int32 splits the coefficients, by their spread in
-  steps, into runs entropy-coded apart; coefficients past ``bands[..., -1]`` (spread below
-  half a step) are not stored.
+  steps, into runs entropy-coded apart; coefficients past ``bands[..., -1]`` are not stored
+  (with ``store_weak`` off: those whose spread is below half a step; on, the default,
+  every coefficient is stored: dropping them cost QA accuracy on SmolLM2, docs/codec.md).
 
 The table id (xxh3-64 of the file's bytes) is written into every payload; a payload made
 with another table is rejected rather than decoded wrongly.
@@ -51,6 +52,7 @@ class CalibrationSettings:
     value_ratio: float = 1.0  # V's target relative to K's
     group_size: int = 16  # tokens per anchor group
     transform: bool = True  # decorrelating transform per [kv, layer] (see above)
+    store_weak: bool = True  # also store coefficients whose spread is below half a step
 
     def __post_init__(self) -> None:
         if not (0 < self.error < 1 and self.deep_ratio >= 1 and self.value_ratio > 0):
@@ -207,7 +209,7 @@ def calibrate(chunks: Iterable[torch.Tensor], settings: CalibrationSettings | No
     # the transform where it pays: not on KV with no correlations to remove
     from .cachegen import encode
 
-    transformed = _calibrate_transform(data, mean, step, target, g)
+    transformed = _calibrate_transform(data, mean, step, target, g, settings.store_weak)
     size = lambda t: sum(len(encode(c, t)) for c in chunks)  # noqa: E731
     return transformed if size(transformed) < size(table) else table
 
@@ -220,7 +222,8 @@ def _entropy(symbols: torch.Tensor) -> float:
 
 
 def _calibrate_transform(data: torch.Tensor, mean: torch.Tensor, step: torch.Tensor,
-                         target: torch.Tensor, group_size: int) -> CacheGenTable:
+                         target: torch.Tensor, group_size: int, store_weak: bool
+                         ) -> CacheGenTable:
     """The table with a decorrelating transform (see the module docstring)."""
     two, layers, n, heads, dim = data.shape
     x = (data - mean[:, :, None]).reshape(two, layers, n, heads * dim).double()
@@ -228,7 +231,7 @@ def _calibrate_transform(data: torch.Tensor, mean: torch.Tensor, step: torch.Ten
     var, vec = torch.linalg.eigh(cov)  # ascending
     var, basis = var.flip(-1).clamp_min(0), vec.flip(-1).float()  # strongest first
     spread = var.sqrt().float() / step.reshape(two, layers, -1)  # std in steps per coefficient
-    edges = torch.tensor((float("inf"), *BAND_SPREADS))
+    edges = torch.tensor((float("inf"), *BAND_SPREADS, *((0.0,) if store_weak else ())))
     # coefficients are sorted by spread, so each band is a run: its end = how many reach it
     bands = (spread[..., None] >= edges[1:]).sum(dim=2).to(torch.int32)  # [2, L, B]
     bands = torch.cat([torch.zeros_like(bands[..., :1]), bands], dim=2)

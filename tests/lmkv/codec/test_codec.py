@@ -199,7 +199,9 @@ def test_transform_is_chosen_for_correlated_kv_and_keeps_the_error_bound(dtype):
     basis = table.basis.reshape(6, 64, 64)
     eye = torch.eye(64).expand(6, 64, 64)
     assert torch.allclose(basis.transpose(1, 2) @ basis, eye, atol=1e-4)  # orthonormal
-    assert (table.bands[..., -1] < 64).all()  # the weak coefficients are not stored
+    assert (table.bands[..., -1] == 64).all()  # every coefficient is stored by default
+    weak_dropped = calibrate(chunks, CalibrationSettings(error=0.04, store_weak=False))
+    assert (weak_dropped.bands[..., -1] < 64).all()
     x = kv_correlated(9, big)
     payload = cachegen.encode(x, table)
     assert payload[:4] == b"CGv2"
