@@ -10,6 +10,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -111,6 +112,48 @@ def drop_page_cache(paths: list[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def raw_read_seconds(paths: list[Path]) -> tuple[float, int]:
+    """The fastest of the ways to read these files cold that we know (each with the files
+    dropped from the page cache first): one after the other; all advised WILLNEED, then 4
+    threads; 16 threads reading 1 MiB pieces. A floor that lmkv's own reads cannot beat."""
+    sizes = [p.stat().st_size for p in paths]
+    buf = memoryview(bytearray(sum(sizes)))
+    buf[:] = bytes(len(buf))  # pre-fault
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    piece = 1 << 20
+
+    def read(i: int, start: int = 0, length: int | None = None) -> None:
+        n = sizes[i] - start if length is None else min(length, sizes[i] - start)
+        with open(paths[i], "rb", buffering=0) as f:
+            f.seek(start)
+            f.readinto(buf[offsets[i] + start : offsets[i] + start + n])
+
+    def serial() -> None:
+        for i in range(len(paths)):
+            read(i)
+
+    def advised_threads() -> None:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            os.close(fd)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(read, range(len(paths))))
+
+    def pieces() -> None:
+        jobs = [(i, s) for i, n in enumerate(sizes) for s in range(0, n, piece)]
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda j: read(j[0], j[1], piece), jobs))
+
+    best = float("inf")
+    for method in (serial, advised_threads, pieces):
+        drop_page_cache(paths)
+        start = time.perf_counter()
+        method()
+        best = min(best, time.perf_counter() - start)
+    return best, sum(sizes)
 
 
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
