@@ -239,6 +239,29 @@ def test_transform_table_file_round_trip_and_older_tables_still_load(tmp_path):
                     table.basis, bad)
 
 
+def test_incompressible_streams_are_stored_as_they_are(table):
+    """Symbols spread evenly over int8 do not compress: such a stream is stored as is
+    (width 3), decodes exactly, and a stored stream of the wrong length is rejected."""
+    from lmkv.codec.cachegen import _HEAD, _STREAM, STORED
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, LAYOUT.chunk_shape, generator=g).float()
+    x = q * table.step[:, :, None] + table.mean[:, :, None]
+    payload = cachegen.encode(x, table)
+    widths = [_STREAM.unpack_from(payload, _HEAD.size + i * _STREAM.size)[0]
+              for i in range(_HEAD.unpack_from(payload)[-1])]
+    assert STORED in widths
+    out = torch.empty_like(x)
+    cachegen.decode_into(payload, out, table)
+    assert torch.allclose(out, x, atol=1e-4)
+    bad = bytearray(payload)
+    i = widths.index(STORED)
+    width, length = _STREAM.unpack_from(bad, _HEAD.size + i * _STREAM.size)
+    _STREAM.pack_into(bad, _HEAD.size + i * _STREAM.size, width, length - 1)
+    with pytest.raises(cachegen.PayloadError):
+        cachegen.decode_into(bytes(bad), out, table)
+
+
 def test_rans_payload_decodes_like_zstd(table):
     x = kv_like(6)
     a, b = torch.empty_like(x), torch.empty_like(x)
