@@ -44,7 +44,9 @@ class LMKVConfig:
     # quality gate: re-run 1 in N greedy requests served lossy KV; None = 16 with a lossy
     # codec configured, else off; 0 = off
     codec_check_every: int | None = None
-    codec_min_agreement: float = 0.99  # below this token agreement, lossy tiers turn lossless
+    # below this greedy-token agreement, lossy tiers turn lossless (docs/codec.md: set from
+    # benchmarks/codec_rag.py on SmolLM2, between the default target's and a harmful one's)
+    codec_min_agreement: float = 0.35
     remote_timeout: float = 2.0  # seconds for any one remote call
     save_decode_cache: bool = False  # also store chunks completed by generated tokens
     kv_role: str = "both"  # both | producer (save only, flushed per request) | consumer (load only)
