@@ -25,8 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .base import CachePolicy
-from .prefix_tree import Node
+from .prefix_tree import Node, PrefixTree
 
 HISTORY = 16  # keys remembered after they leave, per entry held
 STEP = 0.01  # horizon change per returning chunk, in entries held
@@ -44,20 +43,17 @@ class Gone(NamedTuple):
     clock: int  # inserts counted when it left
 
 
-class PrefixHorizonPolicy(CachePolicy):
+class PrefixHorizonPolicy(PrefixTree):
     name = "prefix_horizon"
+    node_type = HorizonNode
 
     def __init__(self) -> None:
-        self.nodes: dict[str, HorizonNode] = {}
+        super().__init__()
         self.horizon = 0.0  # inserts
         self.clock = 0  # inserts so far
         self.history: OrderedDict[str, Gone] = OrderedDict()  # oldest first
-        self._tick = 0  # orders the heaps; ties go to the older
         self._oldest: list[tuple[int, str]] = []  # (tick, key): every leaf
         self._newest: list[tuple[bool, int, str]] = []  # (used again, -tick, key): every leaf
-
-    def __len__(self) -> int:
-        return len(self.nodes)
 
     def admit(self, key: str, parent: str | None, contains: Callable[[str], bool]) -> bool:
         if parent is None or contains(parent):
@@ -71,28 +67,11 @@ class PrefixHorizonPolicy(CachePolicy):
         gone = self.history.pop(key, None)
         if gone is not None:
             self._adapt(gone)
-        up = self.nodes.get(parent) if parent is not None else None  # None: a root
-        node = HorizonNode(key, up, count=1 + (gone.count if gone else 0))
-        self.nodes[key] = node
-        if up is not None:
-            up.children += 1
-        self._touch(node)
-
-    def accessed(self, key: str) -> None:
-        node = self.nodes.get(key)
-        if node is not None:
-            node.count += 1
-            self._touch(node)
-
-    def removed(self, key: str) -> None:
-        node = self.nodes.pop(key, None)
-        if node is None:
-            return
-        parent = node.parent  # as in PrefixTreePolicy: a dropped inner chunk's children stay
-        if parent is not None and self.nodes.get(parent.key) is parent:
-            parent.children -= 1
-            if parent.children == 0:  # a leaf again: a candidate
-                self._push(parent)
+        super().inserted(key, parent)
+        if gone is not None:  # it keeps its use count
+            node = self.nodes[key]
+            node.count += gone.count
+            self._touched(node)
 
     def victim(self, evictable: Callable[[str], bool]) -> str | None:
         past = self.clock - self.horizon  # used before this: past the horizon
@@ -119,13 +98,13 @@ class PrefixHorizonPolicy(CachePolicy):
         while len(self.history) > HISTORY * len(self.nodes) + 64:
             self.history.popitem(last=False)
 
-    def _touch(self, node: HorizonNode) -> None:
+    def _touched(self, node: HorizonNode) -> None:
         self._tick += 1
         node.tick = self._tick
         node.clock = self.clock
-        self._push(node)
+        self._leaf_again(node)
 
-    def _push(self, node: HorizonNode) -> None:
+    def _leaf_again(self, node: HorizonNode) -> None:
         if node.children:
             return
         heapq.heappush(self._oldest, (node.tick, node.key))

@@ -1,7 +1,9 @@
-"""PrefixTreePolicy: the base of the prefix-aware policies. Only leaves of the prefix tree
-(chunks no cached chunk continues) are eviction candidates, so a cached chunk's parent is
-always cached: a chunk is only useful while its whole prefix is. Candidates sit in a heap
-ordered by a priority the subclass defines (lazy deletion: O(log n) per operation)."""
+"""The prefix tree under the prefix-aware policies. Only leaves of the tree (chunks no cached
+chunk continues) are eviction candidates, so a cached chunk's parent is always cached: a
+chunk is only useful while its whole prefix is. ``PrefixTree`` keeps the nodes and tells its
+subclass when a node was touched (inserted or used) and when a node became a leaf again;
+``PrefixTreePolicy`` orders the leaves in one heap by a priority the subclass defines (lazy
+deletion: O(log n) per operation)."""
 
 from __future__ import annotations
 
@@ -23,35 +25,37 @@ class Node:
     tick: int = 0  # when the priority was last set; ties go to the older
 
 
-class PrefixTreePolicy(CachePolicy):
+class PrefixTree(CachePolicy):
+    node_type: type[Node] = Node
+
     def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
-        self._heap: list[tuple[float, int, str]] = []  # (priority, tick, key); stale ones skipped
         self._tick = 0
 
     def __len__(self) -> int:
         return len(self.nodes)
 
     @abstractmethod
-    def priority(self, node: Node) -> float:
-        """Lower is evicted first."""
+    def _touched(self, node: Node) -> None:
+        """``node`` was inserted or used (its count is up to date)."""
 
-    def evicted(self, node: Node) -> None:  # noqa: B027 - an optional hook
-        """The policy's victim ``node`` left the cache (aging hooks in here)."""
+    @abstractmethod
+    def _leaf_again(self, node: Node) -> None:
+        """The last cached chunk continuing ``node`` left: it is a candidate again."""
 
     def inserted(self, key: str, parent: str | None) -> None:
         up = self.nodes.get(parent) if parent is not None else None  # None: a root
-        node = Node(key, up)
+        node = self.node_type(key, up)
         self.nodes[key] = node
         if up is not None:
             up.children += 1
-        self._set(node)
+        self._touched(node)
 
     def accessed(self, key: str) -> None:
         node = self.nodes.get(key)
         if node is not None:
             node.count += 1
-            self._set(node)
+            self._touched(node)
 
     def removed(self, key: str) -> None:
         node = self.nodes.pop(key, None)
@@ -62,8 +66,27 @@ class PrefixTreePolicy(CachePolicy):
         parent = node.parent
         if parent is not None and self.nodes.get(parent.key) is parent:
             parent.children -= 1
-            if parent.children == 0:  # a leaf again: a candidate
-                heapq.heappush(self._heap, (parent.priority, parent.tick, parent.key))
+            if parent.children == 0:
+                self._leaf_again(parent)
+
+
+class PrefixTreePolicy(PrefixTree):
+    def __init__(self) -> None:
+        super().__init__()
+        self._heap: list[tuple[float, int, str]] = []  # (priority, tick, key); stale ones skipped
+
+    @abstractmethod
+    def priority(self, node: Node) -> float:
+        """Lower is evicted first."""
+
+    def evicted(self, node: Node) -> None:  # noqa: B027 - an optional hook
+        """The policy's victim ``node`` left the cache (aging hooks in here)."""
+
+    def _touched(self, node: Node) -> None:
+        self._set(node)
+
+    def _leaf_again(self, node: Node) -> None:
+        heapq.heappush(self._heap, (node.priority, node.tick, node.key))
 
     def victim(self, evictable: Callable[[str], bool]) -> str | None:
         skipped = []
