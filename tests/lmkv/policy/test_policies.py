@@ -14,6 +14,7 @@ from lmkv.layout import KVLayout
 from lmkv.memory import HEADER_BYTES, MemoryPool
 from lmkv.policy import DEFAULT_POLICY, POLICIES, make_policy
 from lmkv.storage.hot_cache import HotCache
+from tests.policy_checks import replay_checked
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, chunk_size=4)
 PREFIX_AWARE = ["prefix_lru", "prefix_lfu", "prefix_horizon"]
@@ -32,41 +33,8 @@ def _random_prompt(rng: random.Random) -> list[str]:
 @pytest.mark.parametrize("seed", range(3))
 def test_invariants_under_random_operations(name, seed):
     rng = random.Random(seed)
-    pol = make_policy(name)
-    held: dict[str, str | None] = {}  # key -> parent
-    pinned: set[str] = set()
-    capacity = 30
-    for _ in range(3000):
-        keys = _random_prompt(rng)
-        n = 0
-        while n < len(keys) and keys[n] in held:
-            pol.accessed(keys[n])
-            n += 1
-        if rng.random() < 0.3:  # a planned load pins a random held chunk; another is unpinned
-            pinned.add(rng.choice(sorted(held))) if held else None
-            if pinned and rng.random() < 0.5:
-                pinned.discard(rng.choice(sorted(pinned)))
-        for i in range(n, len(keys)):
-            key, parent = keys[i], keys[i - 1] if i else None
-            if key in held:
-                pol.accessed(key)
-                continue
-            if len(held) >= capacity:
-                victim = pol.victim(lambda k: k not in pinned)
-                if victim is None:
-                    break
-                assert victim in held and victim not in pinned
-                if name in PREFIX_AWARE:  # only leaves go
-                    assert all(p != victim for p in held.values())
-                del held[victim]
-                pol.removed(victim)
-            if pol.admit(key, parent, held.__contains__):
-                held[key] = parent
-                pol.inserted(key, parent)
-        assert len(held) <= capacity and len(pol) == len(held)
-        assert pinned <= held.keys()
-        if name in PREFIX_AWARE:  # no orphan children
-            assert all(p is None or p in held for p in held.values())
+    prompts = [_random_prompt(rng) for _ in range(3000)]
+    replay_checked(make_policy(name), prompts, 30, rng, prefix=name in PREFIX_AWARE)
 
 
 @pytest.mark.parametrize("name", PREFIX_AWARE)

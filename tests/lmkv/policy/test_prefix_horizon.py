@@ -10,47 +10,7 @@ import pytest
 
 from lmkv.policy import make_policy
 from lmkv.policy.prefix_horizon import PrefixHorizonPolicy
-
-
-def _replay(pol, prompts: list[list[str]], capacity: int,
-            rng: random.Random | None = None, prefix: bool = True) -> tuple[int, dict]:
-    """Chunks served (leading hits) over ``prompts`` by a cache of ``capacity`` chunks, and
-    the keys held at the end (key -> parent), checking the invariants after every prompt.
-    With ``rng``, held chunks are pinned and unpinned at random (as planned loads do);
-    ``prefix``: the policy is prefix-aware (only leaves go, no orphans are kept)."""
-    held: dict[str, str | None] = {}
-    pinned: set[str] = set()
-    served = 0
-    for keys in prompts:
-        if rng is not None and held and rng.random() < 0.3:
-            pinned.add(rng.choice(sorted(held)))
-            if rng.random() < 0.5:
-                pinned.discard(rng.choice(sorted(pinned)))
-        n = 0
-        while n < len(keys) and keys[n] in held:
-            pol.accessed(keys[n])
-            n += 1
-        served += n
-        for i in range(n, len(keys)):
-            key, parent = keys[i], keys[i - 1] if i else None
-            if key in held:
-                pol.accessed(key)
-                continue
-            if len(held) >= capacity:
-                victim = pol.victim(lambda k: k not in pinned)
-                if victim is None:
-                    break
-                assert victim in held and victim not in pinned
-                assert not prefix or all(p != victim for p in held.values())  # only leaves go
-                del held[victim]
-                pol.removed(victim)
-            if pol.admit(key, parent, held.__contains__):
-                held[key] = parent
-                pol.inserted(key, parent)
-        assert len(held) <= capacity and len(pol) == len(held)
-        assert not prefix or all(p is None or p in held for p in held.values())  # no orphans
-        assert pinned <= held.keys()
-    return served, held
+from tests.policy_checks import replay_checked
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -62,7 +22,7 @@ def test_invariants_under_random_operations(seed):
         prompts.append([f"r{root}-{i}" for i in range(shared)]
                        + [f"r{root}-{shared}-t{tag}-{i}" for i in range(rng.randrange(1, 8))])
     pol = make_policy("prefix_horizon")
-    served, held = _replay(pol, prompts, 25, rng)
+    served, held = replay_checked(pol, prompts, 25, rng)
     assert served > 0 and pol.horizon >= 0
     pol._compact()  # rebuilt heaps hold exactly the leaves
     leaves = {k for k in held if all(p != k for p in held.values())}
@@ -72,10 +32,10 @@ def test_invariants_under_random_operations(seed):
 def test_a_loop_larger_than_the_cache_is_served_in_part():
     loop = [[f"p{j}-{i}" for i in range(4)] for j in range(10)]  # 40 chunks, cache of 20
     prompts = loop * 60
-    lru_served, _ = _replay(make_policy("lru"), prompts, 20, prefix=False)
+    lru_served, _ = replay_checked(make_policy("lru"), prompts, 20, prefix=False)
     assert lru_served == 0  # each chunk goes just before its reuse
     pol = make_policy("prefix_horizon")
-    served, _ = _replay(pol, prompts, 20)
+    served, _ = replay_checked(pol, prompts, 20)
     assert pol.horizon > 0  # learned: hold longer than LRU holds
     assert served >= 0.1 * 4 * 10 * 60  # a part of the loop stays
 
