@@ -37,8 +37,7 @@ from typing import NamedTuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import best, drop_page_cache, trained_model_dir  # noqa: E402
-from lmkv_ttft import raw_read_seconds  # noqa: E402
+from common import best, drop_page_cache, raw_read_seconds, trained_model_dir  # noqa: E402
 
 from lmkv.codec import cachegen  # noqa: E402
 from lmkv.codec.calibrate import calibration_prompts  # noqa: E402

@@ -28,8 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from codec import chunks_of, int8_bytes, int8_roundtrip, serve_transformed  # noqa: E402
-from common import best  # noqa: E402
-from lmkv_ttft import raw_read_seconds  # noqa: E402
+from common import best, raw_read_seconds  # noqa: E402
 from quality.rag_qa import MAX_TOKENS, make_examples  # noqa: E402
 
 from lmkv.codec import cachegen  # noqa: E402
@@ -97,7 +96,8 @@ def main() -> None:
     settings |= {f"cachegen {err:g}": roundtrip(t) for err, t in tables.items()}
     correct = {"lossless": 0} | {s: 0 for s in settings}
     agree = {s: 0 for s in settings}
-    size = {"fp16": 0, "int8": 0} | {f"cachegen {err:g}": 0 for err in tables}
+    size = {"fp16": 0, "int8": 0} | {f"{kind} {err:g}": 0 for err in tables
+                                       for kind in ("cachegen", "per-channel")}
     examples = make_examples(args.n, "heldout", count)
     lengths, kv_sample = [], []
     start = time.perf_counter()
@@ -114,8 +114,8 @@ def main() -> None:
         size["int8"] += sum(int8_bytes(c) for c in kv)
         for err, t in tables.items():
             size[f"cachegen {err:g}"] += sum(len(cachegen.encode(c, t)) for c in kv)
-            size[f"per-channel {err:g}"] = size.get(f"per-channel {err:g}", 0) + sum(
-                len(cachegen.encode(c, per_channel[err])) for c in kv)
+            size[f"per-channel {err:g}"] += sum(len(cachegen.encode(c, per_channel[err]))
+                                                for c in kv)
         exact: dict[str, torch.Tensor] = {}
         for name, fn in settings.items():
             out = serve_transformed(llm, ids, GEN, fn, exact).output_token_ids

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_model, drop_page_cache, random_prompt, raw_read_seconds  # noqa: E402, F401
+from common import bench_model, drop_page_cache, random_prompt, raw_read_seconds  # noqa: E402
 
 from lmkv import ops  # noqa: E402
 from lmkv.config import load_config  # noqa: E402
