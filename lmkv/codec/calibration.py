@@ -41,7 +41,8 @@ import xxhash
 
 FORMAT = "lmkv-cachegen-table/2"
 FORMATS = ("lmkv-cachegen-table/1", FORMAT)  # /1: no transform
-# band edges in coefficient spread / step, strongest first; below the last: not stored
+# band edges in coefficient spread / step, strongest first; the coefficients below the last
+# edge form one more band (store_weak, the default) or are not stored
 BAND_SPREADS = (64.0, 16.0, 4.0, 1.0, 0.5)
 
 
