@@ -257,8 +257,14 @@ def _calibrate(config: EngineConfig, settings: CalibrationSettings, args: argpar
         print(f"engine calibrate: error: {e}", file=sys.stderr)
         return 1
     print(f"cachegen table {table.table_id:016x} -> {path}")
-    print("delta coding per layer (K):", table.delta[0].int().tolist(),
-          "(V):", table.delta[1].int().tolist())
+    if table.basis is None:
+        why = "off by --no-transform" if not settings.transform else "it did not make this KV smaller"
+        print(f"decorrelating transform: off ({why}); delta coding per layer (K):",
+              table.delta[0].int().tolist(), "(V):", table.delta[1].int().tolist())
+    else:
+        stored = table.bands[..., -1]
+        print(f"decorrelating transform: on; coefficients stored per layer (K): {stored[0].tolist()} "
+              f"(V): {stored[1].tolist()} of {table.basis.shape[-1]}")
     return 0
 
 

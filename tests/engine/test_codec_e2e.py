@@ -88,7 +88,8 @@ def test_calibrate_cli_writes_where_the_engine_looks(tiny_model_dir, monkeypatch
     assert main(["calibrate", "--model", str(tiny_model_dir), "--prompts", "2", "--length", "128",
                  "--error", "0.01", "--kv-cache-memory", "64MiB"]) == 0
     path = next((tmp_path / "home" / ".cache" / "lmkv" / "calibration").glob("*.safetensors"))
-    assert path.name in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert path.name in out and "decorrelating transform: " in out  # says which coding it chose
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", local_disk_codec="cachegen") as llm:
         tier = llm.engine.kv_connector.cache.storage.tiers[0]
         assert tier.codec.name == "cachegen" and tier.table.target[0, 0].item() == pytest.approx(0.01)
