@@ -11,8 +11,9 @@ POLICIES = {  # name -> (module, class)
     "prefix_lru": ("prefix_lru", "PrefixLRUPolicy"),
     "prefix_lfu": ("prefix_lfu", "PrefixLFUPolicy"),
     "prefix_horizon": ("prefix_horizon", "PrefixHorizonPolicy"),
+    "prefix_adaptive": ("prefix_adaptive", "PrefixAdaptivePolicy"),
 }
-DEFAULT_POLICY = "prefix_lru"  # never below LRU on any trace measured (docs/operations.md)
+DEFAULT_POLICY = "prefix_adaptive"  # never below LRU on any trace measured, most above (docs/operations.md)
 
 
 def make_policy(name: str) -> CachePolicy:

@@ -3,7 +3,8 @@ before one still inside it; among the leaves of the prefix tree.
 
 For reuse that comes back after more chunks than the cache holds (a conversation's next
 turn), LRU keeps the newest chunks and loses each one just before its reuse. This policy
-holds what it has for ``horizon`` inserts after its last use: the victim is the oldest leaf
+holds what it has for ``horizon`` inserts after its last use (an insert: a chunk stored, or
+refused, as if it entered and left at once): the victim is the oldest leaf
 past the horizon if there is one, else the newest leaf used only once (a new chunk waits
 its turn instead of pushing out one that is nearer its reuse), else the newest leaf used
 again (in a loop larger than the cache, part of the loop stays). A chunk evicted or refused
@@ -14,6 +15,7 @@ its return moves the horizon:
   inserts, where LRU would still have held it: the horizon shrinks ``SHRINK`` times as
   fast. At 0 the policy is prefix LRU.
 A returning chunk keeps its use count, so a conversation seen twice counts as used again.
+With ``scale`` given the horizon is fixed instead: ``scale`` x (entries held) inserts.
 Every operation is O(log n): two heaps with lazy deletion.
 """
 
@@ -47,9 +49,10 @@ class PrefixHorizonPolicy(PrefixTree):
     name = "prefix_horizon"
     node_type = HorizonNode
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float | None = None) -> None:
         super().__init__()
-        self.horizon = 0.0  # inserts
+        self.scale = scale  # None: the horizon adapts; else it is scale x len(self) inserts
+        self.horizon = 0.0  # inserts (adaptive)
         self.clock = 0  # inserts so far
         self.history: OrderedDict[str, Gone] = OrderedDict()  # oldest first
         self._oldest: list[tuple[int, str]] = []  # (tick, key): every leaf
@@ -58,8 +61,7 @@ class PrefixHorizonPolicy(PrefixTree):
     def admit(self, key: str, parent: str | None, contains: Callable[[str], bool]) -> bool:
         if parent is None or contains(parent):
             return True
-        gone = self.history.get(key)
-        self._remember(key, (gone.count if gone else 0) + 1, early=True)
+        self.refuse(key)
         return False
 
     def inserted(self, key: str, parent: str | None) -> None:
@@ -74,8 +76,7 @@ class PrefixHorizonPolicy(PrefixTree):
             self._touched(node)
 
     def victim(self, evictable: Callable[[str], bool]) -> str | None:
-        past = self.clock - self.horizon  # used before this: past the horizon
-        key = self._pop(self._oldest, evictable, lambda n: n.clock < past)
+        key = self._pop(self._oldest, evictable, self._past)
         early = key is None
         if early:
             key = self._pop(self._newest, evictable)
@@ -85,7 +86,24 @@ class PrefixHorizonPolicy(PrefixTree):
             self._compact()
         return key
 
+    def crowded(self) -> bool:
+        """No leaf is past the horizon: a victim now would be a newest leaf."""
+        return self._pop(self._oldest, lambda _: True, self._past) is None
+
+    def refuse(self, key: str) -> None:
+        """``key``, not held, is given up before it enters (as a refused chunk is); it counts
+        as an insert, one that left at once."""
+        self.clock += 1
+        gone = self.history.get(key)
+        self._remember(key, (gone.count if gone else 0) + 1, early=True)
+
+    def _past(self, node: HorizonNode) -> bool:
+        horizon = self.horizon if self.scale is None else self.scale * len(self.nodes)
+        return node.clock < self.clock - horizon  # used before this: past the horizon
+
     def _adapt(self, gone: Gone) -> None:
+        if self.scale is not None:
+            return
         step = STEP * len(self.nodes)
         if not gone.early:
             self.horizon += step

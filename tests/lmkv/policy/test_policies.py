@@ -17,7 +17,7 @@ from lmkv.storage.hot_cache import HotCache
 from tests.policy_checks import replay_checked
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, chunk_size=4)
-PREFIX_AWARE = ["prefix_lru", "prefix_lfu", "prefix_horizon"]
+PREFIX_AWARE = ["prefix_lru", "prefix_lfu", "prefix_horizon", "prefix_adaptive"]
 
 
 def _random_prompt(rng: random.Random) -> list[str]:
