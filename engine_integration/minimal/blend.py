@@ -25,10 +25,12 @@ ATTENTION_GROUPS = 4
 
 @torch.inference_mode()
 def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[int],
-                  slots: torch.Tensor, plan: BlendPlan, launcher=None) -> tuple[torch.Tensor, int]:
+                  slots: torch.Tensor, plan: BlendPlan, launcher=None,
+                  select=select_recompute) -> tuple[torch.Tensor, int]:
     """Fill the KV of all prompt tokens at ``slots`` ([n] int64). Returns the last token's
     logits [vocab] and how many tokens with stored KV were recomputed. Runs on the device of
-    ``kv_cache``; ``launcher``: lmkv's kernels' launcher where the device does not say."""
+    ``kv_cache``; ``launcher``: lmkv's kernels' launcher where the device does not say;
+    ``select``: picks the tokens to recompute (select_recompute's signature)."""
     m = model.model
     n = len(tokens)
     dev = kv_cache.device
@@ -55,7 +57,7 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[
             stored = _stored_kv(m.rope, plan, n, kv_cache.dtype, dev, launcher)
             deviation = ((k - stored[0, i]).pow(2).sum((1, 2))
                          + (v - stored[1, i]).pow(2).sum((1, 2)))  # [n]
-            chosen = select_recompute(deviation, cached, ratio)
+            chosen = select(deviation, cached, ratio)
             recomputed = int((chosen & cached).sum())
             if not bool(chosen.all()):
                 active = chosen

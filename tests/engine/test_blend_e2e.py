@@ -227,3 +227,34 @@ def test_rag_request_through_engine_serve_after_cli_precompute(tiny_model_dir, t
         proc.terminate()
         proc.wait(30)
     del sys
+
+
+def test_the_selection_function_picks_the_recomputed_tokens(tiny_model_dir, plain):
+    """blend_prefill's ``select`` (benchmarks/blend_deviation.py's oracle goes through it):
+    selecting every token is a full prefill; the default selects the ratio's share."""
+    from lmkv.blend.plan import select_recompute
+    from lmkv_engines.minimal.blend import blend_prefill
+
+    docs, query = _docs(2)
+    with _blend_llm(tiny_model_dir, 0.15) as llm:
+        eng = llm.engine
+        llm.precompute(docs, progress=False)
+        prompt = join_segments([docs[1], docs[0], docs[2], query], eng.blend_separator)
+        n, attn = len(prompt), eng.model.model.layers[0].self_attn
+        asked = []
+
+        def run(select):
+            plan = eng.kv_connector.cache.blend_plan(prompt, eng.blend_separator)
+            kv = torch.zeros(len(eng.model.model.layers), 2, n, 1, attn.num_kv_heads, attn.head_dim)
+            try:
+                _, recomputed = blend_prefill(eng.model, kv, prompt, torch.arange(n), plan,
+                                              select=select)
+            finally:
+                plan.release()
+            return kv[:, :, :, 0].transpose(0, 1), recomputed
+
+        kv, recomputed = run(lambda deviation, cached, ratio: torch.ones_like(cached))
+        assert recomputed == 210
+        torch.testing.assert_close(kv, _prompt_kv(plain, prompt), atol=1e-5, rtol=1e-5)
+        _, recomputed = run(lambda *a: asked.append(a[2]) or select_recompute(*a))
+        assert asked == [0.15] and recomputed == round(0.15 * 210)

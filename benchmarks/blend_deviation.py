@@ -1,0 +1,123 @@
+"""How close a blended prefill comes to a full one, and whether a better choice of the
+recomputed tokens could come closer: one line per recompute ratio.
+
+    python -m benchmarks.blend_deviation [--prompts N] [--ratios 0.05 0.15 0.3 0.5]
+
+On held-out RAG prompts (benchmarks/quality/rag_qa.py, SmolLM2-135M-Instruct by default;
+documents shuffled, each precomputed alone, as in blend_rag.py --rag), the blended prefill
+is compared with a full prefill of the same prompt: the relative error of the question's KV
+(every layer; the question is always computed, so its error is what the reused KV did to
+it) and the KL divergence of the first answer token's distribution. Two choices of the
+recomputed tokens at each ratio:
+- hkvd: lmkv's, CacheBlend's: the tokens whose KV deviates most at the check layer;
+- oracle: the tokens whose stored KV deviates most from the full prefill's, summed over
+  every layer, known only after a full prefill. If it is no closer than hkvd, no choice of
+  that many tokens by KV deviation is, and only more recompute closes the gap.
+Each line ends with the ratio hkvd error / oracle error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+
+import torch
+
+from engine_integration.minimal.blend import blend_prefill
+from lmkv.blend.plan import BlendPlan, select_recompute
+from lmkv.blend.segments import split_segments
+from lmkv_engines.minimal.default_model import resolve_model
+
+from .blend_rag import blend_llm, rag_ids, shuffled
+from .quality.rag_qa import make_examples
+
+
+class Prefill:
+    """Blended prefills of one prompt into a flat KV [L, 2, n, 1, Hkv, D] (one-token blocks)."""
+
+    def __init__(self, llm, ids: list[int]):
+        self.engine = llm.engine
+        self.model = self.engine.model
+        self.ids = ids
+        attn = self.model.model.layers[0].self_attn
+        self.shape = (len(self.model.model.layers), 2, len(ids), 1, attn.num_kv_heads, attn.head_dim)
+
+    def run(self, plan: BlendPlan, select=select_recompute) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last token's log-probabilities [vocab] and the KV [L, 2, n, Hkv, D]."""
+        kv = torch.zeros(self.shape, dtype=self.engine.kv_cache.dtype)
+        try:
+            logits, _ = blend_prefill(self.model, kv, self.ids, torch.arange(len(self.ids)), plan,
+                                      select=select)
+        finally:
+            plan.release()
+        return torch.log_softmax(logits.float(), -1), kv[:, :, :, 0].float()
+
+    def full(self):
+        return self.run(BlendPlan(recompute_ratio=1.0, check_layer=len(self.model.model.layers)))
+
+    def blended(self, ratio: float, select=select_recompute):
+        cache = self.engine.kv_connector.cache
+        cache.config = dataclasses.replace(cache.config, blend_recompute_ratio=ratio)
+        plan = cache.blend_plan(self.ids, self.engine.blend_separator)
+        assert plan is not None, "the prompt's documents were not precomputed"
+        return self.run(plan, select)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.blend_deviation", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="default: SmolLM2-135M-Instruct")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.3, 0.5])
+    p.add_argument("--seed", type=int, default=3000)
+    args = p.parse_args(argv)
+    model = args.model or str(resolve_model(None))
+    opts = argparse.Namespace(rag=True, chunk_size=256, hot_cache_gb=2.0, separator="\n\n")
+    llm = blend_llm(model, opts, 0.0)
+    tok = llm.tokenizer
+    rng = random.Random(args.seed)
+    examples = [shuffled(e, rng) for e in
+                make_examples(args.prompts, "heldout", lambda t: len(tok.encode(t)))]
+    err: dict[tuple[str, float], list[float]] = {}
+    kl: dict[tuple[str, float], list[float]] = {}
+    lengths = []
+    for e in examples:
+        ids, docs = rag_ids(llm, e, opts.separator)
+        lengths.append(len(ids))
+        llm.precompute(docs, progress=False)
+        q0 = split_segments(ids, llm.engine.blend_separator)[-1].start  # the question's rows
+        run = Prefill(llm, ids)
+        ref_lp, ref_kv = run.full()
+        ref_q = ref_kv[:, :, q0:]
+        _, naive_kv = run.blended(0.0)
+        truth = torch.zeros(len(ids))  # each token's stored-KV deviation, all layers
+        truth[:q0] = (naive_kv[:, :, :q0] - ref_kv[:, :, :q0]).pow(2).sum((0, 1, 3, 4))
+
+        def oracle(_deviation, cached, ratio, _truth=truth):
+            return select_recompute(_truth, cached, ratio)
+
+        for ratio in [0.0, *args.ratios]:
+            for name, select in (("hkvd", select_recompute), ("oracle", oracle)):
+                if ratio == 0 and name == "oracle":
+                    continue
+                lp, kv = run.blended(ratio, select)
+                err.setdefault((name, ratio), []).append(
+                    float((kv[:, :, q0:] - ref_q).norm() / ref_q.norm()))
+                kl.setdefault((name, ratio), []).append(float((ref_lp.exp() * (ref_lp - lp)).sum()))
+    llm.close()
+    mean = statistics.mean
+    print(f"{len(examples)} held-out RAG prompts, {min(lengths)}-{max(lengths)} tokens; question-KV "
+          f"error = |blended - full| / |full| over every layer; KL of the first answer token")
+    print(f"naive reuse: question-KV error {mean(err['hkvd', 0.0]):.3f}, "
+          f"KL {mean(kl['hkvd', 0.0]):.3f}")
+    for ratio in args.ratios:
+        h, o = mean(err["hkvd", ratio]), mean(err["oracle", ratio])
+        print(f"recompute {ratio:.0%}: question-KV error hkvd {h:.3f} vs oracle {o:.3f}, KL hkvd "
+              f"{mean(kl['hkvd', ratio]):.3f} vs oracle {mean(kl['oracle', ratio]):.3f}: "
+              f"hkvd/oracle error = {h / o:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
