@@ -14,3 +14,9 @@ def check_batched_reads(backend, outs: list[memoryview]) -> None:
     assert bytes(outs[0][:1000]) == a and bytes(outs[2][:8192]) == b
     assert backend.get_into_many(["batch-b"], outs[1:2]) == [8192]  # a batch of one
     assert bytes(outs[1][:8192]) == b
+    # each value read is reported once, with its bytes already in place, before the return
+    seen = []
+    lengths = backend.get_into_many(["batch-b", "batch-none", "batch-a"], outs,
+                                    lambda i, n: seen.append((i, n, bytes(outs[i][:n]))))
+    assert lengths == [8192, None, 1000]
+    assert sorted(seen) == [(0, 8192, b), (2, 1000, a)]

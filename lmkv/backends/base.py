@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+Arrived = Callable[[int, int], None]  # (index in the batch, bytes read): a value is in place
 
 
 class StorageBackend(ABC):
@@ -47,10 +49,18 @@ class StorageBackend(ABC):
         out[: len(value)] = value
         return len(value)
 
-    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
+    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview],
+                      arrived: Arrived | None = None) -> list[int | None]:
         """get_into for several keys in one batch (lengths, None for misses). Remote
-        backends override it to pipeline the requests: one round trip, not one per key."""
-        return [self.get_into(key, out) for key, out in zip(keys, outs, strict=True)]
+        backends override it to pipeline the requests: one round trip, not one per key.
+        ``arrived(i, n)`` is called once for each value read, once its n bytes are in
+        ``outs[i]`` and before this returns, possibly on another thread: the caller checks
+        each value while the others are still on their way."""
+        lengths = []
+        for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
+            lengths.append(self.get_into(key, out))
+            report(lengths[i:], arrived, i)
+        return lengths
 
     def will_get(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """A hint: ``keys`` will be asked for soon (a run of chunks read in batches). A
@@ -70,3 +80,11 @@ class StorageBackend(ABC):
 
 class BackendError(RuntimeError):
     """A storage tier failed (I/O error, timeout, refused, protocol violation)."""
+
+
+def report(lengths: Sequence[int | None], arrived: Arrived | None, first: int = 0) -> None:
+    """``arrived`` for each value read among ``lengths`` (batch indices from ``first``)."""
+    if arrived is not None:
+        for i, n in enumerate(lengths, first):
+            if n is not None:
+                arrived(i, n)

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..policy import CachePolicy, make_policy
-from .base import BackendError, StorageBackend
+from .base import Arrived, BackendError, StorageBackend
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kv"
@@ -101,11 +101,13 @@ class DiskBackend(StorageBackend):
     def get_into(self, key: str, out: memoryview) -> int | None:
         return self.get_into_many([key], [out])[0]
 
-    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
+    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview],
+                      arrived: Arrived | None = None) -> list[int | None]:
         """get_into for a batch: the kernel is told first that every file is wanted
         (POSIX_FADV_WILLNEED, so their reads are queued together), then READERS threads
-        read them side by side (16 cold 8 MiB files: 2.0 GB/s vs 0.9 one after another).
-        The index and the policy are only touched on the calling thread."""
+        read them side by side (16 cold 8 MiB files: 2.0 GB/s vs 0.9 one after another),
+        each calling ``arrived`` for its file as soon as it is read. The index and the
+        policy are only touched on the calling thread."""
         wanted: list[tuple[int, str, int]] = []  # (position, file name, size)
         for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
             name = self._name(key)
@@ -113,11 +115,17 @@ class DiskBackend(StorageBackend):
             if size is not None and size <= len(out):  # larger: not a frame this reader holds
                 wanted.append((i, name, size))
         self._advise([name for _, name, _ in wanted])
+
+        def read(i: int, name: str, size: int) -> int | OSError:
+            n = self._read(name, outs[i], size)
+            if arrived is not None and isinstance(n, int):
+                arrived(i, n)
+            return n
+
         if len(wanted) > 1:
-            pool = self._readers()
-            results = list(pool.map(lambda w: self._read(w[1], outs[w[0]], w[2]), wanted))
+            results = list(self._readers().map(lambda w: read(*w), wanted))
         else:
-            results = [self._read(name, outs[i], size) for i, name, size in wanted]
+            results = [read(*w) for w in wanted]
         lengths: list[int | None] = [None] * len(keys)
         failed: OSError | None = None
         for (i, name, _), result in zip(wanted, results, strict=True):

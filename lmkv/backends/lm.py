@@ -17,7 +17,7 @@ from typing import NamedTuple, NoReturn
 from urllib.parse import urlsplit
 
 from lmkv.backends import lm_wire as wire
-from lmkv.backends.base import BackendError, StorageBackend
+from lmkv.backends.base import Arrived, BackendError, StorageBackend, report
 
 DEFAULT_MAX_VALUE_SIZE = 1 << 30
 # lmcache_server parses the key of every frame, HEALTH included, and drops the connection
@@ -145,7 +145,8 @@ class LMBackend(StorageBackend):
         except OSError as exc:
             self._fail("get from", exc)
 
-    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
+    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview],
+                      arrived: Arrived | None = None) -> list[int | None]:
         """All GETs sent at once, the replies read in order into ``outs``."""
         requests = [wire.pack_request(wire.Command.GET, self._key(k)) for k in keys]
         views = [memoryview(out).cast("B") for out in outs]
@@ -161,6 +162,7 @@ class LMBackend(StorageBackend):
                 if length is not None:
                     self._recv_exactly(sock, view[:length], deadline)
                 lengths.append(length)
+                report(lengths[-1:], arrived, len(lengths) - 1)
         except OSError as exc:
             self._fail("get from", exc)
         return lengths

@@ -17,7 +17,7 @@ import socket
 from collections.abc import Sequence
 from urllib.parse import parse_qs, urlparse
 
-from .base import BackendError, StorageBackend
+from .base import Arrived, BackendError, StorageBackend, report
 
 log = logging.getLogger(__name__)
 NOT_FOUND = -704
@@ -126,11 +126,12 @@ class MooncakeBackend(StorageBackend):
             raise BackendError(f"Mooncake get_into failed (code {n})")
         return n
 
-    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
+    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview],
+                      arrived: Arrived | None = None) -> list[int | None]:
         """One batch_get_into when every target is in the registered pool."""
         addrs = [self._registered(out) for out in outs]
         if len(keys) < 2 or None in addrs:
-            return super().get_into_many(keys, outs)
+            return super().get_into_many(keys, outs, arrived)
         codes = self.store.batch_get_into(list(keys), addrs, [len(out) for out in outs])
         lengths: list[int | None] = []
         for n in codes:
@@ -140,6 +141,7 @@ class MooncakeBackend(StorageBackend):
                 raise BackendError(f"Mooncake batch_get_into failed (code {n})")
             else:
                 lengths.append(n)
+        report(lengths, arrived)
         return lengths
 
     def contains(self, keys: Sequence[str]) -> list[bool]:

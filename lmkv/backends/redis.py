@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Sequence
 from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
 
-from .base import BackendError, StorageBackend
+from .base import Arrived, BackendError, StorageBackend, report
 
 
 def _split_prefix(url: str) -> tuple[str, str]:
@@ -66,7 +66,8 @@ class RedisBackend(StorageBackend):
                 raise BackendError(f"redis returned a {len(v)}-byte value (limit {self.max_value_size})")
         return values
 
-    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
+    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview],
+                      arrived: Arrived | None = None) -> list[int | None]:
         """One pipelined batch of GETs, each value copied into its ``out``."""
         lengths: list[int | None] = []
         for value, out in zip(self.get(keys), outs, strict=True):
@@ -75,6 +76,7 @@ class RedisBackend(StorageBackend):
                 continue
             out[: len(value)] = value
             lengths.append(len(value))
+        report(lengths, arrived)
         return lengths
 
     def contains(self, keys: Sequence[str]) -> list[bool]:

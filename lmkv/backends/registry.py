@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable, Sequence
 from urllib.parse import urlparse
 
-from .base import BackendError, StorageBackend
+from .base import Arrived, BackendError, StorageBackend
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ class LazyBackend(StorageBackend):
     def get_into(self, key: str, out: memoryview) -> int | None:
         return self._call(lambda b: b.get_into(key, out))
 
-    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
-        return self._call(lambda b: b.get_into_many(keys, outs))
+    def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview],
+                      arrived: Arrived | None = None) -> list[int | None]:
+        return self._call(lambda b: b.get_into_many(keys, outs, arrived))
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         return self._call(lambda b: b.contains(keys))

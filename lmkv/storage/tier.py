@@ -91,10 +91,15 @@ class Tier:
         if not self.available or not keys:
             return [False] * len(keys)
         start = time.perf_counter()
+        checked: list[Exception | None | bool] = [False] * len(keys)  # False: not checked yet
         try:
-            if self.codec.name == "raw":  # frames straight into the slots
-                frames = [memoryview(buf.frame.numpy()) for buf in bufs]
-                lengths = self.backend.get_into_many(keys, frames)
+            if self.codec.name == "raw":  # frames straight into the slots, each checked
+                frames = [memoryview(buf.frame.numpy()) for buf in bufs]  # as it lands
+
+                def arrived(i: int, n: int) -> None:
+                    checked[i] = self._check(keys[i], bufs[i], frames[i][:n])
+
+                lengths = self.backend.get_into_many(keys, frames, arrived)
                 values = [None if n is None else f[:n] for f, n in zip(frames, lengths, strict=True)]
             else:
                 values = self.backend.get(keys)
@@ -104,21 +109,33 @@ class Tier:
         self.breaker.success()
         self.metrics.tier_seconds.labels(self.name, "get").observe(time.perf_counter() - start)
         ok = []
-        for key, buf, data in zip(keys, bufs, values, strict=True):
-            ok.append(data is not None and self._decode(key, buf, data))
+        for key, buf, data, error in zip(keys, bufs, values, checked, strict=True):
+            if data is not None and error is False:
+                error = self._check(key, buf, data)
+            ok.append(data is not None and self._settle(key, data, error))
         return ok
 
-    def _decode(self, key: str, buf: ChunkBuffer, data: memoryview | bytes) -> bool:
+    def _check(self, key: str, buf: ChunkBuffer, data: memoryview | bytes) -> Exception | None:
+        """Verify and decode one frame into ``buf``; the error, if any. Thread-safe: touches
+        only ``buf``."""
         try:
             decode_into(data, buf, key, self.table)
-        except FrameError as e:
-            log.warning("lmkv: a chunk from %s is corrupt (%s); it will be recomputed", self.name, e)
+        except Exception as e:  # raised again on the caller's thread unless a FrameError
+            return e
+        return None
+
+    def _settle(self, key: str, data: memoryview | bytes, error: Exception | None) -> bool:
+        """On the calling thread: count a checked frame, or report and remove a corrupt one."""
+        if isinstance(error, FrameError):
+            log.warning("lmkv: a chunk from %s is corrupt (%s); it will be recomputed", self.name, error)
             self.metrics.errors.labels(self.name, "corrupt").inc()
             try:
                 self.backend.remove([key])
             except BackendError as e:
                 log.warning("lmkv: cannot remove the corrupt chunk from %s (%s)", self.name, e)
             return False
+        if error is not None:
+            raise error
         self.metrics.tier_bytes.labels(self.name, "get").inc(len(data))
         self.metrics.tier_hits.labels(self.name).inc()
         return True
