@@ -42,7 +42,7 @@ async def serve(config: ServerConfig) -> None:
             else "anyone who can reach this port",
         )
     arena = PageArena(config.num_pages, config.page_size, config.prefault)
-    store = Store(arena)
+    store = Store(arena, policy=config.cache_policy)
     persister = None
     if config.persist_dir is not None:
         persister = Persister(config.persist_dir, store)
@@ -81,10 +81,11 @@ async def serve(config: ServerConfig) -> None:
         )
         admin_task = asyncio.create_task(admin.serve())
     log.info(
-        "lmkv_server listening on %s:%d (max_memory=%d bytes, admin port %s)",
+        "lmkv_server listening on %s:%d (max_memory=%d bytes, cache_policy=%s, admin port %s)",
         config.host,
         listener.port,
         arena.capacity,
+        config.cache_policy,
         config.admin_port,
     )
     await stop.wait()

@@ -6,6 +6,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from lmkv.policy import POLICIES
+
 from .app import run
 from .config import ServerConfig, parse_networks, parse_size
 
@@ -24,7 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_size,
         default=_DEFAULTS.max_memory,
         help="bound on stored values, e.g. 16GiB, 512MB (default 1GiB, touched at start: see "
-        "--no-prefault); LRU eviction beyond",
+        "--no-prefault); eviction by --cache-policy beyond",
+    )
+    p.add_argument(
+        "--cache-policy",
+        choices=list(POLICIES),
+        default=_DEFAULTS.cache_policy,
+        help=f"what is evicted beyond --max-memory (default {_DEFAULTS.cache_policy}; "
+        "docs/operations.md)",
     )
     p.add_argument(
         "--max-value-size",
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             max_connections=args.max_connections,
             allow=args.allow,
             log_level=args.log_level.upper(),
+            cache_policy=args.cache_policy,
         )
     except ValueError as exc:
         parser.error(str(exc))

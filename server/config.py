@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmkv.backends.lm_wire import MAX_LENGTH
+from lmkv.policy import DEFAULT_POLICY, POLICIES
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -94,6 +95,9 @@ class ServerConfig:
     # protocol itself has no authentication; this is address-based access control.
     allow: tuple[IPNetwork, ...] = ()
     log_level: str = "INFO"
+    # What is evicted beyond max_memory: a name in lmkv.policy.POLICIES (every key a root:
+    # the protocol carries no prefix parents).
+    cache_policy: str = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -112,6 +116,9 @@ class ServerConfig:
             raise ValueError("max_connections must be at least 1")
         if self.io_timeout <= 0:
             raise ValueError("io_timeout must be positive")
+        if self.cache_policy not in POLICIES:
+            raise ValueError(f"cache_policy must be one of {', '.join(POLICIES)}, "
+                             f"got {self.cache_policy!r}")
         if logging.getLevelName(self.log_level.upper()) not in range(0, 51):
             raise ValueError(f"unknown log level {self.log_level!r}")
 

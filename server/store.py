@@ -1,6 +1,8 @@
-"""Store: the server's bounded key -> value map, LRU over a PageArena.
+"""Store: the server's bounded key -> value map over a PageArena, evicting by a cache
+policy (lmkv.policy, by name; the lm:// protocol carries no prefix parents, so every key is
+a root to it: ``prefix_lru`` is plain LRU here).
 
-Life of a PUT: ``reserve`` pages (evicting least recently used entries to make room),
+Life of a PUT: ``reserve`` pages (evicting the entries the policy picks to make room),
 the connection receives the payload straight into them, then ``commit`` publishes the
 entry (or ``abort`` returns the pages). Until the commit, readers still see the old value.
 
@@ -14,11 +16,11 @@ The event loop and the persistence thread both call in, so every method takes th
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from lmkv.backends.lm_wire import Shape
+from lmkv.policy import DEFAULT_POLICY, make_policy
 
 from .arena import PageArena
 
@@ -47,12 +49,15 @@ class StoreStats:
 
 
 class Store:
-    def __init__(self, arena: PageArena, on_change: Callable[[bytes], None] | None = None) -> None:
+    def __init__(self, arena: PageArena, on_change: Callable[[bytes], None] | None = None,
+                 policy: str = DEFAULT_POLICY) -> None:
         """``on_change(key)`` is called (under the lock, so it must be quick) whenever a
-        key's value is committed or removed."""
+        key's value is committed or removed. ``policy``: a name in lmkv.policy.POLICIES."""
         self.arena = arena
         self._on_change = on_change
-        self._index: OrderedDict[bytes, Entry] = OrderedDict()  # oldest first
+        self._index: dict[bytes, Entry] = {}
+        self._policy = make_policy(policy)
+        self._reloaded: list[bytes] = []  # committed as oldest, not yet told to the policy
         self._lock = threading.Lock()
         self._stored_bytes = 0
         self._evictions = 0
@@ -67,22 +72,17 @@ class Store:
         return self.arena.pages_for(nbytes) <= self.arena.num_pages
 
     def reserve(self, nbytes: int, evict: bool = True) -> list[int] | None:
-        """Pages for a value of ``nbytes``, evicting LRU entries if needed; None if they
-        cannot be found (value above the cap, or the rest is pinned/in flight)."""
+        """Pages for a value of ``nbytes``, evicting entries the policy picks if needed; None
+        if they cannot be found (value above the cap, or the rest is pinned/in flight; the
+        entries evicted on the way stay evicted)."""
         arena = self.arena
         need = arena.pages_for(nbytes)
+        if need > arena.num_pages:  # never fits: evict nothing for it
+            return None
         with self._lock:
             missing = need - arena.free_pages
-            if missing > 0:
-                if not evict:
-                    return None
-                victims = self._pick_victims(missing)
-                if victims is None:
-                    return None
-                for entry in victims:
-                    self._evictions += 1
-                    self._evicted_bytes += entry.length
-                    self._unlink(entry)
+            if missing > 0 and (not evict or not self._evict(missing)):
+                return None
             return arena.allocate(need)
 
     def commit(
@@ -98,7 +98,7 @@ class Store:
         notify: bool = True,
     ) -> None:
         """Publish reserved ``pages`` as ``key``'s value, replacing any older value.
-        ``oldest`` inserts at the LRU end (used when reloading, newest file first)."""
+        ``oldest``: older than every value committed so far (reloading, newest file first)."""
         entry = Entry(key, length, fmt, dtype, shape, pages)
         with self._lock:
             old = self._index.get(key)
@@ -106,7 +106,10 @@ class Store:
                 self._unlink(old, notify=False)
             self._index[key] = entry
             if oldest:
-                self._index.move_to_end(key, last=False)
+                self._reloaded.append(key)
+            else:
+                self._rank_reloaded()
+                self._policy.inserted(_name(key), None)
             self._stored_bytes += length
             if notify and self._on_change is not None:
                 self._on_change(key)
@@ -116,13 +119,14 @@ class Store:
             self.arena.free(pages)
 
     def acquire(self, key: bytes, touch: bool = True) -> Entry | None:
-        """Pin ``key``'s entry for reading (and mark it most recently used)."""
+        """Pin ``key``'s entry for reading (and count it as a hit with the policy)."""
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
                 return None
             if touch:
-                self._index.move_to_end(key)
+                self._rank_reloaded()
+                self._policy.accessed(_name(key))
             entry.readers += 1
             return entry
 
@@ -173,23 +177,45 @@ class Store:
             assert self._stored_bytes == sum(e.length for e in entries), "stored_bytes drift"
             assert all(e.linked and e.readers == 0 for e in entries), "pinned entries left"
 
-    def _pick_victims(self, missing: int) -> list[Entry] | None:
-        # Oldest unpinned entries until their pages cover `missing`; None if impossible.
-        victims = []
-        for entry in self._index.values():
-            if entry.readers:
-                continue
-            victims.append(entry)
+    def _evict(self, missing: int) -> bool:
+        """Evict unpinned entries the policy picks until their pages cover ``missing``."""
+        self._rank_reloaded()
+        while missing > 0:
+            name = self._policy.victim(lambda k: not self._index[_key(k)].readers)
+            if name is None:
+                return False
+            entry = self._index[_key(name)]
+            self._evictions += 1
+            self._evicted_bytes += entry.length
             missing -= len(entry.pages)
-            if missing <= 0:
-                return victims
-        return None
+            self._unlink(entry)
+        return True
+
+    def _rank_reloaded(self) -> None:
+        """Tell the policy of the values committed as oldest, the oldest first."""
+        while self._reloaded:
+            key = self._reloaded.pop()
+            if key in self._index:
+                self._policy.inserted(_name(key), None)
 
     def _unlink(self, entry: Entry, notify: bool = True) -> None:
         del self._index[entry.key]
+        if entry.key in self._reloaded:  # only while reloading: the list is empty after
+            self._reloaded.remove(entry.key)
+        else:
+            self._policy.removed(_name(entry.key))
         entry.linked = False
         self._stored_bytes -= entry.length
         if entry.readers == 0:
             self.arena.free(entry.pages)
         if notify and self._on_change is not None:
             self._on_change(entry.key)
+
+
+def _name(key: bytes) -> str:
+    """The policy's name for a key (policies key by str; latin-1 maps every byte)."""
+    return key.decode("latin-1")
+
+
+def _key(name: str) -> bytes:
+    return name.encode("latin-1")

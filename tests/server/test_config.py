@@ -40,6 +40,8 @@ def test_config_validation():
         ServerConfig(port=70000)
     with pytest.raises(ValueError, match="log level"):
         ServerConfig(log_level="CHATTY")
+    with pytest.raises(ValueError, match="cache_policy must be one of lru, .*got 'mru'"):
+        ServerConfig(cache_policy="mru")
 
 
 def test_loopback_detection():

@@ -1,9 +1,10 @@
-"""Store and PageArena on their own: LRU, pinning, accounting."""
+"""Store and PageArena on their own: eviction by the cache policy, pinning, accounting."""
 
 from __future__ import annotations
 
 import pytest
 
+from lmkv.policy import DEFAULT_POLICY, POLICIES
 from lmkv_server.arena import PageArena
 from lmkv_server.store import Store
 
@@ -11,8 +12,8 @@ PAGE = 4096
 SHAPE = (0, 0, 0, 0)
 
 
-def make_store(pages: int = 8) -> Store:
-    return Store(PageArena(pages, PAGE, prefault=False))
+def make_store(pages: int = 8, policy: str = DEFAULT_POLICY) -> Store:
+    return Store(PageArena(pages, PAGE, prefault=False), policy=policy)
 
 
 def put(store: Store, key: bytes, value: bytes) -> bool:
@@ -48,13 +49,14 @@ def test_round_trip_across_pages_and_overwrite():
     store.check_integrity()
 
 
-def test_lru_eviction_keeps_recently_read():
-    store = make_store(pages=4)
+@pytest.mark.parametrize("policy", ["lru", DEFAULT_POLICY])  # the default starts as LRU
+def test_lru_eviction_keeps_recently_read(policy):
+    store = make_store(pages=4, policy=policy)
     for key in (b"a", b"b", b"c", b"d"):
         assert put(store, key, b"x" * PAGE)
     assert read(store, b"a") is not None  # a is now most recently used
     assert put(store, b"e", b"y" * PAGE)  # evicts b, the oldest
-    assert store.keys() == [b"c", b"d", b"a", b"e"]
+    assert sorted(store.keys()) == [b"a", b"c", b"d", b"e"]
     stats = store.stats()
     assert stats.evictions == 1 and stats.used_bytes <= stats.capacity_bytes
     store.check_integrity()
@@ -100,3 +102,28 @@ def test_integrity_check_catches_leak():
     store.arena.allocate(1)  # pages taken and never committed or aborted
     with pytest.raises(AssertionError, match="leaked"):
         store.check_integrity()
+
+
+def test_the_policy_picks_the_victim():
+    # LFU keeps the entry read three times over the newer ones read once; LRU does not
+    for policy, kept in (("prefix_lfu", b"a"), ("lru", b"b")):
+        store = make_store(pages=2, policy=policy)
+        assert put(store, b"a", b"x" * PAGE)
+        for _ in range(3):
+            assert read(store, b"a") is not None
+        assert put(store, b"b", b"x" * PAGE) and put(store, b"c", b"x" * PAGE)
+        assert sorted(store.keys()) == sorted([kept, b"c"])
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_policy_keeps_pinned_entries_and_accounts(policy):
+    store = make_store(pages=4, policy=policy)
+    for i in range(40):
+        assert put(store, b"k%d" % (i % 9), bytes([i]) * PAGE)
+        if i == 3:
+            pinned = store.acquire(b"k3")
+        read(store, b"k%d" % (i % 5))
+    assert pinned is not None and bytes(store.segments(pinned)[0][:1]) == bytes([3])
+    store.release(pinned)
+    assert len(store.keys()) <= 4
+    store.check_integrity()
