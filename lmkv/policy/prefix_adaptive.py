@@ -21,7 +21,8 @@ horizon only when that one's lead passes ``MARGIN``. It keeps one prefix_horizon
 whose horizon is read only when a victim is picked, so switching costs nothing.
 
 The cache's capacity is not passed to policies: it is taken as the entries held when the
-cache asks for a victim (it asks only when full); until then the shadows are unbounded.
+cache asks for a victim (it asks only when full); until then a shadow holds at most twice
+the sampled share of what the cache holds.
 Every operation is O(log n): the real structure, and one step of each shadow per sampled key.
 """
 
@@ -150,9 +151,12 @@ class PrefixAdaptivePolicy(CachePolicy):
 
     def _reference(self, key: str, up: str | None) -> None:
         decay = 1.0 - 1.0 / WINDOW
+        capacity = self.capacity
+        if capacity is None:  # not full yet; keys the cache drops without a victim
+            capacity = 2 * len(self.real) / RATE + 64  # must not pile up in the shadows
         base = self.shadows[0]
         for shadow in self.shadows:
-            shadow.hit = shadow.reference(key, up, self.capacity)
+            shadow.hit = shadow.reference(key, up, capacity)
             shadow.hits = shadow.hits * decay + shadow.hit
         for shadow in self.shadows:
             shadow.apart = shadow.apart * decay + (shadow.hit != base.hit)

@@ -64,3 +64,15 @@ def test_follows_the_better_candidate(pattern, capacity, best):
         assert horizon < 0.7 * lru  # recency: holding old sessions keeps out new ones
     adaptive = replay_checked(make_policy("prefix_adaptive"), prompts, capacity)[0]
     assert adaptive >= 0.95 * max(lru, horizon)
+
+
+def test_shadows_stay_bounded_when_the_cache_never_fills():
+    """A cache that drops its keys itself (never asking for a victim) leaves no pile of
+    keys in the shadows."""
+    pol = make_policy("prefix_adaptive")
+    for i in range(20000):
+        key = f"k{i}"
+        pol.inserted(key, None)
+        pol.removed(key)
+    assert pol.capacity is None and len(pol) == 0
+    assert all(len(s.held) <= 66 for s in pol.shadows)  # 64 + 2 * 1 / RATE, plus the new key
