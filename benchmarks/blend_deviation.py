@@ -25,9 +25,9 @@ import statistics
 
 import torch
 
-from engine_integration.minimal.blend import blend_prefill
 from lmkv.blend.plan import BlendPlan, select_recompute
 from lmkv.blend.segments import split_segments
+from lmkv_engines.minimal.blend import blend_prefill
 from lmkv_engines.minimal.default_model import resolve_model
 
 from .blend_rag import blend_llm, rag_ids, shuffled

@@ -27,7 +27,8 @@ class LMKVMetrics:
                               registry=r)
         self.tier_bytes = Counter("lmkv_tier_bytes", "Bytes moved per tier and direction",
                                   ["tier", "op"], registry=r)
-        self.tier_seconds = Histogram("lmkv_tier_seconds", "Latency of one tier call",
+        self.tier_seconds = Histogram("lmkv_tier_seconds",
+                                      "Latency of one tier call (raw-frame reads: their checks too)",
                                       ["tier", "op"], buckets=_LATENCY_BUCKETS, registry=r)
         self.tier_hits = Counter("lmkv_tier_hits", "Chunks served per tier", ["tier"], registry=r)
         self.evictions = Counter("lmkv_evictions", "Chunks evicted per tier", ["tier"],

@@ -57,7 +57,8 @@ class Store:
         self._on_change = on_change
         self._index: dict[bytes, Entry] = {}
         self._policy = make_policy(policy)
-        self._reloaded: list[bytes] = []  # committed as oldest, not yet told to the policy
+        self._reloaded: dict[bytes, None] = {}  # committed as oldest, not yet told to the policy
+        self._evictable_pages = 0  # pages of linked entries no reader pins
         self._lock = threading.Lock()
         self._stored_bytes = 0
         self._evictions = 0
@@ -73,16 +74,16 @@ class Store:
 
     def reserve(self, nbytes: int, evict: bool = True) -> list[int] | None:
         """Pages for a value of ``nbytes``, evicting entries the policy picks if needed; None
-        if they cannot be found (value above the cap, or the rest is pinned/in flight; the
-        entries evicted on the way stay evicted)."""
+        if they cannot be found (value above the cap, or the rest is pinned/in flight); then
+        nothing is evicted."""
         arena = self.arena
         need = arena.pages_for(nbytes)
-        if need > arena.num_pages:  # never fits: evict nothing for it
-            return None
         with self._lock:
             missing = need - arena.free_pages
-            if missing > 0 and (not evict or not self._evict(missing)):
-                return None
+            if missing > 0 and (not evict or missing > self._evictable_pages):
+                return None  # nothing is evicted for a PUT that would not get its room
+            if missing > 0:
+                self._evict(missing)
             return arena.allocate(need)
 
     def commit(
@@ -105,8 +106,9 @@ class Store:
             if old is not None:
                 self._unlink(old, notify=False)
             self._index[key] = entry
+            self._evictable_pages += len(pages)
             if oldest:
-                self._reloaded.append(key)
+                self._reloaded[key] = None
             else:
                 self._rank_reloaded()
                 self._policy.inserted(_name(key), None)
@@ -128,13 +130,18 @@ class Store:
                 self._rank_reloaded()
                 self._policy.accessed(_name(key))
             entry.readers += 1
+            if entry.readers == 1:
+                self._evictable_pages -= len(entry.pages)
             return entry
 
     def release(self, entry: Entry) -> None:
         with self._lock:
             entry.readers -= 1
-            if entry.readers == 0 and not entry.linked:
-                self.arena.free(entry.pages)
+            if entry.readers == 0:
+                if entry.linked:
+                    self._evictable_pages += len(entry.pages)
+                else:
+                    self.arena.free(entry.pages)
 
     def segments(self, entry: Entry) -> list[memoryview]:
         """Views of a pinned entry's bytes, in order."""
@@ -176,32 +183,34 @@ class Store:
             self.arena.check_integrity(e.pages for e in entries)
             assert self._stored_bytes == sum(e.length for e in entries), "stored_bytes drift"
             assert all(e.linked and e.readers == 0 for e in entries), "pinned entries left"
+            assert self._evictable_pages == sum(len(e.pages) for e in entries), "evictable drift"
 
-    def _evict(self, missing: int) -> bool:
-        """Evict unpinned entries the policy picks until their pages cover ``missing``."""
+    def _evict(self, missing: int) -> None:
+        """Evict unpinned entries the policy picks until their pages cover ``missing`` (the
+        caller checked that they can)."""
         self._rank_reloaded()
         while missing > 0:
             name = self._policy.victim(lambda k: not self._index[_key(k)].readers)
-            if name is None:
-                return False
+            if name is None:  # never expected: the evictable pages were counted
+                raise AssertionError("the cache policy found no victim among evictable pages")
             entry = self._index[_key(name)]
             self._evictions += 1
             self._evicted_bytes += entry.length
             missing -= len(entry.pages)
             self._unlink(entry)
-        return True
 
     def _rank_reloaded(self) -> None:
         """Tell the policy of the values committed as oldest, the oldest first."""
-        while self._reloaded:
-            key = self._reloaded.pop()
-            if key in self._index:
-                self._policy.inserted(_name(key), None)
+        for key in reversed(self._reloaded):
+            self._policy.inserted(_name(key), None)
+        self._reloaded.clear()
 
     def _unlink(self, entry: Entry, notify: bool = True) -> None:
         del self._index[entry.key]
-        if entry.key in self._reloaded:  # only while reloading: the list is empty after
-            self._reloaded.remove(entry.key)
+        if entry.readers == 0:
+            self._evictable_pages -= len(entry.pages)
+        if entry.key in self._reloaded:  # reloading: the policy has not seen it yet
+            del self._reloaded[entry.key]
         else:
             self._policy.removed(_name(entry.key))
         entry.linked = False

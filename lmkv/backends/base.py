@@ -55,7 +55,7 @@ class StorageBackend(ABC):
         backends override it to pipeline the requests: one round trip, not one per key.
         ``arrived(i, n)`` is called once for each value read, once its n bytes are in
         ``outs[i]`` and before this returns, possibly on another thread: the caller checks
-        each value while the others are still on their way."""
+        each value while the others are still on their way. ``arrived`` must not raise."""
         lengths = []
         for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
             lengths.append(self.get_into(key, out))

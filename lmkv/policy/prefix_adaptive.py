@@ -93,7 +93,7 @@ class PrefixAdaptivePolicy(CachePolicy):
         self.real = PrefixHorizonPolicy(SCALES[0])
         self.shadows = [Shadow(PrefixHorizonPolicy(s)) for s in SCALES]
         self.leader = 0  # index into SCALES: the horizon the real cache evicts by
-        self.capacity: float | None = None  # of a shadow: entries held at the last victim / RATE
+        self.capacity: float | None = None  # of a shadow: the most entries held at a victim / RATE
         self.up: dict[str, str | None] = {}  # held key -> its nearest sampled ancestor
         self.recent: OrderedDict[str, str | None] = OrderedDict()  # the same, for keys gone
 
@@ -131,7 +131,9 @@ class PrefixAdaptivePolicy(CachePolicy):
             self._forget(key, self.up.pop(key))
 
     def victim(self, evictable: Callable[[str], bool]) -> str | None:
-        self.capacity = len(self.real) / RATE  # asked only when full: len is the capacity
+        # asked only when full: len is the capacity (the most held, as a run of evictions
+        # for one large entry passes through smaller lengths)
+        self.capacity = max(self.capacity or 0.0, len(self.real) / RATE)
         return self.real.victim(evictable)
 
     def _mark(self, key: str | None) -> str | None:

@@ -82,8 +82,6 @@ class PrefixHorizonPolicy(PrefixTree):
             key = self._pop(self._newest, evictable)
         if key is not None:
             self._remember(key, self.nodes[key].count, early)
-        if len(self._oldest) + len(self._newest) > 8 * len(self.nodes) + 64:
-            self._compact()
         return key
 
     def crowded(self) -> bool:
@@ -99,7 +97,9 @@ class PrefixHorizonPolicy(PrefixTree):
 
     def _past(self, node: HorizonNode) -> bool:
         horizon = self.horizon if self.scale is None else self.scale * len(self.nodes)
-        return node.clock < self.clock - horizon  # used before this: past the horizon
+        # used before this: past the horizon; at 0 every leaf is (the clock counts inserts
+        # only: a leaf used since the last insert is not "before" it, yet LRU may take it)
+        return horizon <= 0 or node.clock < self.clock - horizon
 
     def _adapt(self, gone: Gone) -> None:
         if self.scale is not None:
@@ -127,6 +127,8 @@ class PrefixHorizonPolicy(PrefixTree):
             return
         heapq.heappush(self._oldest, (node.tick, node.key))
         heapq.heappush(self._newest, (node.count >= 2, -node.tick, node.key))
+        if len(self._oldest) + len(self._newest) > 8 * len(self.nodes) + 64:
+            self._compact()  # here too: a cache that never fills never asks for a victim
 
     def _pop(self, heap: list, evictable: Callable[[str], bool],
              wanted: Callable[[HorizonNode], bool] | None = None) -> str | None:

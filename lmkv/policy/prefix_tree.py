@@ -86,7 +86,7 @@ class PrefixTreePolicy(PrefixTree):
         self._set(node)
 
     def _leaf_again(self, node: Node) -> None:
-        heapq.heappush(self._heap, (node.priority, node.tick, node.key))
+        self._push(node)
 
     def victim(self, evictable: Callable[[str], bool]) -> str | None:
         skipped = []
@@ -107,8 +107,6 @@ class PrefixTreePolicy(PrefixTree):
             heapq.heappush(self._heap, entry)
         if found is None and skipped:
             return None
-        if len(self._heap) > 4 * len(self.nodes) + 64:
-            self._compact()
         return found
 
     def _set(self, node: Node) -> None:
@@ -116,7 +114,12 @@ class PrefixTreePolicy(PrefixTree):
         node.tick = self._tick
         node.priority = self.priority(node)
         if not node.children:
-            heapq.heappush(self._heap, (node.priority, node.tick, node.key))
+            self._push(node)
+
+    def _push(self, node: Node) -> None:
+        heapq.heappush(self._heap, (node.priority, node.tick, node.key))
+        if len(self._heap) > 4 * len(self.nodes) + 64:  # on a push: a cache that never
+            self._compact()  # fills never asks for a victim
 
     def _compact(self) -> None:
         """Drop the stale heap entries (amortised O(1) per operation)."""

@@ -91,13 +91,15 @@ class Tier:
         if not self.available or not keys:
             return [False] * len(keys)
         start = time.perf_counter()
-        checked: list[Exception | None | bool] = [False] * len(keys)  # False: not checked yet
+        checked = [False] * len(keys)  # frames checked as they landed, with their errors
+        errors: list[Exception | None] = [None] * len(keys)
         try:
             if self.codec.name == "raw":  # frames straight into the slots, each checked
                 frames = [memoryview(buf.frame.numpy()) for buf in bufs]  # as it lands
 
                 def arrived(i: int, n: int) -> None:
-                    checked[i] = self._check(keys[i], bufs[i], frames[i][:n])
+                    errors[i] = self._check(keys[i], bufs[i], frames[i][:n])
+                    checked[i] = True
 
                 lengths = self.backend.get_into_many(keys, frames, arrived)
                 values = [None if n is None else f[:n] for f, n in zip(frames, lengths, strict=True)]
@@ -109,10 +111,10 @@ class Tier:
         self.breaker.success()
         self.metrics.tier_seconds.labels(self.name, "get").observe(time.perf_counter() - start)
         ok = []
-        for key, buf, data, error in zip(keys, bufs, values, checked, strict=True):
-            if data is not None and error is False:
-                error = self._check(key, buf, data)
-            ok.append(data is not None and self._settle(key, data, error))
+        for i, (key, buf, data) in enumerate(zip(keys, bufs, values, strict=True)):
+            if data is not None and not checked[i]:
+                errors[i] = self._check(key, buf, data)
+            ok.append(data is not None and self._settle(key, data, errors[i]))
         return ok
 
     def _check(self, key: str, buf: ChunkBuffer, data: memoryview | bytes) -> Exception | None:

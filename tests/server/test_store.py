@@ -127,3 +127,33 @@ def test_every_policy_keeps_pinned_entries_and_accounts(policy):
     store.release(pinned)
     assert len(store.keys()) <= 4
     store.check_integrity()
+
+
+def test_a_put_that_cannot_get_room_evicts_nothing():
+    store = make_store(pages=4)
+    assert put(store, b"big", b"x" * 2 * PAGE)
+    assert put(store, b"b", b"x" * PAGE) and put(store, b"c", b"x" * PAGE)
+    pinned = store.acquire(b"big")
+    assert store.reserve(3 * PAGE) is None  # 2 evictable pages of the 3 it needs
+    assert sorted(store.keys()) == [b"b", b"big", b"c"]
+    store.release(pinned)
+    pages = store.reserve(3 * PAGE)  # now it can: the policy's victims make the room
+    assert pages is not None and len(store.keys()) < 3
+    store.abort(pages)
+    store.check_integrity()
+
+
+def test_reloaded_values_rank_oldest_first_and_can_go_before_ranking():
+    # reloading commits the newest file first, each as the oldest value so far
+    store = make_store(pages=3, policy="lru")
+    for key in (b"new", b"mid", b"old", b"gone"):
+        pages = store.reserve(PAGE, evict=False)
+        if key == b"gone":  # no room left while reloading: nothing is evicted
+            assert pages is None
+            break
+        store.commit(key, PAGE, 4, 6, SHAPE, pages, oldest=True, notify=False)
+    assert store.delete(b"mid")  # before the policy was told of it
+    assert put(store, b"a", b"y" * PAGE)  # room without eviction
+    assert put(store, b"b", b"y" * PAGE)  # evicts the oldest file
+    assert sorted(store.keys()) == [b"a", b"b", b"new"]
+    store.check_integrity()

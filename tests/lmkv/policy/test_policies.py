@@ -123,3 +123,29 @@ def test_cache_policy_is_validated_by_key():
     assert load_config(env={"LMKV_CACHE_POLICY": "lru"}).cache_policy == "lru"
     with pytest.raises(ConfigError, match="cache_policy.*lru.*prefix_lfu.*'arc'"):
         load_config(env={}, cache_policy="arc")
+
+
+@pytest.mark.parametrize("name", ["lru", "prefix_lru", "prefix_horizon", "prefix_adaptive"])
+def test_a_recency_policy_evicts_the_least_recently_used_when_all_were_used(name):
+    """Every entry read since the last insert: the victim is still the one read longest ago
+    (a horizon of 0 must be LRU, not give up the newest)."""
+    pol = make_policy(name)
+    for key in "abcd":
+        pol.inserted(key, None)
+    for key in "abcd":
+        pol.accessed(key)
+    assert pol.victim(lambda k: True) == "a"
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_bookkeeping_stays_bounded_in_a_cache_that_never_fills(name):
+    pol = make_policy(name)
+    for key in "abcd":
+        pol.inserted(key, None)
+    for i in range(50000):
+        pol.accessed("abcd"[i % 4])
+    heaps = [getattr(pol, a, []) for a in ("_heap", "_oldest", "_newest")]
+    real = getattr(pol, "real", None)
+    if real is not None:
+        heaps += [real._oldest, real._newest]
+    assert all(len(h) <= 8 * 4 + 64 for h in heaps)
