@@ -64,25 +64,25 @@ class Shadow:
     apart: float = 0.0  # decayed references where exactly one of this and prefix LRU hit
     hit: bool = False  # at the last reference
 
-    def reference(self, key: str, up: str | None, capacity: float | None) -> bool:
-        """A use of sampled ``key``, whose nearest sampled ancestor is ``up``; whether it
-        hit. The shadow holds at most ``capacity`` keys (None: not known yet)."""
+    def reference(self, key: str, ancestor: str | None, capacity: float) -> bool:
+        """A use of sampled ``key``, whose nearest sampled ancestor is ``ancestor``; whether it
+        hit. The shadow holds at most ``capacity`` keys (one more while it admits)."""
         if key in self.held:
             self.policy.accessed(key)
             return True
-        full = capacity is not None and len(self.held) >= capacity
+        full = len(self.held) >= capacity
         if full and key not in self.policy.history and self.policy.crowded():
             self.policy.refuse(key)  # a returning key (history) is kept, as in the real cache
             return False
-        while capacity is not None and len(self.held) >= capacity:
+        while len(self.held) >= capacity:
             victim = self.policy.victim(_any)
             if victim is None:
                 break
             self.held.discard(victim)
             self.policy.removed(victim)
-        if self.policy.admit(key, up, self.held.__contains__):
+        if self.policy.admit(key, ancestor, self.held.__contains__):
             self.held.add(key)
-            self.policy.inserted(key, up)
+            self.policy.inserted(key, ancestor)
         return False
 
 
@@ -94,7 +94,7 @@ class PrefixAdaptivePolicy(CachePolicy):
         self.shadows = [Shadow(PrefixHorizonPolicy(s)) for s in SCALES]
         self.leader = 0  # index into SCALES: the horizon the real cache evicts by
         self.capacity: float | None = None  # of a shadow: the most entries held at a victim / RATE
-        self.up: dict[str, str | None] = {}  # held key -> its nearest sampled ancestor
+        self.ancestor: dict[str, str | None] = {}  # held key -> its nearest sampled ancestor
         self.recent: OrderedDict[str, str | None] = OrderedDict()  # the same, for keys gone
 
     def __len__(self) -> int:
@@ -108,27 +108,27 @@ class PrefixAdaptivePolicy(CachePolicy):
     def admit(self, key: str, parent: str | None, contains: Callable[[str], bool]) -> bool:
         if self.real.admit(key, parent, contains):
             return True
-        up = self._mark(parent)
-        self._forget(key, up)
+        ancestor = self._mark(parent)
+        self._forget(key, ancestor)
         if _sampled(key):
-            self._reference(key, up)
+            self._reference(key, ancestor)
         return False
 
     def inserted(self, key: str, parent: str | None) -> None:
         self.real.inserted(key, parent)
-        up = self.up[key] = self._mark(parent)
+        ancestor = self.ancestor[key] = self._mark(parent)
         if _sampled(key):
-            self._reference(key, up)
+            self._reference(key, ancestor)
 
     def accessed(self, key: str) -> None:
         self.real.accessed(key)
-        if key in self.up and _sampled(key):
-            self._reference(key, self.up[key])
+        if key in self.ancestor and _sampled(key):
+            self._reference(key, self.ancestor[key])
 
     def removed(self, key: str) -> None:
         self.real.removed(key)
-        if key in self.up:
-            self._forget(key, self.up.pop(key))
+        if key in self.ancestor:
+            self._forget(key, self.ancestor.pop(key))
 
     def victim(self, evictable: Callable[[str], bool]) -> str | None:
         # asked only when full: len is the capacity (the most held, as a run of evictions
@@ -140,25 +140,25 @@ class PrefixAdaptivePolicy(CachePolicy):
         """The nearest sampled key at or above ``key`` (None: there is none, or unknown)."""
         if key is None or _sampled(key):
             return key
-        up = self.up.get(key, UNKNOWN)
-        if up == UNKNOWN:
-            up = self.recent.get(key)
-        return up
+        ancestor = self.ancestor.get(key, UNKNOWN)
+        if ancestor == UNKNOWN:
+            ancestor = self.recent.get(key)
+        return ancestor
 
-    def _forget(self, key: str, up: str | None) -> None:
-        self.recent[key] = up
+    def _forget(self, key: str, ancestor: str | None) -> None:
+        self.recent[key] = ancestor
         self.recent.move_to_end(key)
         if len(self.recent) > RECENT:
             self.recent.popitem(last=False)
 
-    def _reference(self, key: str, up: str | None) -> None:
+    def _reference(self, key: str, ancestor: str | None) -> None:
         decay = 1.0 - 1.0 / WINDOW
         capacity = self.capacity
         if capacity is None:  # not full yet; keys the cache drops without a victim
             capacity = 2 * len(self.real) / RATE + 64  # must not pile up in the shadows
         base = self.shadows[0]
         for shadow in self.shadows:
-            shadow.hit = shadow.reference(key, up, capacity)
+            shadow.hit = shadow.reference(key, ancestor, capacity)
             shadow.hits = shadow.hits * decay + shadow.hit
         for shadow in self.shadows:
             shadow.apart = shadow.apart * decay + (shadow.hit != base.hit)
