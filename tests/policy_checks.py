@@ -45,3 +45,13 @@ def replay_checked(pol, prompts: list[list[str]], capacity: int,
         assert not prefix or all(p is None or p in held for p in held.values())  # no orphans
         assert pinned <= held.keys()
     return served, held
+
+
+def shared_prefix_prompts(rng: random.Random, n: int = 3000) -> list[list[str]]:
+    """``n`` prompts: chains over a few shared prefixes, whole prompts recurring."""
+    prompts = []
+    for _ in range(n):
+        root, shared, tag = rng.randrange(4), rng.randrange(6), rng.randrange(60)
+        prompts.append([f"r{root}-{i}" for i in range(shared)]
+                       + [f"r{root}-{shared}-t{tag}-{i}" for i in range(rng.randrange(1, 8))])
+    return prompts

@@ -56,10 +56,8 @@ class StorageBackend(ABC):
         ``arrived(i, n)`` is called once for each value read, once its n bytes are in
         ``outs[i]`` and before this returns, possibly on another thread: the caller checks
         each value while the others are still on their way. ``arrived`` must not raise."""
-        lengths = []
-        for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
-            lengths.append(self.get_into(key, out))
-            report(lengths[i:], arrived, i)
+        lengths = [self.get_into(key, out) for key, out in zip(keys, outs, strict=True)]
+        report(lengths, arrived)
         return lengths
 
     def will_get(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook
@@ -82,9 +80,9 @@ class BackendError(RuntimeError):
     """A storage tier failed (I/O error, timeout, refused, protocol violation)."""
 
 
-def report(lengths: Sequence[int | None], arrived: Arrived | None, first: int = 0) -> None:
-    """``arrived`` for each value read among ``lengths`` (batch indices from ``first``)."""
+def report(lengths: Sequence[int | None], arrived: Arrived | None) -> None:
+    """``arrived`` for each value read among ``lengths``, a batch read before the call."""
     if arrived is not None:
-        for i, n in enumerate(lengths, first):
+        for i, n in enumerate(lengths):
             if n is not None:
                 arrived(i, n)

@@ -17,7 +17,7 @@ from typing import NamedTuple, NoReturn
 from urllib.parse import urlsplit
 
 from lmkv.backends import lm_wire as wire
-from lmkv.backends.base import Arrived, BackendError, StorageBackend, report
+from lmkv.backends.base import Arrived, BackendError, StorageBackend
 
 DEFAULT_MAX_VALUE_SIZE = 1 << 30
 # lmcache_server parses the key of every frame, HEALTH included, and drops the connection
@@ -161,8 +161,9 @@ class LMBackend(StorageBackend):
                     self._fail_with(f"value of {key!r} is {length} bytes, buffer {view.nbytes}")
                 if length is not None:
                     self._recv_exactly(sock, view[:length], deadline)
+                if length is not None and arrived is not None:
+                    arrived(len(lengths), length)
                 lengths.append(length)
-                report(lengths[-1:], arrived, len(lengths) - 1)
         except OSError as exc:
             self._fail("get from", exc)
         return lengths

@@ -91,15 +91,13 @@ class Tier:
         if not self.available or not keys:
             return [False] * len(keys)
         start = time.perf_counter()
-        checked = [False] * len(keys)  # frames checked as they landed, with their errors
-        errors: list[Exception | None] = [None] * len(keys)
+        checked: dict[int, Exception | None] = {}  # frames checked as they landed: error
         try:
             if self.codec.name == "raw":  # frames straight into the slots, each checked
                 frames = [memoryview(buf.frame.numpy()) for buf in bufs]  # as it lands
 
                 def arrived(i: int, n: int) -> None:
-                    errors[i] = self._check(keys[i], bufs[i], frames[i][:n])
-                    checked[i] = True
+                    checked[i] = self._check(keys[i], bufs[i], frames[i][:n])
 
                 lengths = self.backend.get_into_many(keys, frames, arrived)
                 values = [None if n is None else f[:n] for f, n in zip(frames, lengths, strict=True)]
@@ -112,9 +110,11 @@ class Tier:
         self.metrics.tier_seconds.labels(self.name, "get").observe(time.perf_counter() - start)
         ok = []
         for i, (key, buf, data) in enumerate(zip(keys, bufs, values, strict=True)):
-            if data is not None and not checked[i]:
-                errors[i] = self._check(key, buf, data)
-            ok.append(data is not None and self._settle(key, data, errors[i]))
+            if data is not None:
+                error = checked[i] if i in checked else self._check(key, buf, data)
+                ok.append(self._settle(key, data, error))
+            else:
+                ok.append(False)
         return ok
 
     def _check(self, key: str, buf: ChunkBuffer, data: memoryview | bytes) -> Exception | None:

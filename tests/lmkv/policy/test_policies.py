@@ -45,26 +45,13 @@ def test_prefix_policies_refuse_a_chunk_whose_parent_is_gone(name):
 
 
 def test_prefix_lfu_keeps_a_reused_prefix_through_a_one_pass_scan():
+    prompts = []
+    for i in range(200):  # a reused 8-chunk prompt, then 20 one-pass chunks, repeated
+        prompts.append([f"sys-{j}" for j in range(8)])
+        prompts.append([f"scan{i}-{j}" for j in range(20)])
+
     def served(name: str) -> int:
-        pol, held, hits = make_policy(name), set(), 0
-        prompts = []
-        for i in range(200):  # a reused 8-chunk prompt, then 20 one-pass chunks, repeated
-            prompts.append([f"sys-{j}" for j in range(8)])
-            prompts.append([f"scan{i}-{j}" for j in range(20)])
-        for keys in prompts:
-            n = 0
-            while n < len(keys) and keys[n] in held:
-                pol.accessed(keys[n])
-                n += 1
-            hits += n
-            for i in range(n, len(keys)):
-                if len(held) >= 16:
-                    v = pol.victim(lambda _: True)
-                    held.discard(v)
-                    pol.removed(v)
-                held.add(keys[i])
-                pol.inserted(keys[i], keys[i - 1] if i else None)
-        return hits
+        return replay_checked(make_policy(name), prompts, 16, prefix=name != "lru")[0]
 
     assert served("lru") == 0  # the scan flushes the prompt every time
     assert served("prefix_lfu") >= 195 * 8  # after a few repeats (counts build up), every one hits

@@ -10,17 +10,13 @@ import pytest
 
 from lmkv.policy import make_policy
 from lmkv.policy.prefix_horizon import PrefixHorizonPolicy
-from tests.policy_checks import replay_checked
+from tests.policy_checks import replay_checked, shared_prefix_prompts
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_invariants_under_random_operations(seed):
     rng = random.Random(seed)
-    prompts = []
-    for _ in range(3000):  # chains over a few shared prefixes, whole prompts recurring
-        root, shared, tag = rng.randrange(4), rng.randrange(6), rng.randrange(60)
-        prompts.append([f"r{root}-{i}" for i in range(shared)]
-                       + [f"r{root}-{shared}-t{tag}-{i}" for i in range(rng.randrange(1, 8))])
+    prompts = shared_prefix_prompts(rng)
     pol = make_policy("prefix_horizon")
     served, held = replay_checked(pol, prompts, 25, rng)
     assert served > 0 and pol.horizon >= 0
