@@ -201,33 +201,55 @@ def _read_streams(view: memoryview, coder: int, sizes: list[int]) -> list[np.nda
 
 
 def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tensor) -> None:
-    """out[kv, layer] = coefficients @ basis^T, from the band streams of a transform payload;
-    the coefficients not stored are at their mean. The steps are folded into the basis
-    (``CacheGenTable.synthesis``). Coefficients coded as int8 are exact in bfloat16, so their
-    product runs in bfloat16 (2x the fp32 rate on CPUs with AMX or AVX512-BF16; its rounding
-    is ~0.3% of the KV's spread); the wider ones, the strongest few, in fp32."""
+    """out[kv, layer] = coefficients @ basis^T + offset, from the band streams of a transform
+    payload; coefficients not stored are at their mean. The steps are folded into the basis
+    (``CacheGenTable.synthesis``). Coefficients coded as int8 are exact in bfloat16, so all
+    (kv, layer) products run as one bfloat16 batched matmul (2x the fp32 rate on CPUs with AMX
+    or AVX512-BF16; its rounding is ~0.3% of the KV's spread around the offset, which is
+    added in fp32); the wider bands, the strongest few coefficients, are added in fp32."""
     two, layers, t, h, d = out.shape
-    bands = table.bands.shape[2] - 1
-    synthesis, synthesis_bf16, offset = table.synthesis
-    flat = out.view(two * layers, t, h * d)
-    for i in range(two * layers):
-        streams = parts[i * bands : (i + 1) * bands]
-        sym = torch.from_numpy(np.concatenate(streams))  # int8, or int16 if any band is wide
-        rank = sym.numel() // t
-        coef = sym.view(rank, t).T  # [T, rank]
-        wide = 0  # rows up to the end of the last int16 band
-        row = 0
-        for p in streams:
-            row += len(p) // t
+    n, c = two * layers, h * d
+    edges = table.bands.reshape(n, -1).tolist()
+    pieces, wide = [], []
+    for i, e in enumerate(edges):  # every (kv, layer)'s [C, T] symbols, in order
+        for j, (a, b) in enumerate(itertools.pairwise(e)):
+            p = parts[i * (len(e) - 1) + j]
             if p.dtype != np.int8:
-                wide = row
-        dst = flat[i] if out.dtype == torch.float32 else torch.empty(t, h * d)
-        if wide:
-            torch.addmm(offset[i], coef[:, :wide].float(), synthesis[i, :wide], out=dst)
-        if rank > wide:
-            low = coef[:, wide:].to(torch.bfloat16) @ synthesis_bf16[i, wide:rank]
-            dst.add_(low) if wide else torch.add(offset[i], low, out=dst)
-        elif not wide:
-            dst.copy_(offset[i].expand(t, -1))
-        if dst is not flat[i]:
-            flat[i].copy_(dst)
+                wide.append((i, a, b, p))
+                p = np.zeros(len(p), np.int8)
+            pieces.append(p)
+        if e[-1] < c:
+            pieces.append(np.zeros((c - e[-1]) * t, np.int8))
+    synthesis, synthesis_bf16, offset = table.synthesis
+    coef, low = _take_scratch(n, c, t)
+    try:
+        coef.copy_(torch.from_numpy(np.concatenate(pieces)).view(n, c, t))
+        torch.bmm(coef.transpose(1, 2), synthesis_bf16, out=low)
+        flat = out.view(n, t, c)
+        flat.copy_(low)
+        flat.add_(offset[:, None, :])
+    finally:
+        _give_scratch((coef, low))
+    for i, a, b, p in wide:
+        flat[i].add_(torch.from_numpy(p.astype(np.float32)).view(b - a, t).T @ synthesis[i, a:b])
+
+
+_spare: list[tuple[torch.Tensor, torch.Tensor]] = []  # decode scratch, reused: the first
+SPARE = 4  # touch of fresh pages costs about as much as the matmul that fills them
+
+
+def _take_scratch(n: int, c: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bfloat16 [n, C, T] coefficients and [n, T, C] products (thread-safe: list.pop)."""
+    while _spare:
+        try:
+            coef, low = _spare.pop()
+        except IndexError:  # another thread took the last one
+            break
+        if coef.shape == (n, c, t):
+            return coef, low
+    return torch.empty(n, c, t, dtype=torch.bfloat16), torch.empty(n, t, c, dtype=torch.bfloat16)
+
+
+def _give_scratch(scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    if len(_spare) < SPARE:
+        _spare.append(scratch)

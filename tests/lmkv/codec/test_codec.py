@@ -216,6 +216,53 @@ def test_transform_is_chosen_for_correlated_kv_and_keeps_the_error_bound(dtype):
         cachegen.decode_into(payload, out, per_channel)
 
 
+@pytest.mark.parametrize("store_weak", [True, False])
+def test_transform_decode_is_the_dequantized_coefficients_times_the_basis(store_weak):
+    """The batched bfloat16 decode equals the plain formula: coefficients quantized and
+    dequantized, dropped ones at their mean, times the basis; with a wide (int16) band, into
+    fp32 and fp16, and from threads decoding at once (shared scratch)."""
+    import threading
+
+    big = KVLayout(3, 2, 32, torch.float32, 128)
+    table = calibrate([kv_correlated(s, big) for s in range(4)],
+                      CalibrationSettings(error=0.04, store_weak=store_weak))
+    x = kv_correlated(11, big)
+    x[:, :, 7] *= 60  # an outlier token: its strongest coefficients need int16
+    two, layers, t, h, d = big.chunk_shape
+    basis = table.basis.reshape(two, layers, h * d, h * d)
+    coef = (x.reshape(two, layers, t, h * d) @ basis).view(x.shape)
+    sym = cachegen.quantize(coef, table.step, table.mean, table.delta, table.group_size)
+    deq = torch.empty_like(coef)
+    cachegen.dequantize(sym, table.step, table.mean, table.delta, table.group_size, deq)
+    deq = deq.reshape(two, layers, t, h * d)
+    mean = table.mean.reshape(two, layers, 1, h * d).expand_as(deq)
+    kept = torch.arange(h * d) < table.bands[..., -1:]  # [2, L, C]
+    deq = torch.where(kept[:, :, None], deq, mean)
+    want = (deq.double() @ basis.double().transpose(2, 3)).view(x.shape)
+    payload = cachegen.encode(x, table)
+    count = cachegen._HEAD.unpack_from(payload)[5]
+    widths = [cachegen._STREAM.unpack_from(payload, cachegen._HEAD.size + i * cachegen._STREAM.size)[0]
+              for i in range(count)]
+    assert 2 in widths  # the int16 path is exercised
+    usual = torch.cat([want[:, :, :7], want[:, :, 8:]], dim=2)  # without the outlier
+    spread = (usual - usual.mean(dim=2, keepdim=True)).square().mean().sqrt()
+    # bfloat16 products (2^-8 of the magnitude), then the output dtype's rounding, twice
+    tol = 0.01 * spread + 2**-8 * want.abs()
+    for dtype in (torch.float32, torch.float16):
+        out = torch.empty(x.shape, dtype=dtype)
+        cachegen.decode_into(payload, out, table)
+        assert ((out.double() - want).abs() <= tol + 2 * torch.finfo(dtype).eps * want.abs()).all()
+    outs = [torch.empty_like(x) for _ in range(4)]
+    threads = [threading.Thread(target=lambda o=o: [cachegen.decode_into(payload, o, table)
+                                                    for _ in range(20)]) for o in outs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for o in outs:
+        assert torch.equal(o, outs[0]) and ((o.double() - want).abs() <= tol).all()
+
+
 def test_transform_table_file_round_trip_and_older_tables_still_load(tmp_path):
     big = KVLayout(2, 2, 32, torch.float32, 64)
     table = calibrate([kv_correlated(s, big) for s in range(3)])
