@@ -13,6 +13,8 @@ the chunks it computed (each naming the chunk before it as its parent). A chunk 
 
 Lines per trace and capacity (in chunks):
 - each policy (lmkv.policy) driven directly, as the share of prompt tokens served;
+- the default policy told which blocks will be used again (an oracle that stores only
+  those, the rest never offered): what perfect admission alone could add to it;
 - Belady: block-level optimal replacement on the same block sequence (evict the block
   used again farthest ahead; never keep a block not used again). It ignores prefixes: a
   prefix-aware optimum could serve a little more, so it is a bound on block hits, not a
@@ -103,12 +105,13 @@ def replay(trace: Trace, capacity: int, policy: str = DEFAULT_POLICY) -> tuple[i
     return served, ops, time.perf_counter() - start
 
 
-def simulate(trace: Trace, capacity: int, policy: str) -> int:
+def simulate(trace: Trace, capacity: int, policy: str, keep: list[bool] | None = None) -> int:
     """Prompt tokens served by a cache of ``capacity`` chunks run by ``policy`` (the policy
-    object driven directly, as the hot cache drives it)."""
+    object driven directly, as the hot cache drives it). ``keep``, per block of the trace in
+    order: False for a block that is not stored at all (an admission oracle)."""
     pol = make_policy(policy)
     held: set[str] = set()
-    served = 0
+    served = pos = 0
     for prompt, keys in trace:
         n = 0
         while n < len(keys) and keys[n] in held:
@@ -120,6 +123,8 @@ def simulate(trace: Trace, capacity: int, policy: str) -> int:
             if key in held:
                 pol.accessed(key)
                 continue
+            if keep is not None and not keep[pos + i]:
+                continue
             if len(held) >= capacity:
                 victim = pol.victim(lambda _: True)
                 held.discard(victim)
@@ -127,6 +132,7 @@ def simulate(trace: Trace, capacity: int, policy: str) -> int:
             if pol.admit(key, parent, held.__contains__):
                 held.add(key)
                 pol.inserted(key, parent)
+        pos += len(keys)
     return served
 
 
@@ -148,10 +154,9 @@ def plain_lru(trace: Trace, capacity: int | None) -> int:
     return served
 
 
-def belady(trace: Trace, capacity: int) -> int:
-    """Prompt tokens served under block-level optimal replacement of ``capacity`` blocks:
-    every block access (hit or not) refreshes the block's next use; on a miss the block is
-    kept only if it is used again before the farthest-used block held, which then goes."""
+def next_uses(trace: Trace) -> list[int]:
+    """Per block of the trace in order, the position of the next use of its key (the
+    number of blocks when there is none)."""
     seq = [k for _, keys in trace for k in keys]
     never = len(seq)
     next_use = [never] * len(seq)
@@ -159,6 +164,15 @@ def belady(trace: Trace, capacity: int) -> int:
     for i in range(len(seq) - 1, -1, -1):
         next_use[i] = last.get(seq[i], never)
         last[seq[i]] = i
+    return next_use
+
+
+def belady(trace: Trace, capacity: int) -> int:
+    """Prompt tokens served under block-level optimal replacement of ``capacity`` blocks:
+    every block access (hit or not) refreshes the block's next use; on a miss the block is
+    kept only if it is used again before the farthest-used block held, which then goes."""
+    next_use = next_uses(trace)
+    never = len(next_use)
     held: dict[str, int] = {}  # key -> its next use
     heap: list[tuple[int, str]] = []  # (-next use, key), stale entries skipped
     served = pos = 0
@@ -191,6 +205,7 @@ def report(name: str, trace: Trace, capacities: list[int]) -> None:
     prompt_tokens = sum(p for p, _ in trace)
     chunks = sum(len(k) for _, k in trace)
     best = plain_lru(trace, None)
+    keep = [n < chunks for n in next_uses(trace)]  # used again
     print(f"{name}: {len(trace)} requests, {prompt_tokens / 1e6:.1f}M prompt tokens, {chunks} chunks; "
           f"an unbounded cache serves {best / prompt_tokens:.3f} of the prompt tokens")
     for cap in capacities:
@@ -200,6 +215,10 @@ def report(name: str, trace: Trace, capacities: list[int]) -> None:
             s = simulate(trace, cap, policy)
             print(f"{share} {policy} serves {s / prompt_tokens:.3f} (LRU {lru / prompt_tokens:.3f}): "
                   f"{policy}/LRU = {s / lru:.2f}x")
+        s = simulate(trace, cap, DEFAULT_POLICY, keep)
+        print(f"{share} {DEFAULT_POLICY} storing only the blocks used again (an admission oracle) "
+              f"serves {s / prompt_tokens:.3f} (LRU {lru / prompt_tokens:.3f}): "
+              f"oracle-admission/LRU = {s / lru:.2f}x")
         opt = belady(trace, cap)
         print(f"{share} Belady (block-level optimal) serves {opt / prompt_tokens:.3f} "
               f"(LRU {lru / prompt_tokens:.3f}): Belady/LRU = {opt / lru:.2f}x")

@@ -2,7 +2,7 @@
 with cache_policy lru it serves exactly what a textbook LRU cache of the same size would;
 with each policy it serves what that policy, driven directly, serves (the benchmark's
 sweeps drive policies directly); the default never serves less than LRU; Belady is an
-upper bound on block hits."""
+upper bound on block hits, also of a policy that stores only blocks used again."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from benchmarks.trace_replay import (
     DEFAULT_TRACE,
     belady,
     load_trace,
+    next_uses,
     plain_lru,
     replay,
     simulate,
@@ -43,3 +44,14 @@ def test_belady_bounds_the_policies_on_a_generated_trace():
     opt = belady(trace, 200)
     assert opt <= plain_lru(trace, None)
     assert all(simulate(trace, 200, p) <= opt for p in ("lru", "prefix_lru", DEFAULT_POLICY))
+
+
+def test_the_admission_oracle_stores_only_blocks_used_again_and_lru_gains_by_it():
+    trace = load_trace(DEFAULT_TRACE, 1500)
+    blocks = [k for _, keys in trace for k in keys]
+    uses = next_uses(trace)
+    later = {k: i for i, k in enumerate(blocks)}  # the last use of each key
+    assert all((uses[i] < len(blocks)) == (later[k] > i) for i, k in enumerate(blocks))
+    keep = [n < len(blocks) for n in uses]
+    for p in ("lru", DEFAULT_POLICY):
+        assert simulate(trace, 400, p) < simulate(trace, 400, p, keep) <= belady(trace, 400)
