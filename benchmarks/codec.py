@@ -65,16 +65,19 @@ def chunks_of(llm: LLM, prompt: list[int]) -> list[torch.Tensor]:
     return out
 
 
+Transform = Callable[[torch.Tensor, int], torch.Tensor]  # (chunk kv, its first position) -> kv
+
+
 def serve_transformed(llm: LLM, prompt: list[int], params: SamplingParams,
-                      transform: Callable[[torch.Tensor], torch.Tensor], exact: dict[str, torch.Tensor]):
-    """Generate for ``prompt`` with its stored chunks replaced by transform(kv) and served
-    from the hot cache (no prefix caching). ``exact`` keeps the original KV per key."""
+                      transform: Transform, exact: dict[str, torch.Tensor]):
+    """Generate for ``prompt`` with its stored chunks replaced by transform(kv, position) and
+    served from the hot cache (no prefix caching). ``exact`` keeps the original KV per key."""
     eng = llm.engine.kv_connector.cache
     keys = eng.keys(prompt)
     bufs = eng.fetch(keys)
     assert len(bufs) == len(keys), "the hot cache lost chunks: raise max_local_cpu_size"
-    for key, b in zip(keys, bufs, strict=True):
-        b.kv.copy_(transform(exact.setdefault(key, b.kv.clone())))
+    for i, (key, b) in enumerate(zip(keys, bufs, strict=True)):
+        b.kv.copy_(transform(exact.setdefault(key, b.kv.clone()), i * eng.chunk_size))
         b.release()
     out = llm.generate([prompt], params)[0]
     assert out.num_external_tokens > 0
@@ -82,8 +85,7 @@ def serve_transformed(llm: LLM, prompt: list[int], params: SamplingParams,
 
 
 def agreement(llm: LLM, prompts: list[list[int]], refs: list[list[int]],
-              transform: Callable[[torch.Tensor], torch.Tensor],
-              exact: dict[str, torch.Tensor]) -> float:
+              transform: Transform, exact: dict[str, torch.Tensor]) -> float:
     """Greedy-token agreement with each prompt's stored KV replaced by transform(kv)."""
     same = total = 0
     for p, ref in zip(prompts, refs, strict=True):
@@ -93,7 +95,7 @@ def agreement(llm: LLM, prompts: list[list[int]], refs: list[list[int]],
     return same / total
 
 
-def qa_accuracy(llm: LLM, prompts: list, transform: Callable[[torch.Tensor], torch.Tensor],
+def qa_accuracy(llm: LLM, prompts: list, transform: Transform,
                 exact: dict[str, torch.Tensor]) -> float:
     """Fraction of held-out QA prompts answered right with their stored KV replaced by
     transform(kv) (the question, in the prompt's last partial chunk, is always computed)."""
@@ -121,7 +123,7 @@ def matched(levels: list[Level], quality: Callable[[Level], float], floor: float
     return min(ok, key=lambda lv: lv.nbytes) if ok else None
 
 
-def int8_roundtrip(kv: torch.Tensor) -> torch.Tensor:
+def int8_roundtrip(kv: torch.Tensor, position: int = 0) -> torch.Tensor:
     # per token: one scale per (kv, layer, token) over [H, D]
     scale = kv.float().abs().amax(dim=(3, 4), keepdim=True).clamp_min(1e-8) / 127
     return (torch.round(kv.float() / scale).clamp(-127, 127) * scale).to(kv.dtype)
@@ -197,8 +199,8 @@ def main() -> None:
         rans_bytes = sum(len(cachegen.encode(c, table, "rans")) for c in kv[:4])
         cg4 = sum(len(b) for b in cg[:4])
 
-        def roundtrip(t: CacheGenTable) -> Callable[[torch.Tensor], torch.Tensor]:
-            def fn(x: torch.Tensor) -> torch.Tensor:
+        def roundtrip(t: CacheGenTable) -> Transform:
+            def fn(x: torch.Tensor, position: int = 0) -> torch.Tensor:  # no rope: unused
                 out = torch.empty_like(x)
                 cachegen.decode_into(cachegen.encode(x, t), out, t)
                 return out

@@ -21,19 +21,19 @@ import argparse
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from codec import chunks_of, int8_bytes, int8_roundtrip, serve_transformed  # noqa: E402
+from codec import Transform, chunks_of, int8_bytes, int8_roundtrip, serve_transformed  # noqa: E402
 from common import best, raw_read_seconds  # noqa: E402
 from quality.rag_qa import MAX_TOKENS, make_examples  # noqa: E402
 
 from lmkv.codec import cachegen  # noqa: E402
 from lmkv.codec.calibration import CacheGenTable, CalibrationSettings, calibrate  # noqa: E402
 from lmkv.config import load_config  # noqa: E402
+from lmkv.ops_torch import rerotate_keys  # noqa: E402
 from lmkv_engines.minimal.default_model import resolve_model  # noqa: E402
 from lmkv_engines.minimal.llm import LLM  # noqa: E402
 from lmkv_engines.minimal.sampling_params import SamplingParams  # noqa: E402
@@ -42,12 +42,29 @@ GEN = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 FIRST = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
-def roundtrip(table: CacheGenTable) -> Callable[[torch.Tensor], torch.Tensor]:
-    def fn(x: torch.Tensor) -> torch.Tensor:
+def roundtrip(table: CacheGenTable) -> Transform:
+    def fn(x: torch.Tensor, position: int = 0) -> torch.Tensor:
         out = torch.empty_like(x)
-        cachegen.decode_into(cachegen.encode(x, table), out, table)
+        cachegen.decode_into(cachegen.encode(x, table, position=position), out, table)
         return out
     return fn
+
+
+def pre_rope_chunks(llm: LLM, ids: list[int], chunk: int) -> list[torch.Tensor]:
+    """The full chunks of ``ids``'s KV with the keys before RoPE (what ``engine calibrate``
+    measures)."""
+    kv = llm.engine.compute_kv([ids], pre_rope=True)[0]
+    return [kv[:, :, i * chunk : (i + 1) * chunk].clone() for i in range(kv.shape[2] // chunk)]
+
+
+def rotated(chunks: list[torch.Tensor], inv_freq: torch.Tensor) -> list[torch.Tensor]:
+    """Chunks of one prompt (keys before RoPE) with their keys rotated to their positions."""
+    out = []
+    for i, c in enumerate(chunks):
+        t = c.shape[2]
+        out.append(c.clone())
+        rerotate_keys(out[-1][0], torch.arange(i * t, (i + 1) * t), inv_freq)
+    return out
 
 
 def reply(llm: LLM, ids: list[int]) -> str:
@@ -83,32 +100,36 @@ def main() -> None:
         return tok.encode(tok.apply_chat_template(e.messages()))
 
     count = lambda t: len(tok.encode(t))  # noqa: E731
-    calib = []
+    rope = llm.engine.rope_inv_freq
+    calib, calib_rotated = [], []
     for e in make_examples(args.calib, "dev", count, seed=1):
-        ids = encode(e)
-        llm.generate([ids], FIRST)
-        calib += chunks_of(llm, ids)
-    tables = {err: calibrate(calib, CalibrationSettings(error=err)) for err in args.errors}
-    per_channel = {err: calibrate(calib, CalibrationSettings(error=err, transform=False))
+        chunks = pre_rope_chunks(llm, encode(e), args.chunk)
+        calib += chunks
+        calib_rotated += rotated(chunks, rope)
+    tables = {err: calibrate(calib, CalibrationSettings(error=err), rope=rope)
+              for err in args.errors}
+    per_channel = {err: calibrate(calib, CalibrationSettings(error=err, transform=False), rope=rope)
                    for err in args.errors}  # size only: what the transform saves
+    as_rotated = {err: calibrate(calib_rotated, CalibrationSettings(error=err))
+                  for err in args.errors}  # size only: what coding keys un-rotated saves
     print(f"calibrated on {args.calib} dev prompts ({len(calib)} chunks): errors {args.errors}",
           flush=True)
 
-    settings: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"int8": int8_roundtrip}
+    settings: dict[str, Transform] = {"int8": int8_roundtrip}
     settings |= {f"cachegen {err:g}": roundtrip(t) for err, t in tables.items()}
     correct = {"lossless": 0} | {s: 0 for s in settings}
     agree = {s: 0 for s in settings}
     size = {"fp16": 0, "int8": 0} | {f"{kind} {err:g}": 0 for err in tables
-                                       for kind in ("cachegen", "per-channel")}
+                                       for kind in ("cachegen", "per-channel", "as-rotated")}
     default = tables.get(CalibrationSettings().error) or next(iter(tables.values()))
     if args.decode_only:
         kv_sample = []
         for e in make_examples(2, "heldout", count):
             ids = encode(e)
             llm.generate([ids], FIRST)
-            kv_sample += chunks_of(llm, ids)
+            kv_sample += list(enumerate(chunks_of(llm, ids)))
         llm.close()
-        decode_speed(default, kv_sample[:8])
+        decode_speed(default, kv_sample[:8], args.chunk)
         return
     examples = make_examples(args.n, "heldout", count)
     lengths, kv_sample = [], []
@@ -121,13 +142,15 @@ def main() -> None:
         correct["lossless"] += e.is_correct(reply(llm, ref))
         kv = chunks_of(llm, ids)
         if len(kv_sample) < 8:
-            kv_sample += kv[: 8 - len(kv_sample)]
+            kv_sample += list(enumerate(kv))[: 8 - len(kv_sample)]
         size["fp16"] += sum(c.numel() * 2 for c in kv)
         size["int8"] += sum(int8_bytes(c) for c in kv)
         for err, t in tables.items():
-            size[f"cachegen {err:g}"] += sum(len(cachegen.encode(c, t)) for c in kv)
-            size[f"per-channel {err:g}"] += sum(len(cachegen.encode(c, per_channel[err]))
-                                                for c in kv)
+            for j, c in enumerate(kv):
+                pos = j * args.chunk
+                size[f"cachegen {err:g}"] += len(cachegen.encode(c, t, position=pos))
+                size[f"per-channel {err:g}"] += len(cachegen.encode(c, per_channel[err], position=pos))
+                size[f"as-rotated {err:g}"] += len(cachegen.encode(c, as_rotated[err]))
         exact: dict[str, torch.Tensor] = {}
         for name, fn in settings.items():
             out = serve_transformed(llm, ids, GEN, fn, exact).output_token_ids
@@ -156,6 +179,9 @@ def main() -> None:
               f"error target per channel: {size[f'per-channel {err:g}'] / 1e6:.1f} MB vs "
               f"{size[name] / 1e6:.1f} MB: per-channel/cachegen = "
               f"{size[f'per-channel {err:g}'] / size[name]:.2f}x")
+        print(f"{name} (keys coded un-rotated) vs the same error target calibrated on keys as "
+              f"rotated: {size[f'as-rotated {err:g}'] / 1e6:.1f} MB vs {size[name] / 1e6:.1f} MB: "
+              f"as-rotated/cachegen = {size[f'as-rotated {err:g}'] / size[name]:.2f}x")
     within = [err for err in tables if acc[f"cachegen {err:g}"] >= acc["lossless"] - 1]
     if within:
         best_err = max(within)
@@ -173,12 +199,14 @@ def main() -> None:
     else:
         print(f"no cachegen error target at or above per-token int8's accuracy {acc['int8']:.1f}%")
 
-    decode_speed(default, kv_sample)
+    decode_speed(default, kv_sample, args.chunk)
 
 
-def decode_speed(table: CacheGenTable, kv_sample: list[torch.Tensor]) -> None:
-    """The decode speed of ``table`` on one core vs the disk's raw read rate of the same KV."""
-    payloads = [cachegen.encode(c, table) for c in kv_sample]
+def decode_speed(table: CacheGenTable, sample: list[tuple[int, torch.Tensor]], chunk: int) -> None:
+    """The decode speed of ``table`` on one core vs the disk's raw read rate of the same KV
+    (chunks with their index in their prompt)."""
+    kv_sample = [c for _, c in sample]
+    payloads = [cachegen.encode(c, table, position=i * chunk) for i, c in sample]
     outs = [torch.empty_like(c) for c in kv_sample]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -15,7 +15,7 @@ from .codec.gate import QualityGate
 from .config import ConfigError, LMKVConfig
 from .keys import KeyScope, content_hashes, prefix_hashes
 from .layout import KVLayout
-from .memory import ChunkBuffer, MemoryPool
+from .memory import NO_POSITION, ChunkBuffer, MemoryPool
 from .metrics import LMKVMetrics
 from .storage.manager import StorageManager
 from .storage.pins import PinTable
@@ -173,6 +173,7 @@ class LMKVCache:
             buf.kv[:, :, : part.shape[2]].copy_(part)
             buf.kv[:, :, part.shape[2] :].zero_()
             buf.num_tokens = part.shape[2]  # a tail is stored at its own size below the hot cache
+            buf.position = NO_POSITION if self.config.blend_store_pre_rope else i * c
             self.store(key, buf)
             buf.release()
         return True

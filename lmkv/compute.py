@@ -12,6 +12,10 @@ import torch
 class KVComputer(Protocol):
     """An engine that can compute the KV of standalone token sequences."""
 
+    #: the keys' rotary inverse frequencies [D/2] (HF rotate_half convention); None for a
+    #: model whose keys carry no rotation
+    rope_inv_freq: torch.Tensor | None
+
     def tokenize(self, text: str) -> list[int]: ...
 
     def compute_kv(self, token_lists: list[list[int]], pre_rope: bool = False) -> list[torch.Tensor]:

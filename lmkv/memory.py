@@ -14,6 +14,7 @@ import torch
 from .layout import KVLayout
 
 HEADER_BYTES = 64  # room for the codec frame header in front of each chunk
+NO_POSITION = 0xFFFFFFFF  # a chunk's position when its keys carry no rotation (before RoPE)
 
 
 @dataclass(eq=False)
@@ -59,6 +60,19 @@ class ChunkBuffer:
             raise ValueError(f"a chunk holds 1..{self.pool.layout.chunk_size} tokens, not {value}")
         self.pool._tokens[self.index] = value
 
+    @property
+    def position(self) -> int:
+        """The position of the chunk's first token in its sequence (0 unless the writer set
+        it; ``NO_POSITION``: keys stored before RoPE). A lossy codec may code keys relative
+        to it; it never changes what a chunk decodes to."""
+        return self.pool._positions[self.index]
+
+    @position.setter
+    def position(self, value: int) -> None:
+        if not 0 <= value <= NO_POSITION:
+            raise ValueError(f"chunk position {value} outside [0, 2^32)")
+        self.pool._positions[self.index] = value
+
     def retain(self) -> ChunkBuffer:
         self.pool._retain(self)
         return self
@@ -85,6 +99,7 @@ class MemoryPool:
         self._refs = [0] * self.num_slots
         self._lossy = [False] * self.num_slots
         self._tokens = [layout.chunk_size] * self.num_slots
+        self._positions = [0] * self.num_slots
         self._lock = threading.Lock()
 
     @property
@@ -100,6 +115,7 @@ class MemoryPool:
             self._refs[index] = 1
             self._lossy[index] = False
             self._tokens[index] = self.layout.chunk_size
+            self._positions[index] = 0
         return ChunkBuffer(self, index)
 
     def _retain(self, buf: ChunkBuffer) -> None:

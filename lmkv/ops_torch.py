@@ -111,6 +111,9 @@ def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tenso
     half = keys.shape[-1] // 2
     angle = delta.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]  # [T, D/2]
     cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # [T, 1, D/2]
+    if keys.dtype == torch.float32:  # in place: keys * cos + rotate_half(keys) * sin
+        swapped = torch.cat([keys[..., half:], keys[..., :half]], dim=-1)
+        return keys.mul_(torch.cat([cos, cos], dim=-1)).addcmul_(swapped, torch.cat([-sin, sin], dim=-1))
     x = keys.float()
     x1, x2 = x[..., :half], x[..., half:]
     keys.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))

@@ -147,6 +147,11 @@ class LLMEngine:
         """The ids that join a blended prompt's segments (prompts sent as ids use them)."""
         return self.kv_connector.blend_separator if self.kv_connector else []
 
+    @property
+    def rope_inv_freq(self) -> torch.Tensor:
+        """The keys' rotary inverse frequencies [D/2] (lmkv's KVComputer)."""
+        return self.model.model.rope.inv_freq.cpu()
+
     def compute_kv(self, token_lists: list[list[int]], pre_rope: bool = False) -> list[torch.Tensor]:
         """KV of each token list computed alone at positions [0, n): [2, L, n, Hkv, D] each,
         with ``pre_rope`` the keys before RoPE (lmkv.blend.precompute's KVComputer)."""

@@ -12,7 +12,8 @@ from .calibration import CacheGenTable
 
 
 class Codec(ABC):
-    """Contract: ``encode`` turns kv [2, L, T, Hkv, D] (contiguous) into payload bytes;
+    """Contract: ``encode`` turns kv [2, L, T, Hkv, D] (contiguous; its first token at
+    ``position``, which a codec may use and then keeps in the payload) into payload bytes;
     ``decode_into`` fills a kv tensor of that shape from them, or raises ValueError naming
     what is wrong. A lossy codec needs the model's calibration table; a lossless one ignores
     it. ``partial`` codecs also frame a chunk of fewer tokens than chunk_size at its size."""
@@ -23,7 +24,8 @@ class Codec(ABC):
     partial: ClassVar[bool] = True
 
     @abstractmethod
-    def encode(self, kv: torch.Tensor, table: CacheGenTable | None) -> memoryview | bytes: ...
+    def encode(self, kv: torch.Tensor, table: CacheGenTable | None, position: int = 0
+               ) -> memoryview | bytes: ...
 
     @abstractmethod
     def decode_into(self, payload: memoryview, kv: torch.Tensor, table: CacheGenTable | None) -> None: ...
@@ -41,7 +43,7 @@ class Raw(Codec):
 
     name, id = "raw", 0
 
-    def encode(self, kv, table):
+    def encode(self, kv, table, position=0):
         return _bytes_of(kv)
 
     def decode_into(self, payload, kv, table):
@@ -57,7 +59,7 @@ class Zstd(Codec):
 
     name, id = "zstd", 1
 
-    def encode(self, kv, table):
+    def encode(self, kv, table, position=0):
         import zstandard
 
         return zstandard.ZstdCompressor(level=1).compress(_bytes_of(kv))
@@ -80,12 +82,12 @@ class CacheGen(Codec):
 
     name, id, lossy, partial = "cachegen", 2, True, False
 
-    def encode(self, kv, table):
+    def encode(self, kv, table, position=0):
         from . import cachegen
 
         if table is None:
             raise ValueError("codec cachegen needs a calibration table")
-        return cachegen.encode(kv, table)
+        return cachegen.encode(kv, table, position=position)
 
     def decode_into(self, payload, kv, table):
         from . import cachegen

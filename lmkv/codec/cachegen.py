@@ -15,10 +15,15 @@ deltas), and the streams are the table's bands of each (kv, layer): coefficients
 spread, coefficient-major ([coefficients, T]); coefficients past the last band, if the
 table drops any, are not stored (they decode to their mean).
 
+With a table that has ``rope`` (calibration.py), keys are un-rotated by their positions
+(``position`` + t for token t) before step 1 and rotated back after decoding; a chunk whose
+keys carry no rotation (stored before RoPE) is coded with ``NO_POSITION``.
+
 Payload (inside the 64-byte frame, which names codec "cachegen" and checks the bytes):
   "CGv1" (per channel) or "CGv2" (transform), table id u64, group size u16, coder u8,
-  reserved u8, streams u32, then per stream: width u8 (1 = int8, 2 = int16, 3 = int8 not
-  entropy-coded), length u32; then the stream bytes (a stream of length 0 holds no symbols).
+  flags u8 (1: keys un-rotated, a position u32 follows the head), streams u32, then per
+  stream: width u8 (1 = int8, 2 = int16, 3 = int8 not entropy-coded), length u32; then the
+  stream bytes (a stream of length 0 holds no symbols).
 
 ``quantize`` / ``dequantize`` are the torch twins of the CUDA kernels in
 cuda/cachegen.cu (same signatures; the wrappers are in cuda/cachegen.py; lmkv.ops picks one
@@ -35,11 +40,14 @@ import numpy as np
 import torch
 
 from .. import ops
+from ..memory import NO_POSITION
 from . import rans
 from .calibration import CacheGenTable
 
 _HEAD = struct.Struct("<4sQHBBI")
 _STREAM = struct.Struct("<BI")
+_POSITION = struct.Struct("<I")
+ROPE = 1  # flag: keys un-rotated by the position that follows the head
 MAGIC = b"CGv1"
 MAGIC_TRANSFORM = b"CGv2"
 CODERS = {"zstd": 0, "rans": 1}
@@ -83,16 +91,24 @@ def dequantize(symbols: torch.Tensor, step: torch.Tensor, mean: torch.Tensor,
         out.copy_(torch.addcmul(mean[:, :, None], q, step[:, :, None]))
 
 
-def encode(kv: torch.Tensor, table: CacheGenTable, coder: str = "zstd") -> bytes:
-    """The cachegen payload of one chunk kv [2, L, T, H, D]."""
+def encode(kv: torch.Tensor, table: CacheGenTable, coder: str = "zstd",
+           position: int = 0) -> bytes:
+    """The cachegen payload of one chunk kv [2, L, T, H, D] whose first token is at
+    ``position`` (for a table with ``rope``; NO_POSITION: keys before RoPE)."""
     import zstandard
 
     table.check_layout(tuple(kv.shape))
+    if not 0 <= position <= NO_POSITION:
+        raise ValueError(f"chunk position {position} outside [0, 2^32)")
     dev = kv.device  # a CUDA chunk is quantized by the kernel (lmkv.ops), then coded here
     two, layers, t, h, d = kv.shape
     x = kv
+    if table.rope is not None and position != NO_POSITION:
+        x = kv.float()  # a copy for fp16/bf16; the rotation below must not touch the caller's
+        x = x.clone() if x is kv else x
+        ops.rerotate_keys(x[0], -_positions(position, t, dev), table.rope.to(dev))
     if table.basis is not None:
-        x = (kv.float().reshape(two, layers, t, h * d) @ table.basis.to(dev)).view(kv.shape)
+        x = (x.float().reshape(two, layers, t, h * d) @ table.basis.to(dev)).view(kv.shape)
     symbols = ops.cachegen_quantize(x, table.step.to(dev), table.mean.to(dev),
                                     table.delta.to(dev), table.group_size).cpu()
     if table.basis is None:
@@ -119,8 +135,15 @@ def encode(kv: torch.Tensor, table: CacheGenTable, coder: str = "zstd") -> bytes
         descs.append(_STREAM.pack(width, len(blob)))
         blobs.append(blob)
     magic = MAGIC if table.basis is None else MAGIC_TRANSFORM
-    head = _HEAD.pack(magic, table.table_id, table.group_size, CODERS[coder], 0, len(descs))
+    flags = ROPE if table.rope is not None else 0
+    head = _HEAD.pack(magic, table.table_id, table.group_size, CODERS[coder], flags, len(descs))
+    if flags:
+        head += _POSITION.pack(position)
     return b"".join([head, *descs, *blobs])
+
+
+def _positions(first: int, t: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(first, first + t, dtype=torch.int64, device=device)
 
 
 def decode_into(payload: bytes | memoryview, out: torch.Tensor, table: CacheGenTable) -> None:
@@ -129,7 +152,7 @@ def decode_into(payload: bytes | memoryview, out: torch.Tensor, table: CacheGenT
     view = memoryview(payload)
     if len(view) < _HEAD.size:
         raise PayloadError("truncated cachegen payload")
-    magic, table_id, group, coder, _, count = _HEAD.unpack_from(view)
+    magic, table_id, group, coder, flags, count = _HEAD.unpack_from(view)
     if magic not in (MAGIC, MAGIC_TRANSFORM):
         raise PayloadError(f"not a cachegen payload (magic {bytes(magic)!r})")
     if table_id != table.table_id or group != table.group_size:
@@ -139,6 +162,15 @@ def decode_into(payload: bytes | memoryview, out: torch.Tensor, table: CacheGenT
         raise PayloadError("payload and calibration table disagree on the transform")
     if coder not in CODERS.values():
         raise PayloadError(f"unknown entropy coder id {coder}")
+    if flags & ~ROPE or bool(flags & ROPE) != (table.rope is not None):
+        raise PayloadError(f"payload flags {flags:#x} do not fit the calibration table")
+    start = _HEAD.size
+    position = NO_POSITION
+    if flags & ROPE:
+        if len(view) < start + _POSITION.size:
+            raise PayloadError("truncated cachegen payload")
+        (position,) = _POSITION.unpack_from(view, start)
+        start += _POSITION.size
     table.check_layout(tuple(out.shape))
     two, layers, t, h, d = out.shape
     if table.basis is None:
@@ -148,7 +180,7 @@ def decode_into(payload: bytes | memoryview, out: torch.Tensor, table: CacheGenT
         sizes = (widths * t).reshape(-1).tolist()
     if count != len(sizes):
         raise PayloadError(f"payload has {count} streams, chunk needs {len(sizes)}")
-    parts = _read_streams(view, coder, sizes)
+    parts = _read_streams(view, coder, sizes, start)
     if table.basis is None:
         wide = any(p.dtype != np.int8 for p in parts)
         symbols = np.concatenate([p.astype(np.int16) for p in parts] if wide else parts)
@@ -156,21 +188,24 @@ def decode_into(payload: bytes | memoryview, out: torch.Tensor, table: CacheGenT
         dequantize(q, table.step, table.mean, table.delta, table.group_size, out)
     else:
         _reconstruct(parts, table, out)
+    if position != NO_POSITION:
+        ops.rerotate_keys(out[0], _positions(position, t, out.device), table.rope.to(out.device))
 
 
-def _read_streams(view: memoryview, coder: int, sizes: list[int]) -> list[np.ndarray]:
-    """The symbol arrays (int8 or int16) of the streams after the header; ``sizes`` says how
-    many symbols each must hold."""
+def _read_streams(view: memoryview, coder: int, sizes: list[int], start: int
+                  ) -> list[np.ndarray]:
+    """The symbol arrays (int8 or int16) of the streams whose descriptors begin at
+    ``start``; ``sizes`` says how many symbols each must hold."""
     import zstandard
 
     count = len(sizes)
-    off = _HEAD.size + count * _STREAM.size
+    off = start + count * _STREAM.size
     if len(view) < off:
         raise PayloadError("truncated cachegen payload")
     parts: list[np.ndarray] = []
     dz = zstandard.ZstdDecompressor()
     for i, n in enumerate(sizes):
-        width, length = _STREAM.unpack_from(view, _HEAD.size + i * _STREAM.size)
+        width, length = _STREAM.unpack_from(view, start + i * _STREAM.size)
         blob = view[off : off + length]
         off += length
         if width not in (1, 2, STORED) or len(blob) != length:

@@ -35,15 +35,17 @@ def calibration_prompts(vocab_size: int, num: int, length: int, seed: int = 0,
 def calibrate_kv(computer: KVComputer, lmkv: LMKVCache, settings: CalibrationSettings,
                  prompts: list[list[int]], out: str | Path | None = None) -> tuple[CacheGenTable, Path]:
     """Measure the KV ``computer`` computes for ``prompts`` (their full chunks) and save the
-    table; returns the table as lmkv will load it and where it went."""
+    table; returns the table as lmkv will load it and where it went. Keys are measured
+    before RoPE where the model rotates them (the table then codes keys un-rotated)."""
     c = lmkv.chunk_size
+    rope = computer.rope_inv_freq
     chunks = []
-    for kv in computer.compute_kv(prompts):  # [2, L, n, Hkv, D] each
+    for kv in computer.compute_kv(prompts, pre_rope=rope is not None):  # [2, L, n, Hkv, D] each
         chunks += [kv[:, :, i * c : (i + 1) * c].clone() for i in range(kv.shape[2] // c)]
     if not chunks:
         raise ValueError(f"calibration prompts of {max(map(len, prompts), default=0)} tokens fill "
                          f"no chunk of {c}: make them longer")
-    table = calibrate(chunks, settings)
+    table = calibrate(chunks, settings, rope=rope)
     path = Path(out or lmkv.config.cachegen_calibration or default_path(lmkv.scope.prefix))
     table.save(path)
     return CacheGenTable.load(path), path

@@ -21,6 +21,11 @@ Calibration (``calibrate``) looks at chunks of real KV [2, L, T, Hkv, D]:
   steps, into runs entropy-coded apart; coefficients past ``bands[..., -1]`` are not stored
   (with ``store_weak`` off: those whose spread is below half a step; on, the default,
   every coefficient is stored: dropping them cost QA accuracy on SmolLM2, docs/codec.md).
+- with ``rope`` (the model's rotary inverse frequencies, [D/2]; given when the calibration
+  chunks hold keys before RoPE), keys are measured and coded as if at position 0: the codec
+  un-rotates a chunk's keys by their positions before coding and rotates them back after
+  decoding (the position is in the payload), so the statistics hold at every position
+  instead of being smeared over the positions seen in calibration.
 
 The table id (xxh3-64 of the file's bytes) is written into every payload; a payload made
 with another table is rejected rather than decoded wrongly.
@@ -39,8 +44,8 @@ import numpy as np
 import torch
 import xxhash
 
-FORMAT = "lmkv-cachegen-table/2"
-FORMATS = ("lmkv-cachegen-table/1", FORMAT)  # /1: no transform
+FORMAT = "lmkv-cachegen-table/3"
+FORMATS = ("lmkv-cachegen-table/1", "lmkv-cachegen-table/2", FORMAT)  # /1: no transform; /2: no rope
 # band edges in coefficient spread / step, strongest first; the coefficients below the last
 # edge form one more band (store_weak, the default) or are not stored
 BAND_SPREADS = (64.0, 16.0, 4.0, 1.0, 0.5)
@@ -78,6 +83,7 @@ class CacheGenTable:
     table_id: int  # xxh3-64 of the serialized table
     basis: torch.Tensor | None = None  # [2, L, C, C] float32, columns orthonormal
     bands: torch.Tensor | None = None  # [2, L, B + 1] int32 coefficient band edges
+    rope: torch.Tensor | None = None  # [D/2] float32: keys coded un-rotated (see above)
 
     @property
     def num_layers(self) -> int:
@@ -104,7 +110,7 @@ class CacheGenTable:
 
     def to_bytes(self) -> bytes:
         return _serialize(self.step, self.mean, self.delta, self.target, self.group_size,
-                          self.basis, self.bands)
+                          self.basis, self.bands, self.rope)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -142,8 +148,15 @@ class CacheGenTable:
                     or not bool(torch.isfinite(basis).all()) or bool((bands[..., 0] != 0).any())
                     or bool((bands.diff(dim=2) < 0).any()) or bool((bands[..., -1] > c).any())):
                 raise ValueError("calibration table has an inconsistent transform")
+        rope = tensors.get("rope_inv_freq")
+        if rope is not None:
+            rope = rope.float()
+            if (tuple(rope.shape) != (step.shape[3] // 2,) or step.shape[3] % 2
+                    or not bool(torch.isfinite(rope).all())):
+                raise ValueError(f"calibration table has rotary frequencies of shape "
+                                 f"{tuple(rope.shape)} for head_dim {step.shape[3]}")
         return cls(step, mean, delta, target, int(meta["group_size"]),
-                   xxhash.xxh3_64_intdigest(data), basis, bands)
+                   xxhash.xxh3_64_intdigest(data), basis, bands, rope)
 
     @classmethod
     def load(cls, path: str | Path) -> CacheGenTable:
@@ -158,15 +171,18 @@ def default_path(scope_prefix: str) -> Path:
     return Path.home() / ".cache" / "lmkv" / "calibration" / f"{name}.safetensors"
 
 
-def _serialize(step, mean, delta, target, group_size: int, basis=None, bands=None) -> bytes:
+def _serialize(step, mean, delta, target, group_size: int, basis=None, bands=None,
+               rope=None) -> bytes:
     from safetensors.torch import save
 
     tensors = {"step": step.float().contiguous(), "mean": mean.float().contiguous(),
                "delta": delta.to(torch.uint8).contiguous(), "target": target.float().contiguous()}
     if basis is not None:
         tensors |= {"basis": basis.float().contiguous(), "bands": bands.to(torch.int32).contiguous()}
-    meta = {"lmkv": json.dumps({"format": FORMAT if basis is not None else FORMATS[0],
-                                "group_size": group_size})}
+    if rope is not None:
+        tensors["rope_inv_freq"] = rope.float().contiguous()
+    fmt = FORMAT if rope is not None else FORMATS[1] if basis is not None else FORMATS[0]
+    meta = {"lmkv": json.dumps({"format": fmt, "group_size": group_size})}
     return save(tensors, metadata=meta)
 
 
@@ -175,16 +191,18 @@ def _metadata(data: bytes) -> dict[str, str]:
     return json.loads(data[8 : 8 + n]).get("__metadata__", {})
 
 
-def build_table(step, mean, delta, target, group_size: int, basis=None, bands=None
+def build_table(step, mean, delta, target, group_size: int, basis=None, bands=None, rope=None
                 ) -> CacheGenTable:
-    data = _serialize(step, mean, delta, target, group_size, basis, bands)
+    data = _serialize(step, mean, delta, target, group_size, basis, bands, rope)
     return CacheGenTable.from_bytes(data)
 
 
-def calibrate(chunks: Iterable[torch.Tensor], settings: CalibrationSettings | None = None
-              ) -> CacheGenTable:
+def calibrate(chunks: Iterable[torch.Tensor], settings: CalibrationSettings | None = None,
+              rope: torch.Tensor | None = None) -> CacheGenTable:
     """The table for the model whose KV chunks [2, L, T, Hkv, D] are given (a few dozen
-    chunks of ordinary prompts are enough)."""
+    chunks of ordinary prompts are enough). With ``rope``, the model's rotary inverse
+    frequencies [D/2], the chunks' keys are before RoPE (``KVComputer.compute_kv(...,
+    pre_rope=True)``) and the table codes keys un-rotated (module docstring)."""
     settings = settings or CalibrationSettings()
     chunks = list(chunks)
     data = torch.cat([c.float() for c in chunks], dim=2)  # [2, L, N, H, D]
@@ -204,14 +222,14 @@ def calibrate(chunks: Iterable[torch.Tensor], settings: CalibrationSettings | No
             plain = _entropy(q[kv, layer])
             diff = _entropy(q[kv, layer] - anchors[kv, layer])
             delta[kv, layer] = diff < plain
-    table = build_table(step, mean, delta, target, g)
+    table = build_table(step, mean, delta, target, g, rope=rope)
     if not settings.transform:
         return table
     # the transform where it pays: not on KV with no correlations to remove
-    from .cachegen import encode
+    from .cachegen import NO_POSITION, encode
 
-    transformed = _calibrate_transform(data, mean, step, target, g, settings.store_weak)
-    size = lambda t: sum(len(encode(c, t)) for c in chunks)  # noqa: E731
+    transformed = _calibrate_transform(data, mean, step, target, g, settings.store_weak, rope)
+    size = lambda t: sum(len(encode(c, t, position=NO_POSITION)) for c in chunks)  # noqa: E731
     return transformed if size(transformed) < size(table) else table
 
 
@@ -223,8 +241,8 @@ def _entropy(symbols: torch.Tensor) -> float:
 
 
 def _calibrate_transform(data: torch.Tensor, mean: torch.Tensor, step: torch.Tensor,
-                         target: torch.Tensor, group_size: int, store_weak: bool
-                         ) -> CacheGenTable:
+                         target: torch.Tensor, group_size: int, store_weak: bool,
+                         rope: torch.Tensor | None = None) -> CacheGenTable:
     """The table with a decorrelating transform (see the module docstring)."""
     two, layers, n, heads, dim = data.shape
     x = (data - mean[:, :, None]).reshape(two, layers, n, heads * dim).double()
@@ -238,4 +256,4 @@ def _calibrate_transform(data: torch.Tensor, mean: torch.Tensor, step: torch.Ten
     bands = torch.cat([torch.zeros_like(bands[..., :1]), bands], dim=2)
     coef_mean = (mean.reshape(two, layers, 1, -1) @ basis).reshape_as(mean)
     delta = torch.zeros(two, layers, dtype=torch.bool)
-    return build_table(step, coef_mean, delta, target, group_size, basis, bands)
+    return build_table(step, coef_mean, delta, target, group_size, basis, bands, rope)

@@ -41,7 +41,7 @@ def encode(buf: ChunkBuffer, key: str, codec: Codec | str, table: CacheGenTable 
     whole = buf.num_tokens == kv.shape[2] or not codec.partial
     if not whole:
         kv = kv[:, :, : buf.num_tokens].contiguous()
-    payload = memoryview(codec.encode(kv, table))
+    payload = memoryview(codec.encode(kv, table, buf.position))
     shape = list(kv.shape) + [0] * (5 - kv.dim())
     header = _HEADER.pack(
         MAGIC, VERSION, codec.id, _DTYPES[kv.dtype], kv.dim(), *shape, len(payload),

@@ -30,12 +30,14 @@ class LoadSpec:
 @dataclass(slots=True)
 class SaveSpec:
     """Gather the tokens at ``slot_mappings[i]`` into a new chunk stored under ``keys[i]``;
-    ``parent`` is the key of the chunk before ``keys[0]`` in the prompt (None: the first)."""
+    ``parent`` is the key of the chunk before ``keys[0]`` in the prompt (None: the first);
+    ``position``: the position of ``keys[0]``'s first token (the chunks are consecutive)."""
 
     request_id: str
     keys: list[str]
     slot_mappings: list[torch.Tensor]
     parent: str | None = None
+    position: int = 0
 
     def parents(self) -> dict[str, str | None]:
         """key -> the key of the chunk before it (the cache policy's prefix tree)."""

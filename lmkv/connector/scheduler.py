@@ -183,6 +183,7 @@ class SchedulerConnector:
                     [st.keys[i] for i in idx],
                     [self._slots(request.block_ids, i * c, (i + 1) * c) for i in idx],
                     st.keys[st.saved_chunks - 1] if st.saved_chunks else None,
+                    st.saved_chunks * c,
                 ))
                 st.saved_chunks = full
         return meta

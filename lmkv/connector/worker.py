@@ -176,7 +176,7 @@ class WorkerConnector:
     def _allocate_saves(self) -> list[tuple[str, ChunkBuffer, torch.Tensor]]:
         out = []
         for spec in self.meta.saves:
-            for name, slots in zip(spec.keys, spec.slot_mappings, strict=True):
+            for i, (name, slots) in enumerate(zip(spec.keys, spec.slot_mappings, strict=True)):
                 key = self._key(name)
                 if self.cache.storage.hot.contains(key):  # stored already: skip the gather
                     continue
@@ -184,6 +184,7 @@ class WorkerConnector:
                 if buf is None:  # the hot cache is full of pinned chunks: skip this save
                     log.debug("lmkv: no free chunk slot; not saving %s", key)
                     return out
+                buf.position = spec.position + i * self.cache.chunk_size
                 out.append((key, buf, slots))
         return out
 

@@ -263,6 +263,75 @@ def test_transform_decode_is_the_dequantized_coefficients_times_the_basis(store_
         assert torch.equal(o, outs[0]) and ((o.double() - want).abs() <= tol).all()
 
 
+def rope_frequencies(head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+
+
+def rotated(kv: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """kv with its keys (pre-RoPE) rotated to positions [position, position + T)."""
+    from lmkv.ops_torch import rerotate_keys
+
+    out = kv.clone()
+    rerotate_keys(out[0], torch.arange(position, position + kv.shape[2]), inv_freq)
+    return out
+
+
+def test_a_rope_table_codes_keys_unrotated_at_any_position(tmp_path):
+    """A table calibrated on keys before RoPE codes a chunk rotated to any position within
+    its error bound, smaller than a table calibrated on the rotated keys it would otherwise
+    see; the position travels in the payload (and the frame's chunk position feeds it);
+    keys stored before RoPE (NO_POSITION) are coded as they are."""
+    from lmkv.memory import NO_POSITION
+
+    big = KVLayout(3, 2, 32, torch.float32, 128)
+    inv_freq = rope_frequencies(32)
+    pre = [kv_correlated(s, big) for s in range(4)]
+    table = calibrate(pre, CalibrationSettings(error=0.04), rope=inv_freq)
+    assert table.rope is not None and table.basis is not None
+    plain = calibrate([rotated(c, 128 * i, inv_freq) for i, c in enumerate(pre)],
+                      CalibrationSettings(error=0.04))
+    again = CacheGenTable.from_bytes(table.to_bytes())
+    assert again.table_id == table.table_id and torch.equal(again.rope, inv_freq)
+    x0 = kv_correlated(9, big)
+    sizes = {"rope": 0, "plain": 0}
+    for position in (0, 1000, 70_000):
+        x = rotated(x0, position, inv_freq)
+        payload = cachegen.encode(x, table, position=position)
+        sizes["rope"] += len(payload)
+        sizes["plain"] += len(cachegen.encode(x, plain))
+        out = torch.empty_like(x)
+        cachegen.decode_into(payload, out, table)
+        centred = x - x.mean(dim=2, keepdim=True)
+        err = ((out - x).square().sum(dim=(2, 3, 4)) / centred.square().sum(dim=(2, 3, 4))).sqrt()
+        assert (err <= table.target * 1.2).all(), (position, err)
+        wrong = torch.empty_like(x)  # the position is the payload's, not the reader's
+        cachegen.decode_into(cachegen.encode(x, table, position=position + 1), wrong, table)
+        assert not torch.allclose(wrong, out, atol=0.1)
+    assert sizes["rope"] < 0.9 * sizes["plain"]
+    out = torch.empty_like(x0)  # keys before RoPE: not rotated
+    cachegen.decode_into(cachegen.encode(x0, table, position=NO_POSITION), out, table)
+    assert (rel_error(out, x0) <= table.target * 1.3).all()
+    with pytest.raises(cachegen.PayloadError, match="flags|table"):
+        cachegen.decode_into(cachegen.encode(x0, plain), out, table)
+    with pytest.raises(ValueError, match="position"):
+        cachegen.encode(x0, table, position=-1)
+    pool = MemoryPool(big, 2 * (64 + big.chunk_bytes))  # through the frame
+    src, dst = pool.allocate(), pool.allocate()
+    src.kv.copy_(rotated(x0, 512, inv_freq))
+    src.position = 512
+    decode_into(bytes(encode(src, "k", "cachegen", table)), dst, "k", table)
+    assert (rel_error(dst.kv, src.kv) <= table.target * 1.3).all()
+    with pytest.raises(ValueError, match="position"):
+        src.position = -1
+    bad = table.to_bytes().replace(b"rope_inv_freq", b"rope_inv_frex")  # unknown tensor
+    assert CacheGenTable.from_bytes(bad).rope is None
+    from lmkv.codec.calibration import build_table
+
+    with pytest.raises(ValueError, match="rotary"):
+        build_table(table.step, table.mean, table.delta, table.target, table.group_size,
+                    table.basis, table.bands, inv_freq[:-1])
+
+
 def test_transform_table_file_round_trip_and_older_tables_still_load(tmp_path):
     big = KVLayout(2, 2, 32, torch.float32, 64)
     table = calibrate([kv_correlated(s, big) for s in range(3)])

@@ -128,3 +128,30 @@ def test_an_engine_taking_fewer_tokens_than_offered_loads_only_those():
     engine.pool.check_integrity()
     assert engine.pool.num_free == engine.pool.num_slots - 3
     engine.close()
+
+
+def test_saves_name_the_position_of_their_first_chunk_and_the_worker_sets_it():
+    engine = _engine()
+    prompt = list(range(2000, 2000 + 3 * CHUNK + 5))
+    sched = SchedulerConnector(engine, BLOCK)
+    req = Request("p", prompt, list(range(100, 100 + -(-len(prompt) // BLOCK))))
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, req.block_ids, 0)
+    first = sched.build_connector_meta([(req, CHUNK + 3)])  # chunked prefill: 1 chunk, then 2
+    req.num_computed_tokens = CHUNK + 3
+    second = sched.build_connector_meta([(req, len(prompt) - req.num_computed_tokens)])
+    assert [(s.keys, s.position) for s in first.saves + second.saves] == [
+        (engine.keys(prompt)[:1], 0), (engine.keys(prompt)[1:3], CHUNK)]
+    kv_cache = torch.randn(2, 2, 200, BLOCK, 1, 4)
+    worker = WorkerConnector(engine)
+    worker.register_kv_caches(BlockPagedMemory(kv_cache))
+    for meta in (first, second):
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv()
+        worker.wait_for_save()
+    for i, key in enumerate(engine.keys(prompt)[:3]):
+        buf = engine.storage.hot.get(key)
+        assert buf is not None and buf.position == i * CHUNK
+        buf.release()
+    sched.request_finished(req)
+    engine.close()

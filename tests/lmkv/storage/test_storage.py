@@ -201,7 +201,8 @@ def test_a_chunk_written_to_two_tiers_with_one_codec_is_encoded_once(tmp_path, m
 
     calls = []
     real = Zstd.encode
-    monkeypatch.setattr(Zstd, "encode", lambda self, kv, table: calls.append(1) or real(self, kv, table))
+    monkeypatch.setattr(Zstd, "encode", lambda self, kv, table, position=0:
+                        calls.append(1) or real(self, kv, table, position))
     pool = MemoryPool(LAYOUT, 4 * (64 + LAYOUT.chunk_bytes))
     tiers = [Tier("disk", DiskBackend(tmp_path / "a", 1 << 30), "zstd"),
              Tier("remote", DiskBackend(tmp_path / "b", 1 << 30), "zstd"),
