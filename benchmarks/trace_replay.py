@@ -14,7 +14,7 @@ the chunks it computed (each naming the chunk before it as its parent). A chunk 
 Lines per trace and capacity (in chunks):
 - each policy (lmkv.policy) driven directly, as the share of prompt tokens served;
 - the default policy told which blocks will be used again (an oracle that stores only
-  those, the rest never offered): what perfect admission alone could add to it;
+  those, the rest never offered): what admitting only blocks that are ever reused adds;
 - Belady: block-level optimal replacement on the same block sequence (evict the block
   used again farthest ahead; never keep a block not used again). It ignores prefixes: a
   prefix-aware optimum could serve a little more, so it is a bound on block hits, not a

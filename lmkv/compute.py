@@ -12,9 +12,11 @@ import torch
 class KVComputer(Protocol):
     """An engine that can compute the KV of standalone token sequences."""
 
-    #: the keys' rotary inverse frequencies [D/2] (HF rotate_half convention); None for a
-    #: model whose keys carry no rotation
-    rope_inv_freq: torch.Tensor | None
+    @property
+    def rope_inv_freq(self) -> torch.Tensor | None:
+        """The keys' rotary inverse frequencies [D/2] (HF rotate_half convention); None for
+        a model whose keys carry no rotation."""
+        ...
 
     def tokenize(self, text: str) -> list[int]: ...
 

@@ -24,7 +24,7 @@ class Codec(ABC):
     partial: ClassVar[bool] = True
 
     @abstractmethod
-    def encode(self, kv: torch.Tensor, table: CacheGenTable | None, position: int = 0
+    def encode(self, kv: torch.Tensor, table: CacheGenTable | None, position: int
                ) -> memoryview | bytes: ...
 
     @abstractmethod
@@ -43,7 +43,7 @@ class Raw(Codec):
 
     name, id = "raw", 0
 
-    def encode(self, kv, table, position=0):
+    def encode(self, kv, table, position):
         return _bytes_of(kv)
 
     def decode_into(self, payload, kv, table):
@@ -59,7 +59,7 @@ class Zstd(Codec):
 
     name, id = "zstd", 1
 
-    def encode(self, kv, table, position=0):
+    def encode(self, kv, table, position):
         import zstandard
 
         return zstandard.ZstdCompressor(level=1).compress(_bytes_of(kv))
@@ -82,7 +82,7 @@ class CacheGen(Codec):
 
     name, id, lossy, partial = "cachegen", 2, True, False
 
-    def encode(self, kv, table, position=0):
+    def encode(self, kv, table, position):
         from . import cachegen
 
         if table is None:

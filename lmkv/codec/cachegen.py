@@ -92,12 +92,16 @@ def dequantize(symbols: torch.Tensor, step: torch.Tensor, mean: torch.Tensor,
 
 
 def encode(kv: torch.Tensor, table: CacheGenTable, coder: str = "zstd",
-           position: int = 0) -> bytes:
+           position: int | None = None) -> bytes:
     """The cachegen payload of one chunk kv [2, L, T, H, D] whose first token is at
-    ``position`` (for a table with ``rope``; NO_POSITION: keys before RoPE)."""
+    ``position`` (needed by a table with ``rope``; NO_POSITION: keys before RoPE)."""
     import zstandard
 
     table.check_layout(tuple(kv.shape))
+    if position is None:
+        if table.rope is not None:
+            raise ValueError("a table with rotary frequencies needs the chunk's position")
+        position = 0
     if not 0 <= position <= NO_POSITION:
         raise ValueError(f"chunk position {position} outside [0, 2^32)")
     dev = kv.device  # a CUDA chunk is quantized by the kernel (lmkv.ops), then coded here
@@ -147,8 +151,10 @@ def _positions(first: int, t: int, device: torch.device) -> torch.Tensor:
 
 
 def decode_into(payload: bytes | memoryview, out: torch.Tensor, table: CacheGenTable) -> None:
-    """Decode a payload made by ``encode`` into out [2, L, T, H, D]. Raises PayloadError on
-    anything unexpected."""
+    """Decode a payload made by ``encode`` into out [2, L, T, H, D] in CPU memory (where
+    chunks are read to). Raises PayloadError on anything unexpected."""
+    if out.device.type != "cpu":
+        raise ValueError(f"cachegen decodes into CPU memory, not {out.device}")
     view = memoryview(payload)
     if len(view) < _HEAD.size:
         raise PayloadError("truncated cachegen payload")
@@ -189,7 +195,7 @@ def decode_into(payload: bytes | memoryview, out: torch.Tensor, table: CacheGenT
     else:
         _reconstruct(parts, table, out)
     if position != NO_POSITION:
-        ops.rerotate_keys(out[0], _positions(position, t, out.device), table.rope.to(out.device))
+        ops.rerotate_keys(out[0], _positions(position, t, out.device), table.rope)
 
 
 def _read_streams(view: memoryview, coder: int, sizes: list[int], start: int
@@ -256,7 +262,7 @@ def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tenso
         if e[-1] < c:
             pieces.append(np.zeros((c - e[-1]) * t, np.int8))
     synthesis, synthesis_bf16, offset = table.synthesis
-    coef, low = _take_scratch(n, c, t)
+    coef, low = table.scratch.take(n, c, t)
     try:
         coef.copy_(torch.from_numpy(np.concatenate(pieces)).view(n, c, t))
         torch.bmm(coef.transpose(1, 2), synthesis_bf16, out=low)
@@ -264,27 +270,32 @@ def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tenso
         flat.copy_(low)
         flat.add_(offset[:, None, :])
     finally:
-        _give_scratch((coef, low))
+        table.scratch.give((coef, low))
     for i, a, b, p in wide:
         flat[i].add_(torch.from_numpy(p.astype(np.float32)).view(b - a, t).T @ synthesis[i, a:b])
 
 
-_spare: list[tuple[torch.Tensor, torch.Tensor]] = []  # decode scratch, reused: the first
-SPARE = 4  # touch of fresh pages costs about as much as the matmul that fills them
+class DecodeScratch:
+    """One table's decode buffers, reused (the first touch of fresh pages costs about as
+    much as the matmul that fills them): at most ``KEEP`` sets wait between decodes, and
+    decoders on several threads never share one (list pop and append are atomic)."""
 
+    KEEP = 2
 
-def _take_scratch(n: int, c: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bfloat16 [n, C, T] coefficients and [n, T, C] products (thread-safe: list.pop)."""
-    while _spare:
+    def __init__(self) -> None:
+        self._free: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def take(self, n: int, c: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """bfloat16 [n, C, T] coefficients and [n, T, C] products."""
         try:
-            coef, low = _spare.pop()
-        except IndexError:  # another thread took the last one
-            break
-        if coef.shape == (n, c, t):
-            return coef, low
-    return torch.empty(n, c, t, dtype=torch.bfloat16), torch.empty(n, t, c, dtype=torch.bfloat16)
+            coef, low = self._free.pop()
+        except IndexError:
+            coef = low = None
+        if coef is None or coef.shape != (n, c, t):
+            coef = torch.empty(n, c, t, dtype=torch.bfloat16)
+            low = torch.empty(n, t, c, dtype=torch.bfloat16)
+        return coef, low
 
-
-def _give_scratch(scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
-    if len(_spare) < SPARE:
-        _spare.append(scratch)
+    def give(self, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if len(self._free) < self.KEEP:
+            self._free.append(scratch)

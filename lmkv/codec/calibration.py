@@ -85,6 +85,12 @@ class CacheGenTable:
     bands: torch.Tensor | None = None  # [2, L, B + 1] int32 coefficient band edges
     rope: torch.Tensor | None = None  # [D/2] float32: keys coded un-rotated (see above)
 
+    @functools.cached_property
+    def scratch(self):  # -> cachegen.DecodeScratch (imported late: cachegen imports this)
+        from .cachegen import DecodeScratch
+
+        return DecodeScratch()
+
     @property
     def num_layers(self) -> int:
         return self.step.shape[1]
@@ -149,6 +155,9 @@ class CacheGenTable:
                     or bool((bands.diff(dim=2) < 0).any()) or bool((bands[..., -1] > c).any())):
                 raise ValueError("calibration table has an inconsistent transform")
         rope = tensors.get("rope_inv_freq")
+        if (rope is not None) != (meta.get("format") == FORMAT):
+            raise ValueError(f"calibration table of format {meta.get('format')} "
+                             f"{'with' if rope is not None else 'without'} rotary frequencies")
         if rope is not None:
             rope = rope.float()
             if (tuple(rope.shape) != (step.shape[3] // 2,) or step.shape[3] % 2
@@ -226,7 +235,8 @@ def calibrate(chunks: Iterable[torch.Tensor], settings: CalibrationSettings | No
     if not settings.transform:
         return table
     # the transform where it pays: not on KV with no correlations to remove
-    from .cachegen import NO_POSITION, encode
+    from ..memory import NO_POSITION
+    from .cachegen import encode
 
     transformed = _calibrate_transform(data, mean, step, target, g, settings.store_weak, rope)
     size = lambda t: sum(len(encode(c, t, position=NO_POSITION)) for c in chunks)  # noqa: E731

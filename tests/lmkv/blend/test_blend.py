@@ -11,6 +11,7 @@ from lmkv.cache import LMKVCache
 from lmkv.config import load_config
 from lmkv.keys import content_hashes, prefix_hashes
 from lmkv.layout import KVLayout
+from lmkv.memory import NO_POSITION
 from lmkv.ops import rerotate_keys
 from lmkv_engines.minimal.model_config import RopeScaling
 from lmkv_engines.minimal.rope import RotaryEmbedding
@@ -49,6 +50,10 @@ def test_pre_rope_chunks_are_never_read_as_post_rope_and_arrive_from_disk(tmp_pa
     kv = torch.randn(2, 2, len(doc), 1, 8)
     writer = engine(True)
     assert writer.store_chunk(doc, kv)
+    for key in writer.content_keys(doc):  # keys before RoPE: no position to code them by
+        buf = writer.storage.hot.get(key)
+        assert buf.position == NO_POSITION
+        buf.release()
     writer.close()  # written to disk
     post, pre = engine(False), engine(True)
     prompt = [1, 2] + sep + doc + sep + [3, 4]
@@ -115,6 +120,10 @@ def test_a_rag_chunk_tail_is_stored_at_its_own_size(tmp_path, codec):
     kv = torch.randn(2, 2, len(tokens), 2, 16)
     with_tail = LMKVCache(cfg, layout, "model")
     assert with_tail.store_chunk(tokens, kv)
+    bufs = [with_tail.storage.hot.get(k) for k in with_tail.content_keys(tokens)]
+    assert [b.position for b in bufs] == [0, 256]  # their offsets in the document
+    for b in bufs:
+        b.release()
     with_tail.storage.io.drain()
     with_tail.close()
     sizes = sorted(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
