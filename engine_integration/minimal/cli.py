@@ -265,6 +265,8 @@ def _calibrate(config: EngineConfig, settings: CalibrationSettings, args: argpar
         stored = table.bands[..., -1]
         print(f"decorrelating transform: on; coefficients stored per layer (K): {stored[0].tolist()} "
               f"(V): {stored[1].tolist()} of {table.basis.shape[-1]}")
+    print("keys: measured before RoPE and coded un-rotated (each chunk's position in its payload)"
+          if table.rope is not None else "keys: coded as rotated (the model reports no rotary frequencies)")
     return 0
 
 

@@ -90,9 +90,11 @@ def test_calibrate_cli_writes_where_the_engine_looks(tiny_model_dir, monkeypatch
     path = next((tmp_path / "home" / ".cache" / "lmkv" / "calibration").glob("*.safetensors"))
     out = capsys.readouterr().out
     assert path.name in out and "decorrelating transform: " in out  # says which coding it chose
+    assert "keys: measured before RoPE and coded un-rotated" in out
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", local_disk_codec="cachegen") as llm:
         tier = llm.engine.kv_connector.cache.storage.tiers[0]
         assert tier.codec.name == "cachegen" and tier.table.target[0, 0].item() == pytest.approx(0.01)
+        assert tier.table.rope is not None  # the engine's rotary frequencies
 
 
 def test_missing_calibration_falls_back_to_zstd(tiny_model_dir, reference, tmp_path):
