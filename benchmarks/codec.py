@@ -229,14 +229,14 @@ def main() -> None:
         levels.sort(key=lambda lv: -lv.error)
         # the floor of the agreement measure: the same KV only rounded to bfloat16 (~0.17%
         # error); where this is below 99%, no lossy codec can reach 99% on these prompts
-        agree_bf16 = agreement(llm, test_p, refs, lambda x: x.to(torch.bfloat16).to(x.dtype), exact)
+        agree_bf16 = agreement(llm, test_p, refs, lambda x, _: x.to(torch.bfloat16).to(x.dtype), exact)
         qa: dict[str, float] = {}
         if args.qa_prompts:
             from quality.qa import LONG_FILLER, heldout_prompts
 
             qa_p = heldout_prompts(args.qa_prompts, 6, 1, LONG_FILLER)
             llm.generate([llm.tokenizer.encode(p.text) for p in qa_p], FIRST)  # stores their chunks
-            qa["lossless"] = qa_accuracy(llm, qa_p, lambda x: x, exact)
+            qa["lossless"] = qa_accuracy(llm, qa_p, lambda x, _: x, exact)
             qa["int8"] = qa_accuracy(llm, qa_p, int8_roundtrip, exact)
             for lv in levels:
                 qa[f"cachegen {lv.error:g}"] = qa_accuracy(llm, qa_p, roundtrip(lv.table), exact)
