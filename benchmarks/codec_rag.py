@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=100, help="held-out prompts")
     ap.add_argument("--calib", type=int, default=4, help="dev prompts to calibrate on")
     ap.add_argument("--errors", type=float, nargs="+", default=[0.03, 0.06, 0.12])
+    ap.add_argument("--value-ratio", type=float, default=CalibrationSettings().value_ratio,
+                    help="V's error target relative to K's, for every error target")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--seconds", type=float, default=0, help="stop adding prompts after this")
     ap.add_argument("--decode-only", action="store_true",
@@ -106,14 +108,16 @@ def main() -> None:
         chunks = pre_rope_chunks(llm, encode(e), args.chunk)
         calib += chunks
         calib_rotated += rotated(chunks, rope)
-    tables = {err: calibrate(calib, CalibrationSettings(error=err), rope=rope)
+    vr = args.value_ratio
+    tables = {err: calibrate(calib, CalibrationSettings(error=err, value_ratio=vr), rope=rope)
               for err in args.errors}
-    per_channel = {err: calibrate(calib, CalibrationSettings(error=err, transform=False), rope=rope)
+    per_channel = {err: calibrate(calib, CalibrationSettings(error=err, value_ratio=vr,
+                                                             transform=False), rope=rope)
                    for err in args.errors}  # size only: what the transform saves
-    as_rotated = {err: calibrate(calib_rotated, CalibrationSettings(error=err))
+    as_rotated = {err: calibrate(calib_rotated, CalibrationSettings(error=err, value_ratio=vr))
                   for err in args.errors}  # size only: what coding keys un-rotated saves
-    print(f"calibrated on {args.calib} dev prompts ({len(calib)} chunks): errors {args.errors}",
-          flush=True)
+    print(f"calibrated on {args.calib} dev prompts ({len(calib)} chunks): errors {args.errors}, "
+          f"V's target {vr:g}x K's", flush=True)
 
     settings: dict[str, Transform] = {"int8": int8_roundtrip}
     settings |= {f"cachegen {err:g}": roundtrip(t) for err, t in tables.items()}
