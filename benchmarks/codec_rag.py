@@ -31,6 +31,7 @@ from common import best, raw_read_seconds  # noqa: E402
 from quality.rag_qa import MAX_TOKENS, make_examples  # noqa: E402
 
 from lmkv.codec import cachegen  # noqa: E402
+from lmkv.codec.calibrate import full_chunks  # noqa: E402
 from lmkv.codec.calibration import CacheGenTable, CalibrationSettings, calibrate  # noqa: E402
 from lmkv.config import load_config  # noqa: E402
 from lmkv.ops_torch import rerotate_keys  # noqa: E402
@@ -43,7 +44,7 @@ FIRST = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
 def roundtrip(table: CacheGenTable) -> Transform:
-    def fn(x: torch.Tensor, position: int = 0) -> torch.Tensor:
+    def fn(x: torch.Tensor, position: int) -> torch.Tensor:
         out = torch.empty_like(x)
         cachegen.decode_into(cachegen.encode(x, table, position=position), out, table)
         return out
@@ -53,8 +54,7 @@ def roundtrip(table: CacheGenTable) -> Transform:
 def pre_rope_chunks(llm: LLM, ids: list[int], chunk: int) -> list[torch.Tensor]:
     """The full chunks of ``ids``'s KV with the keys before RoPE (what ``engine calibrate``
     measures)."""
-    kv = llm.engine.compute_kv([ids], pre_rope=True)[0]
-    return [kv[:, :, i * chunk : (i + 1) * chunk].clone() for i in range(kv.shape[2] // chunk)]
+    return full_chunks(llm.engine.compute_kv([ids], pre_rope=True)[0], chunk)
 
 
 def rotated(chunks: list[torch.Tensor], inv_freq: torch.Tensor) -> list[torch.Tensor]:
@@ -111,20 +111,8 @@ def main() -> None:
     vr = args.value_ratio
     tables = {err: calibrate(calib, CalibrationSettings(error=err, value_ratio=vr), rope=rope)
               for err in args.errors}
-    per_channel = {err: calibrate(calib, CalibrationSettings(error=err, value_ratio=vr,
-                                                             transform=False), rope=rope)
-                   for err in args.errors}  # size only: what the transform saves
-    as_rotated = {err: calibrate(calib_rotated, CalibrationSettings(error=err, value_ratio=vr))
-                  for err in args.errors}  # size only: what coding keys un-rotated saves
     print(f"calibrated on {args.calib} dev prompts ({len(calib)} chunks): errors {args.errors}, "
           f"V's target {vr:g}x K's", flush=True)
-
-    settings: dict[str, Transform] = {"int8": int8_roundtrip}
-    settings |= {f"cachegen {err:g}": roundtrip(t) for err, t in tables.items()}
-    correct = {"lossless": 0} | {s: 0 for s in settings}
-    agree = {s: 0 for s in settings}
-    size = {"fp16": 0, "int8": 0} | {f"{kind} {err:g}": 0 for err in tables
-                                       for kind in ("cachegen", "per-channel", "as-rotated")}
     default = tables.get(CalibrationSettings().error) or next(iter(tables.values()))
     if args.decode_only:
         kv_sample = []
@@ -135,6 +123,18 @@ def main() -> None:
         llm.close()
         decode_speed(default, kv_sample[:8], args.chunk)
         return
+    per_channel = {err: calibrate(calib, CalibrationSettings(error=err, value_ratio=vr,
+                                                             transform=False), rope=rope)
+                   for err in args.errors}  # size only: what the transform saves
+    as_rotated = {err: calibrate(calib_rotated, CalibrationSettings(error=err, value_ratio=vr))
+                  for err in args.errors}  # size only: what coding keys un-rotated saves
+
+    settings: dict[str, Transform] = {"int8": int8_roundtrip}
+    settings |= {f"cachegen {err:g}": roundtrip(t) for err, t in tables.items()}
+    correct = {"lossless": 0} | {s: 0 for s in settings}
+    agree = {s: 0 for s in settings}
+    size = {"fp16": 0, "int8": 0} | {f"{kind} {err:g}": 0 for err in tables
+                                       for kind in ("cachegen", "per-channel", "as-rotated")}
     examples = make_examples(args.n, "heldout", count)
     lengths, kv_sample = [], []
     start = time.perf_counter()
@@ -229,6 +229,7 @@ def decode_speed(table: CacheGenTable, sample: list[tuple[int, torch.Tensor]], c
     print(f"cachegen {table.target[0, 0].item():g} decode vs disk read (one core, "
           f"{len(kv_sample)} chunks): {dec:.2f} GB/s of KV produced vs {disk:.2f} GB/s raw read: "
           f"{dec / disk:.2f}x")
+
 
 if __name__ == "__main__":
     main()

@@ -108,8 +108,7 @@ def encode(kv: torch.Tensor, table: CacheGenTable, coder: str = "zstd",
     two, layers, t, h, d = kv.shape
     x = kv
     if table.rope is not None and position != NO_POSITION:
-        x = kv.float()  # a copy for fp16/bf16; the rotation below must not touch the caller's
-        x = x.clone() if x is kv else x
+        x = kv.to(torch.float32, copy=True)  # the rotation below must not touch the caller's
         ops.rerotate_keys(x[0], -_positions(position, t, dev), table.rope.to(dev))
     if table.basis is not None:
         x = (x.float().reshape(two, layers, t, h * d) @ table.basis.to(dev)).view(kv.shape)

@@ -32,6 +32,11 @@ def calibration_prompts(vocab_size: int, num: int, length: int, seed: int = 0,
     return [torch.randint(5, vocab_size, (length,), generator=g).tolist() for _ in range(num)]
 
 
+def full_chunks(kv: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """The full chunks of a sequence's KV [2, L, n, Hkv, D], each its own tensor."""
+    return [kv[:, :, i * chunk : (i + 1) * chunk].clone() for i in range(kv.shape[2] // chunk)]
+
+
 def calibrate_kv(computer: KVComputer, lmkv: LMKVCache, settings: CalibrationSettings,
                  prompts: list[list[int]], out: str | Path | None = None) -> tuple[CacheGenTable, Path]:
     """Measure the KV ``computer`` computes for ``prompts`` (their full chunks) and save the
@@ -41,7 +46,7 @@ def calibrate_kv(computer: KVComputer, lmkv: LMKVCache, settings: CalibrationSet
     rope = computer.rope_inv_freq
     chunks = []
     for kv in computer.compute_kv(prompts, pre_rope=rope is not None):  # [2, L, n, Hkv, D] each
-        chunks += [kv[:, :, i * c : (i + 1) * c].clone() for i in range(kv.shape[2] // c)]
+        chunks += full_chunks(kv, c)
     if not chunks:
         raise ValueError(f"calibration prompts of {max(map(len, prompts), default=0)} tokens fill "
                          f"no chunk of {c}: make them longer")
