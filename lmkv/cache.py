@@ -88,6 +88,10 @@ class LMKVCache:
         except ValueError as e:
             raise ValueError(f"lmkv config key cachegen_calibration: {path}: {e}") from e
         log.info("lmkv: cachegen calibration %016x from %s", table.table_id, path)
+        if table.basis is not None:
+            from .codec import native
+
+            native.library()  # built now (about a second, once per machine), not at the first load
         return table
 
     @property

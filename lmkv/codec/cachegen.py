@@ -33,6 +33,8 @@ today; ``encode`` takes a CUDA chunk too (quantized on the GPU, entropy-coded on
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import itertools
 import struct
 
@@ -41,7 +43,7 @@ import torch
 
 from .. import ops
 from ..memory import NO_POSITION
-from . import rans
+from . import native, rans
 from .calibration import CacheGenTable
 
 _HEAD = struct.Struct("<4sQHBBI")
@@ -185,6 +187,10 @@ def decode_into(payload: bytes | memoryview, out: torch.Tensor, table: CacheGenT
         sizes = (widths * t).reshape(-1).tolist()
     if count != len(sizes):
         raise PayloadError(f"payload has {count} streams, chunk needs {len(sizes)}")
+    if (table.basis is not None and coder == CODERS["zstd"] and out.dtype == torch.float32
+            and out.is_contiguous() and (lib := native.library()) is not None):
+        _decode_native(lib, view, start, table, out, position)
+        return
     parts = _read_streams(view, coder, sizes, start)
     if table.basis is None:
         wide = any(p.dtype != np.int8 for p in parts)
@@ -261,7 +267,7 @@ def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tenso
         if e[-1] < c:
             pieces.append(np.zeros((c - e[-1]) * t, np.int8))
     synthesis, synthesis_bf16, offset = table.synthesis
-    coef, low = table.scratch.take(n, c, t)
+    coef, low, wide_sym = table.scratch.take(n, c, t)
     try:
         coef.copy_(torch.from_numpy(np.concatenate(pieces)).view(n, c, t))
         torch.bmm(coef.transpose(1, 2), synthesis_bf16, out=low)
@@ -269,9 +275,69 @@ def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tenso
         flat.copy_(low)
         flat.add_(offset[:, None, :])
     finally:
-        table.scratch.give((coef, low))
+        table.scratch.give((coef, low, wide_sym))
     for i, a, b, p in wide:
         flat[i].add_(torch.from_numpy(p.astype(np.float32)).view(b - a, t).T @ synthesis[i, a:b])
+
+
+def _decode_native(lib, view: memoryview, start: int, table: CacheGenTable, out: torch.Tensor,
+                   position: int) -> None:
+    """decode_into for a transform payload in C (native.c), float32 out: the streams to
+    bfloat16 coefficients (int16 ones kept aside), the torch batched matmul, then offset,
+    int16 bands and the keys' rotation in one pass over the chunk."""
+    two, layers, t, h, d = out.shape
+    n, c = two * layers, h * d
+    plan = table.scratch.plan(table, t)
+    data = np.frombuffer(view, np.uint8)
+    wide = np.empty(len(plan.sizes), np.int32)
+    bad = ctypes.c_int64()
+    synthesis, synthesis_bf16, offset = table.synthesis
+    coef, low, wide_sym = table.scratch.take(n, c, t)
+    try:
+        rc = lib.lmkv_symbols(data.ctypes.data, len(data), start, len(plan.sizes), plan.sizes.ctypes.data,
+                              plan.at.ctypes.data, coef.data_ptr(), wide_sym.data_ptr(), coef.numel(),
+                              plan.gaps.ctypes.data, len(plan.gaps), wide.ctypes.data, ctypes.byref(bad))
+        if rc < 0:
+            raise PayloadError(f"{bad.value} stray bytes after the last stream" if rc == -5
+                               else f"stream {bad.value}: {native.ERRORS.get(rc, f'error {rc}')}")
+        torch.bmm(coef.transpose(1, 2), synthesis_bf16, out=low)
+        n_rot, cos, sin = 0, None, None
+        if position != NO_POSITION:
+            angle = _positions(position, t, out.device).to(torch.float32)[:, None] * table.rope[None, :]
+            n_rot, cos, sin = layers, angle.cos(), angle.sin()
+        if lib.lmkv_finish(n, t, h, d, low.data_ptr(), offset.data_ptr(), synthesis.data_ptr(),
+                           wide_sym.data_ptr(), wide.ctypes.data, rc, plan.band.ctypes.data,
+                           plan.at.ctypes.data, out.data_ptr(), n_rot,
+                           cos.data_ptr() if n_rot else None, sin.data_ptr() if n_rot else None):
+            raise ValueError(f"native decode cannot take heads {h} x head_dim {d}")
+    finally:
+        table.scratch.give((coef, low, wide_sym))
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """Where a transform payload's streams go for chunks of T tokens: symbols per stream,
+    their offset in the coefficients [2L, C, T], the (kv-layer, first, end coefficient) of
+    each, and the (offset, length) ranges of coefficients no stream holds (zeros)."""
+
+    sizes: np.ndarray  # int64 [S]
+    at: np.ndarray  # int64 [S]
+    band: np.ndarray  # int32 [S, 3]
+    gaps: np.ndarray  # int64 [G, 2]
+
+    @classmethod
+    def of(cls, table: CacheGenTable, t: int) -> StreamPlan:
+        two, layers, h, d = table.step.shape
+        c = h * d
+        sizes, at, streams, gaps = [], [], [], []
+        for i, e in enumerate(table.bands.reshape(two * layers, -1).tolist()):
+            for a, b in itertools.pairwise(e):
+                sizes.append((b - a) * t)
+                at.append((i * c + a) * t)
+                streams.append((i, a, b))
+            gaps += [((i * c + lo) * t, (hi - lo) * t) for lo, hi in ((0, e[0]), (e[-1], c)) if hi > lo]
+        return cls(np.array(sizes, np.int64), np.array(at, np.int64),
+                   np.array(streams, np.int32).reshape(-1, 3), np.array(gaps, np.int64).reshape(-1, 2))
 
 
 class DecodeScratch:
@@ -282,19 +348,27 @@ class DecodeScratch:
     KEEP = 2
 
     def __init__(self) -> None:
-        self._free: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._free: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._plans: dict[int, StreamPlan] = {}
 
-    def take(self, n: int, c: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """bfloat16 [n, C, T] coefficients and [n, T, C] products."""
+    def plan(self, table: CacheGenTable, t: int) -> StreamPlan:
+        if t not in self._plans:
+            self._plans[t] = StreamPlan.of(table, t)
+        return self._plans[t]
+
+    def take(self, n: int, c: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """bfloat16 [n, C, T] coefficients and [n, T, C] products; int16 [n * C * T] room for
+        the wide streams' symbols (native decode; only the pages written are touched)."""
         try:
-            coef, low = self._free.pop()
+            coef, low, wide = self._free.pop()
         except IndexError:
-            coef = low = None
+            coef = low = wide = None
         if coef is None or coef.shape != (n, c, t):
             coef = torch.empty(n, c, t, dtype=torch.bfloat16)
             low = torch.empty(n, t, c, dtype=torch.bfloat16)
-        return coef, low
+            wide = torch.empty(n * c * t, dtype=torch.int16)
+        return coef, low, wide
 
-    def give(self, scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def give(self, scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         if len(self._free) < self.KEEP:
             self._free.append(scratch)

@@ -1,0 +1,144 @@
+"""cachegen's native decode (lmkv/codec/native.c): the same chunks as the torch decode,
+corrupt payloads rejected without a crash, built once per source and CPU, and a clean
+fallback to torch where it cannot be built."""
+
+from __future__ import annotations
+
+import ctypes.util
+import logging
+import random
+import shutil
+
+import pytest
+import torch
+
+from lmkv.codec import cachegen, native
+from lmkv.codec.calibration import CalibrationSettings, calibrate
+from lmkv.layout import KVLayout
+from lmkv.memory import NO_POSITION
+
+from .test_codec import kv_correlated, rope_frequencies, rotated
+
+BIG = KVLayout(3, 2, 32, torch.float32, 128)
+CAN_BUILD = bool((shutil.which("cc") or shutil.which("gcc")) and ctypes.util.find_library("zstd"))
+
+
+@pytest.fixture
+def fresh_library(tmp_path, monkeypatch):
+    """native.library() built into an empty cache dir; the process's one restored after."""
+    monkeypatch.setenv("LMKV_CACHE_DIR", str(tmp_path))
+    native.library.cache_clear()
+    yield tmp_path
+    native.library.cache_clear()
+
+
+def torch_decode(payload: bytes, out: torch.Tensor, table, monkeypatch) -> None:
+    with monkeypatch.context() as m:
+        m.setattr(native, "library", lambda: None)
+        cachegen.decode_into(payload, out, table)
+
+
+@pytest.fixture(scope="module")
+def rope_table():
+    inv_freq = rope_frequencies(BIG.head_dim)
+    return calibrate([kv_correlated(s, BIG) for s in range(4)],
+                     CalibrationSettings(error=0.04, store_weak=False), rope=inv_freq)
+
+
+def test_native_decode_equals_the_torch_decode(monkeypatch, rope_table):
+    """Keys rotated to their positions (0, 1000, none), a wide (int16) band, dropped
+    coefficients, plain tables too: the native decode gives the torch decode's chunk to
+    float32 rounding (the torch decode is checked against the plain formula in test_codec)."""
+    if CAN_BUILD:
+        assert native.library() is not None  # where it can be built, it is what runs
+    inv_freq = rope_frequencies(BIG.head_dim)
+    plain = calibrate([kv_correlated(s, BIG) for s in range(4)], CalibrationSettings(error=0.04))
+    assert (rope_table.bands[..., -1] < BIG.num_kv_heads * BIG.head_dim).all()  # gaps exercised
+    cases = []
+    for position in (0, 1000, NO_POSITION):
+        x = kv_correlated(11 + position % 7, BIG)
+        x[:, :, 7] *= 60  # an outlier token: its strongest coefficients need int16
+        if position != NO_POSITION:
+            x = rotated(x, position, inv_freq)
+        cases.append((rope_table, position, x))
+    cases.append((plain, 0, kv_correlated(12, BIG)))
+    for table, position, x in cases:
+        payload = cachegen.encode(x, table, position=position)
+        widths = [cachegen._STREAM.unpack_from(payload, cachegen._HEAD.size + 4 * (table.rope is not None)
+                                               + i * cachegen._STREAM.size)[0]
+                  for i in range(cachegen._HEAD.unpack_from(payload)[5])]
+        assert table is plain or 2 in widths
+        fast, ref = torch.full_like(x, float("nan")), torch.empty_like(x)
+        cachegen.decode_into(payload, fast, table)
+        torch_decode(payload, ref, table, monkeypatch)
+        assert torch.allclose(fast, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()), position
+
+
+def test_native_decode_rejects_corrupt_payloads_without_crashing(monkeypatch, rope_table):
+    """Truncated, extended, mutated descriptors and flipped bytes: a PayloadError or a
+    chunk, never a crash or a write outside the chunk (the guard band stays untouched)."""
+    x = rotated(kv_correlated(3, BIG), 256, rope_frequencies(BIG.head_dim))
+    payload = cachegen.encode(x, rope_table, position=256)
+    head = cachegen._HEAD.size + cachegen._POSITION.size
+    count = cachegen._HEAD.unpack_from(payload)[5]
+    n = x.numel()
+    guard = torch.full((3 * n,), 7.0)
+    out = guard[n : 2 * n].view(x.shape)
+    bad = [payload[:-1], payload[: head + 5 * count], payload[:head + 3], payload + b"\0"]
+    rng = random.Random(0)
+    for _ in range(150):
+        b = bytearray(payload)
+        i = rng.randrange(count)
+        width, length = cachegen._STREAM.unpack_from(b, head + 5 * i)
+        choice = rng.randrange(4)
+        if choice == 0:
+            cachegen._STREAM.pack_into(b, head + 5 * i, rng.choice([0, 2, 3, 4, 255]), length)
+        elif choice == 1:
+            length = rng.choice([0, max(0, length - 1), length + 1, 2**32 - 1])
+            cachegen._STREAM.pack_into(b, head + 5 * i, width, length)
+        else:
+            for _ in range(rng.randrange(1, 8)):
+                b[rng.randrange(head, len(b))] ^= 1 << rng.randrange(8)
+        bad.append(bytes(b))
+    rejected = 0
+    for b in bad:
+        try:
+            cachegen.decode_into(b, out, rope_table)
+        except cachegen.PayloadError:
+            rejected += 1
+        assert (guard[:n] == 7).all() and (guard[2 * n :] == 7).all()
+    assert rejected >= 0.5 * len(bad)  # corrupt bytes are caught by the frame's checksum first
+    for b in bad[:4]:
+        with pytest.raises(cachegen.PayloadError):
+            cachegen.decode_into(b, out, rope_table)
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="no C compiler or libzstd")
+def test_native_library_is_built_once_and_reused(fresh_library):
+    lib = native.library()
+    assert lib is not None
+    built = list((fresh_library / "native").glob("*.so"))
+    assert len(built) == 1 and not list((fresh_library / "native").glob("tmp*"))
+    stamp = built[0].stat().st_mtime_ns
+    native.library.cache_clear()
+    assert native.library() is not None
+    assert [p.stat().st_mtime_ns for p in (fresh_library / "native").glob("*.so")] == [stamp]
+
+
+def test_without_a_compiler_or_when_off_decoding_stays_on_torch(fresh_library, monkeypatch, caplog,
+                                                               rope_table):
+    x = kv_correlated(5, BIG)
+    payload = cachegen.encode(x, rope_table, position=NO_POSITION)
+    ref = torch.empty_like(x)
+    torch_decode(payload, ref, rope_table, monkeypatch)
+    monkeypatch.setenv("CC", str(fresh_library / "no-such-cc"))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with caplog.at_level(logging.WARNING, logger="lmkv.codec.native"):
+        assert native.library() is None
+    assert "no native decoder" in caplog.text and "torch" in caplog.text
+    out = torch.empty_like(x)
+    cachegen.decode_into(payload, out, rope_table)
+    assert torch.equal(out, ref)
+    native.library.cache_clear()
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert native.library() is None
