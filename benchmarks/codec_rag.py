@@ -30,7 +30,7 @@ from codec import Transform, chunks_of, int8_bytes, int8_roundtrip, serve_transf
 from common import best, raw_read_seconds  # noqa: E402
 from quality.rag_qa import MAX_TOKENS, make_examples  # noqa: E402
 
-from lmkv.codec import cachegen  # noqa: E402
+from lmkv.codec import cachegen, native  # noqa: E402
 from lmkv.codec.calibrate import full_chunks  # noqa: E402
 from lmkv.codec.calibration import CacheGenTable, CalibrationSettings, calibrate  # noqa: E402
 from lmkv.config import load_config  # noqa: E402
@@ -226,7 +226,9 @@ def decode_speed(table: CacheGenTable, sample: list[tuple[int, torch.Tensor]], c
             files.append(p)
         secs, nbytes = raw_read_seconds(files)
     dec, disk = model_bytes / dec_s / 1e9, nbytes / secs / 1e9
-    print(f"cachegen {table.target[0, 0].item():g} decode vs disk read (one core, "
+    lib = native.library()
+    how = "torch" if lib is None else "native, AMX" if lib.lmkv_amx() else "native"
+    print(f"cachegen {table.target[0, 0].item():g} decode vs disk read (one core, {how}, "
           f"{len(kv_sample)} chunks): {dec:.2f} GB/s of KV produced vs {disk:.2f} GB/s raw read: "
           f"{dec / disk:.2f}x")
 

@@ -282,36 +282,49 @@ def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tenso
 
 def _decode_native(lib, view: memoryview, start: int, table: CacheGenTable, out: torch.Tensor,
                    position: int) -> None:
-    """decode_into for a transform payload in C (native.c), float32 out: the streams to
-    bfloat16 coefficients (int16 ones kept aside), the torch batched matmul, then offset,
-    int16 bands and the keys' rotation in one pass over the chunk."""
+    """decode_into for a transform payload in C (native.c), float32 out. With AMX, all of it
+    in C, one (kv, layer) matrix at a time; else the streams to bfloat16 coefficients in C,
+    the torch batched matmul, then offset, int16 bands and the keys' rotation in one pass."""
     two, layers, t, h, d = out.shape
     n, c = two * layers, h * d
     plan = table.scratch.plan(table, t)
     data = np.frombuffer(view, np.uint8)
-    wide = np.empty(len(plan.sizes), np.int32)
+    payload = (data.ctypes.data, len(data), start, len(plan.sizes), plan.sizes.ctypes.data,
+               plan.at.ctypes.data)
+    wide = np.empty(len(plan.sizes), np.int32)  # the int16 streams' indices
     bad = ctypes.c_int64()
     synthesis, synthesis_bf16, offset = table.synthesis
+    rot: tuple = (0, None, None)  # rotate the first n matrices (keys) by cos, sin [T, D/2]
+    if position != NO_POSITION:
+        angle = _positions(position, t, out.device).to(torch.float32)[:, None] * table.rope[None, :]
+        cos, sin = angle.cos(), angle.sin()  # alive until the C calls below return
+        rot = (layers, cos.data_ptr(), sin.data_ptr())
     coef, low, wide_sym = table.scratch.take(n, c, t)
     try:
-        rc = lib.lmkv_symbols(data.ctypes.data, len(data), start, len(plan.sizes), plan.sizes.ctypes.data,
-                              plan.at.ctypes.data, coef.data_ptr(), wide_sym.data_ptr(), coef.numel(),
+        if c % 32 == 0 and t % 16 == 0 and lib.lmkv_amx():
+            rc = lib.lmkv_decode_amx(*payload, plan.band.ctypes.data, n, t, h, d,
+                                     table.scratch.synthesis_t(table).data_ptr(), offset.data_ptr(),
+                                     synthesis.data_ptr(), wide_sym.data_ptr(), out.data_ptr(), *rot,
+                                     coef.data_ptr(), coef.numel() * 2, wide.ctypes.data, ctypes.byref(bad))
+            _check_native(rc, bad.value)
+            return
+        rc = lib.lmkv_symbols(*payload, coef.data_ptr(), wide_sym.data_ptr(), coef.numel(),
                               plan.gaps.ctypes.data, len(plan.gaps), wide.ctypes.data, ctypes.byref(bad))
-        if rc < 0:
-            raise PayloadError(f"{bad.value} stray bytes after the last stream" if rc == -5
-                               else f"stream {bad.value}: {native.ERRORS.get(rc, f'error {rc}')}")
+        _check_native(rc, bad.value)
         torch.bmm(coef.transpose(1, 2), synthesis_bf16, out=low)
-        n_rot, cos, sin = 0, None, None
-        if position != NO_POSITION:
-            angle = _positions(position, t, out.device).to(torch.float32)[:, None] * table.rope[None, :]
-            n_rot, cos, sin = layers, angle.cos(), angle.sin()
         if lib.lmkv_finish(n, t, h, d, low.data_ptr(), offset.data_ptr(), synthesis.data_ptr(),
                            wide_sym.data_ptr(), wide.ctypes.data, rc, plan.band.ctypes.data,
-                           plan.at.ctypes.data, out.data_ptr(), n_rot,
-                           cos.data_ptr() if n_rot else None, sin.data_ptr() if n_rot else None):
+                           plan.at.ctypes.data, out.data_ptr(), *rot):
             raise ValueError(f"native decode cannot take heads {h} x head_dim {d}")
     finally:
         table.scratch.give((coef, low, wide_sym))
+
+
+def _check_native(rc: int, bad: int) -> None:
+    if rc == -5:
+        raise PayloadError(f"{bad} stray bytes after the last stream")
+    if rc < 0:
+        raise PayloadError(f"stream {bad}: {native.ERRORS.get(rc, f'error {rc}')}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +363,13 @@ class DecodeScratch:
     def __init__(self) -> None:
         self._free: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._plans: dict[int, StreamPlan] = {}
+        self._synthesis_t: torch.Tensor | None = None
+
+    def synthesis_t(self, table: CacheGenTable) -> torch.Tensor:
+        """bfloat16 [2L, C, C]: row j holds output channel j's synthesis weights (AMX's A)."""
+        if self._synthesis_t is None:
+            self._synthesis_t = table.synthesis[1].transpose(1, 2).contiguous()
+        return self._synthesis_t
 
     def plan(self, table: CacheGenTable, t: int) -> StreamPlan:
         if t not in self._plans:

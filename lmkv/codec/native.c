@@ -19,7 +19,6 @@
 /* libzstd (the system's libzstd.so.1; declared here so that no header package is needed) */
 size_t ZSTD_decompressDCtx(void *dctx, void *dst, size_t capacity, const void *src, size_t size);
 void *ZSTD_createDCtx(void);
-size_t ZSTD_freeDCtx(void *dctx);
 unsigned ZSTD_isError(size_t code);
 
 enum { WIDTH_INT8 = 1, WIDTH_INT16 = 2, WIDTH_STORED = 3 };
@@ -45,6 +44,35 @@ static void int8_to_bf16(const int8_t *src, uint16_t *dst, size_t n) {
 
 static uint32_t read_u32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
 
+/* This thread's zstd decompression context, made on first use and kept (one per thread). */
+static void *thread_dctx(void) {
+    static __thread void *dctx;
+    if (dctx == NULL) dctx = ZSTD_createDCtx();
+    return dctx;
+}
+
+/* One stream's `length` bytes at src, of `width`, to its n symbols: int8 at dst (widths 1
+ * and 3) or int16 at wide_dst (width 2). Returns the width, or < 0 if they do not fit. */
+static int read_stream(void *dctx, unsigned width, const uint8_t *src, size_t length, size_t n,
+                       int8_t *dst, int16_t *wide_dst) {
+    if (width != WIDTH_INT8 && width != WIDTH_INT16 && width != WIDTH_STORED) return E_WIDTH;
+    if (n == 0 || length == 0) {
+        if (n != 0 || length != 0) return E_LENGTH;
+        memset(dst, 0, n);
+        return WIDTH_INT8;
+    }
+    if (width == WIDTH_STORED) {
+        if (length != n) return E_LENGTH;
+        memcpy(dst, src, n);
+        return WIDTH_STORED;
+    }
+    void *out = width == WIDTH_INT16 ? (void *)wide_dst : (void *)dst;
+    size_t want = width == WIDTH_INT16 ? n * 2 : n;
+    size_t got = ZSTD_decompressDCtx(dctx, out, want, src, length);
+    if (ZSTD_isError(got) || got != want) return E_ZSTD;
+    return (int)width;
+}
+
 /* Decode the `count` streams whose 5-byte descriptors (width u8, length u32 LE) start at
  * payload + desc; the stream bytes follow the descriptors and must end at payload + len.
  * Stream i holds sizes[i] symbols, written as bfloat16 at coef + at[i]; a wide (int16) stream
@@ -68,37 +96,27 @@ long lmkv_symbols(const uint8_t *payload, size_t len, size_t desc, int count, co
         memset(coef + gaps[2 * g], 0, (size_t)gaps[2 * g + 1] * 2);
     }
     int8_t *tmp = malloc(most ? most : 1);
-    void *dctx = ZSTD_createDCtx();
+    void *dctx = thread_dctx();
     long rc = OK;
     if (tmp == NULL || dctx == NULL) { rc = E_MEMORY; goto done; }
     for (int i = 0; i < count; i++) {
         const uint8_t *d = payload + desc + (size_t)i * 5;
-        unsigned width = d[0];
         size_t length = read_u32(d + 1), n = (size_t)sizes[i];
         *bad = i;
-        if ((width != WIDTH_INT8 && width != WIDTH_INT16 && width != WIDTH_STORED) || length > len - off) { rc = E_WIDTH; goto done; }
-        const uint8_t *src = payload + off;
+        if (length > len - off) { rc = E_WIDTH; goto done; }
+        int r = read_stream(dctx, d[0], payload + off, length, n, tmp, wide_sym + at[i]);
         off += length;
-        if (n == 0 || length == 0) {
-            if (n != 0 || length != 0) { rc = E_LENGTH; goto done; }
-        } else if (width == WIDTH_INT16) {
-            size_t got = ZSTD_decompressDCtx(dctx, wide_sym + at[i], n * 2, src, length);
-            if (ZSTD_isError(got) || got != n * 2) { rc = E_ZSTD; goto done; }
+        if (r < 0) { rc = r; goto done; }
+        if (r == WIDTH_INT16) {
             memset(coef + at[i], 0, n * 2);
             wide[n_wide++] = i;
-        } else if (width == WIDTH_STORED) {
-            if (length != n) { rc = E_LENGTH; goto done; }
-            int8_to_bf16((const int8_t *)src, coef + at[i], n);
         } else {
-            size_t got = ZSTD_decompressDCtx(dctx, tmp, n, src, length);
-            if (ZSTD_isError(got) || got != n) { rc = E_ZSTD; goto done; }
             int8_to_bf16(tmp, coef + at[i], n);
         }
     }
     *bad = (int64_t)(len - off);
     rc = off == len ? n_wide : E_STRAY;
 done:
-    if (dctx) ZSTD_freeDCtx(dctx);
     free(tmp);
     return rc;
 }
@@ -115,46 +133,67 @@ static void put_row(float *out, const float *row, int c) {
     memcpy(out, row, (size_t)c * 4);
 }
 
-/* out[m, t, :] = low[m, t, :] + offset[m, :] + sum over the n_wide int16 bands of m of
- * their symbols times synthesis rows, for n matrices of t rows of heads * d; the first n_rot
- * (keys) are then rotated per row by cos/sin [t, d/2] (HF rotate_half pairs j, j + d/2).
- * Band w is stream wide[w]: rows band[3 * s + 1] .. band[3 * s + 2] of synthesis[band[3 * s]]
- * ([n, c, c] float32), symbols [rows, t] at wide_sym + at[s]. c = heads * d <= 4096. */
+/* What a decode pass shares: the table's float32 synthesis rows [n, c, c] and offset [n, c],
+ * the int16 bands (symbols at wide_sym + at[s] for each stream s in wide[]; band[3 s ..] =
+ * matrix, first and end coefficient), the keys' rotation and the output. */
+struct pass {
+    int t, heads, d, c, n_rot, n_wide;
+    const float *offset, *synthesis, *cosv, *sinv;
+    const int16_t *wide_sym;
+    const int32_t *wide, *band;
+    const int64_t *at;
+    float *out;
+};
+
+/* Row r of matrix m, its product in row[c]: + offset + the int16 bands' products, keys
+ * rotated by cos/sin [t, d/2] (HF rotate_half pairs j, j + d/2), stored to out. */
+static void finish_row(const struct pass *p, int m, int r, float *row) {
+    int c = p->c, d = p->d, half = p->d / 2;
+    const float *off = p->offset + (size_t)m * c;
+    for (int j = 0; j < c; j++) row[j] += off[j];
+    for (int w = 0; w < p->n_wide; w++) {
+        const int32_t *b = p->band + 3 * p->wide[w];
+        if (b[0] != m) continue;
+        const int16_t *q = p->wide_sym + p->at[p->wide[w]] + r;
+        for (int k = b[1]; k < b[2]; k++) {
+            float x = (float)q[(size_t)(k - b[1]) * p->t];
+            const float *s = p->synthesis + ((size_t)m * c + k) * c;
+            for (int j = 0; j < c; j++) row[j] += x * s[j];
+        }
+    }
+    float *o = p->out + ((size_t)m * p->t + r) * c;
+    if (m >= p->n_rot) {
+        put_row(o, row, c);
+        return;
+    }
+    float rot[4096] __attribute__((aligned(64)));
+    const float *cs = p->cosv + (size_t)r * half, *sn = p->sinv + (size_t)r * half;
+    for (int h = 0; h < p->heads; h++) {
+        const float *x = row + h * d;
+        float *y = rot + h * d;
+        for (int j = 0; j < half; j++) {
+            y[j] = x[j] * cs[j] - x[j + half] * sn[j];
+            y[j + half] = x[j + half] * cs[j] + x[j] * sn[j];
+        }
+    }
+    put_row(o, rot, c);
+}
+
+/* out[m, t, :] = low[m, t, :] (bfloat16 products) finished by finish_row, for n matrices of
+ * t rows of heads * d (<= 4096); the first n_rot are keys. */
 int lmkv_finish(int n, int t, int heads, int d, const uint16_t *low, const float *offset,
                 const float *synthesis, const int16_t *wide_sym, const int32_t *wide, int n_wide,
                 const int32_t *band, const int64_t *at, float *out, int n_rot, const float *cosv,
                 const float *sinv) {
-    int c = heads * d, half = d / 2;
+    int c = heads * d;
     if (c > 4096 || d % 2) return -1;
+    struct pass p = {t, heads, d, c, n_rot, n_wide, offset, synthesis, cosv, sinv, wide_sym, wide, band, at, out};
     float row[4096] __attribute__((aligned(64)));
-    float rot[4096] __attribute__((aligned(64)));
     for (int m = 0; m < n; m++) {
-        const float *off = offset + (size_t)m * c;
         for (int r = 0; r < t; r++) {
             const uint16_t *l = low + ((size_t)m * t + r) * c;
-            for (int j = 0; j < c; j++) row[j] = bf16_to_float(l[j]) + off[j];
-            for (int w = 0; w < n_wide; w++) {
-                const int32_t *b = band + 3 * wide[w];
-                if (b[0] != m) continue;
-                const int16_t *q = wide_sym + at[wide[w]] + r;
-                for (int k = b[1]; k < b[2]; k++) {
-                    float x = (float)q[(size_t)(k - b[1]) * t];
-                    const float *s = synthesis + ((size_t)m * c + k) * c;
-                    for (int j = 0; j < c; j++) row[j] += x * s[j];
-                }
-            }
-            float *o = out + ((size_t)m * t + r) * c;
-            if (m >= n_rot) { put_row(o, row, c); continue; }
-            const float *cs = cosv + (size_t)r * half, *sn = sinv + (size_t)r * half;
-            for (int h = 0; h < heads; h++) {
-                const float *x = row + h * d;
-                float *y = rot + h * d;
-                for (int j = 0; j < half; j++) {
-                    y[j] = x[j] * cs[j] - x[j + half] * sn[j];
-                    y[j + half] = x[j + half] * cs[j] + x[j] * sn[j];
-                }
-            }
-            put_row(o, rot, c);
+            for (int j = 0; j < c; j++) row[j] = bf16_to_float(l[j]);
+            finish_row(&p, m, r, row);
         }
     }
 #if defined(__AVX512F__)
@@ -162,3 +201,144 @@ int lmkv_finish(int n, int t, int heads, int d, const uint16_t *low, const float
 #endif
     return 0;
 }
+
+/* ---- one pass per (kv, layer) matrix with AMX (Intel Sapphire Rapids and later) ---- */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Whether AMX tiles may be used: compiled in and granted by the kernel (once per process). */
+int lmkv_amx(void) {
+    static int ok = -1;
+    if (ok < 0) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ok;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* 16 x 16 floats: dst[r][c] = src[c][r] (rows of dst_stride floats; src rows of 16). */
+static void transpose16(const float *src, float *dst, int dst_stride) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(src + 16 * i);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + (size_t)dst_stride * i, r[i]);
+}
+
+/* A whole transform payload in one pass per (kv, layer) matrix m: its streams to int8
+ * symbols [c, t], paired into bfloat16 (VNNI layout), times the bfloat16 synthesis columns
+ * synthesis_t [n, c, c] with AMX, 16 tokens at a time, each row finished by finish_row.
+ * Streams are in matrix order (band[3 s] non-decreasing); c % 32 == 0, t % 16 == 0. Returns
+ * the int16 streams' count (their indices in wide[]) or < 0 as lmkv_symbols does. */
+long lmkv_decode_amx(const uint8_t *payload, size_t len, size_t desc, int count, const int64_t *sizes,
+                     const int64_t *at, const int32_t *band, int n, int t, int heads, int d,
+                     const uint16_t *synthesis_t, const float *offset, const float *synthesis,
+                     int16_t *wide_sym, float *out, int n_rot, const float *cosv, const float *sinv,
+                     uint8_t *work, size_t work_len, int32_t *wide, int64_t *bad) {
+    int c = heads * d;
+    size_t mat = (size_t)c * t, off = desc + (size_t)count * 5;
+    *bad = -1;
+    if (!lmkv_amx() || c % 32 || t % 16 || c > 4096 || d % 2) return E_LENGTH;
+    if (desc > len || off > len) return E_TRUNCATED;
+    for (int i = 0; i < count; i++) {
+        int m = band[3 * i];
+        if (m < 0 || m >= n || (i && m < band[3 * i - 3]) || sizes[i] < 0 || at[i] < (int64_t)(m * mat)
+            || (size_t)(at[i] - (int64_t)(m * mat)) + (size_t)sizes[i] > mat) { *bad = i; return E_LENGTH; }
+    }
+    struct pass p = {t, heads, d, c, n_rot, 0, offset, synthesis, cosv, sinv, wide_sym, wide, band, at, out};
+    /* work (64-byte aligned): token pairs [c / 2, t] u32, the products by column [c, t] f32,
+     * 16 tokens' by row [16, c] f32, symbols [c, t] i8 */
+    if ((uintptr_t)work & 63 || work_len < mat * 7 + (size_t)c * 64) return E_MEMORY;
+    uint32_t *pairs = (uint32_t *)work;
+    float *cols = (float *)(work + mat * 2), *rows = cols + mat;
+    int8_t *sym = (int8_t *)(rows + (size_t)c * 16);
+    void *dctx = thread_dctx();
+    long rc = OK;
+    if (!dctx) return E_MEMORY;
+    struct tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int i = 0; i < 6; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64; /* 0-3 C, 4 A, 5 B */
+    _tile_loadconfig(&cfg);
+    int s = 0;
+    for (int m = 0; m < n; m++) {
+        memset(sym, 0, mat);
+        for (; s < count && band[3 * s] == m; s++) {
+            const uint8_t *dsc = payload + desc + (size_t)s * 5;
+            size_t length = read_u32(dsc + 1);
+            *bad = s;
+            if (length > len - off) { rc = E_WIDTH; goto release; }
+            int r = read_stream(dctx, dsc[0], payload + off, length, (size_t)sizes[s],
+                                sym + (at[s] - (int64_t)(m * mat)), wide_sym + at[s]);
+            off += length;
+            if (r < 0) { rc = r; goto release; }
+            if (r == WIDTH_INT16) {
+                memset(sym + (at[s] - (int64_t)(m * mat)), 0, (size_t)sizes[s]);
+                wide[p.n_wide++] = s;
+            }
+        }
+        for (int k = 0; k < c; k += 2) { /* pair coefficients k, k + 1 of each token */
+            const int8_t *a = sym + (size_t)k * t, *b = a + t;
+            uint32_t *dst = pairs + (size_t)(k / 2) * t;
+            for (int r = 0; r < t; r++)
+                dst[r] = (uint32_t)small_int_to_bf16(b[r]) << 16 | small_int_to_bf16(a[r]);
+        }
+        /* 64 output channels at a time (their synthesis columns stay in L1) over all tokens */
+        const uint16_t *at_m = synthesis_t + (size_t)m * c * c;
+        for (int jb = 0; jb < c / 16; jb += 4) {
+            int nj = c / 16 - jb < 4 ? c / 16 - jb : 4;
+            const uint16_t *a = at_m + (size_t)jb * 16 * c;
+            for (int tb = 0; tb < t; tb += 16) {
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int kb = 0; kb < c; kb += 32) {
+                    _tile_loadd(5, pairs + (size_t)(kb / 2) * t + tb, t * 4);
+                    _tile_loadd(4, a + kb, c * 2); _tile_dpbf16ps(0, 4, 5);
+                    if (nj > 1) { _tile_loadd(4, a + 16 * c + kb, c * 2); _tile_dpbf16ps(1, 4, 5); }
+                    if (nj > 2) { _tile_loadd(4, a + 32 * c + kb, c * 2); _tile_dpbf16ps(2, 4, 5); }
+                    if (nj > 3) { _tile_loadd(4, a + 48 * c + kb, c * 2); _tile_dpbf16ps(3, 4, 5); }
+                }
+                float *col = cols + ((size_t)tb / 16 * (c / 16) + jb) * 256; /* [t / 16][c / 16][16 x 16] */
+                _tile_stored(0, col, 64);
+                if (nj > 1) _tile_stored(1, col + 256, 64);
+                if (nj > 2) _tile_stored(2, col + 512, 64);
+                if (nj > 3) _tile_stored(3, col + 768, 64);
+            }
+        }
+        for (int tb = 0; tb < t; tb += 16) {
+            const float *col = cols + (size_t)tb / 16 * (c / 16) * 256;
+            for (int jb = 0; jb < c / 16; jb++) transpose16(col + (size_t)jb * 256, rows + jb * 16, c);
+            for (int r = 0; r < 16; r++) finish_row(&p, m, tb + r, rows + (size_t)r * c);
+        }
+    }
+    *bad = (int64_t)(len - off);
+    rc = off == len ? p.n_wide : E_STRAY;
+release:
+    _tile_release();
+    _mm_sfence();
+    return rc;
+}
+#else
+int lmkv_amx(void) { return 0; }
+long lmkv_decode_amx(void) { return E_LENGTH; }
+#endif

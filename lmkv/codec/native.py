@@ -84,5 +84,11 @@ def library() -> ctypes.CDLL | None:
     lib.lmkv_symbols.argtypes = [_P, _SZ, _SZ, _INT, _P, _P, _P, _P, _SZ, _P, _INT, _P, _I64P]
     lib.lmkv_finish.restype = _INT
     lib.lmkv_finish.argtypes = [_INT] * 4 + [_P] * 5 + [_INT, _P, _P, _P, _INT, _P, _P]
-    log.info("cachegen: native decoder %s", path)
+    lib.lmkv_amx.restype = _INT
+    lib.lmkv_amx.argtypes = []
+    lib.lmkv_decode_amx.restype = ctypes.c_long
+    lib.lmkv_decode_amx.argtypes = ([_P, _SZ, _SZ, _INT, _P, _P, _P] + [_INT] * 4 + [_P] * 5
+                                    + [_INT, _P, _P, _P, _SZ, _P, _I64P])
+    log.info("cachegen: native decoder %s (%s)", path,
+             "AMX" if lib.lmkv_amx() else "no AMX: the matmul runs in torch")
     return lib
