@@ -59,6 +59,9 @@ class LMKVMetrics:
         self.codec_agreement = Gauge("lmkv_codec_agreement",
                                      "agreed / checked tokens of the quality gate since start",
                                      registry=r)
+        self.lossless_chunks = Counter("lmkv_codec_lossless_chunks",
+                                       "Chunks a lossy tier stored lossless: beyond its table's range",
+                                       ["tier"], registry=r)
         self.codec_fallbacks = Counter("lmkv_codec_fallbacks",
                                        "Times the quality gate turned lossy tiers lossless",
                                        registry=r)

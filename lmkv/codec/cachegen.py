@@ -1,8 +1,9 @@
 """cachegen: lossy KV compression in the spirit of CacheGen (Liu et al., SIGCOMM'24).
 
 A chunk kv [2, L, T, Hkv, D] becomes symbols, then bytes:
-1. quantize: q = round((x - mean) / step) per channel, clamped to [-16383, 16383]; the
-   table (calibration.py) holds mean/step per [kv, layer, head, dim], measured on the model.
+1. quantize: q = round((x - mean) / step) per channel, |q| < 16383 (a chunk beyond that
+   raises OutOfRange: its caller stores it losslessly); the table (calibration.py) holds
+   mean/step per [kv, layer, head, dim], measured on the model.
 2. delta: in (kv, layer) streams the table marks, every token but the first of each group of
    ``group_size`` tokens is replaced by q - q[anchor]. The difference is taken on the
    integers, so it is exact: the error is the quantization error alone, with no drift.
@@ -61,6 +62,11 @@ class PayloadError(ValueError):
     """A cachegen payload that is malformed or made with another table."""
 
 
+class OutOfRange(ValueError):
+    """A chunk with values beyond the table's range (|x - mean| / step > QMAX): coded, they
+    would be clamped, far outside the error bound; the caller stores it another way."""
+
+
 def quantize(kv: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, delta: torch.Tensor,
              group_size: int) -> torch.Tensor:
     """kv [2, L, T, H, D] float -> symbols [2, L, T, H, D] int16 (steps 1 and 2 above).
@@ -116,6 +122,9 @@ def encode(kv: torch.Tensor, table: CacheGenTable, coder: str = "zstd",
         x = (x.float().reshape(two, layers, t, h * d) @ table.basis.to(dev)).view(kv.shape)
     symbols = ops.cachegen_quantize(x, table.step.to(dev), table.mean.to(dev),
                                     table.delta.to(dev), table.group_size).cpu()
+    if (worst := _largest_symbol(symbols, table)) >= QMAX:
+        raise OutOfRange(f"a value {worst} steps from the table's mean (at most {QMAX - 1} can be "
+                         f"coded): the chunk is outside what calibration measured")
     if table.basis is None:
         streams = list(symbols.reshape(two * layers, -1))  # [T * H * D] each
     else:
@@ -145,6 +154,18 @@ def encode(kv: torch.Tensor, table: CacheGenTable, coder: str = "zstd",
     if flags:
         head += _POSITION.pack(position)
     return b"".join([head, *descs, *blobs])
+
+
+def _largest_symbol(symbols: torch.Tensor, table: CacheGenTable) -> int:
+    """max |q| before deltas, for symbols [2, L, T, H, D] int16 (quantize clamps to QMAX, so
+    QMAX means a value was clamped)."""
+    if not bool(table.delta.any()):
+        return int(symbols.abs().amax())
+    q = symbols.to(torch.int32)
+    g = table.group_size
+    anchor = q[:, :, ::g].repeat_interleave(g, dim=2)[:, :, : q.shape[2]]
+    anchor[:, :, ::g] = 0
+    return int((q + anchor * table.delta[:, :, None, None, None].to(torch.int32)).abs().amax())
 
 
 def _positions(first: int, t: int, device: torch.device) -> torch.Tensor:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..backends.base import BackendError, StorageBackend
 from ..codec import Codec, FrameError, decode_into, encode, get_codec
+from ..codec.cachegen import OutOfRange
 from ..codec.calibration import CacheGenTable
 from ..memory import ChunkBuffer
 from ..metrics import LMKVMetrics
@@ -30,6 +31,7 @@ class Tier:
     def __post_init__(self) -> None:
         if isinstance(self.codec, str):  # a codec named in a config
             self.codec = get_codec(self.codec)
+        self._warned_range = False
 
     @property
     def lossy(self) -> bool:
@@ -46,8 +48,18 @@ class Tier:
         self.codec, self.table = get_codec("zstd"), None
 
     def encode(self, key: str, buf: ChunkBuffer) -> memoryview:
-        """``buf``'s frame in this tier's codec (a raw frame aliases the slot)."""
-        return encode(buf, key, self.codec, self.table)
+        """``buf``'s frame in this tier's codec (a raw frame aliases the slot). A chunk that
+        the lossy codec cannot hold within its error bound (values beyond its table's range)
+        is framed lossless (zstd) instead, counted, and logged the first time."""
+        try:
+            return encode(buf, key, self.codec, self.table)
+        except OutOfRange as e:
+            self.metrics.lossless_chunks.labels(self.name).inc()
+            if not self._warned_range:
+                self._warned_range = True
+                log.warning("lmkv: %s stores a chunk lossless: %s (lmkv_codec_lossless_chunks "
+                            "counts them; recalibrate or raise the error target)", self.name, e)
+            return encode(buf, key, get_codec("zstd"))
 
     def write(self, key: str, frame: memoryview) -> bool:
         """Store one framed chunk; a failure is logged and counted, and returns False."""

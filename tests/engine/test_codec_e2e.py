@@ -127,3 +127,51 @@ def test_quality_gate_measures_agreement_and_turns_lossless(tiny_model_dir, refe
         assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
         assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
         engine.pool.check_integrity()
+
+
+STORY = ("In the village of Marrowby the old clock on the chapel tower had stopped at a quarter "
+         "past nine. Nobody could say when it had stopped, because the villagers had long ago "
+         "stopped looking up. It was Edda Fenwick, the baker's daughter, who climbed the tower "
+         "one wet April morning with a bag of her father's tools and set it going again. ")
+
+
+def test_smollm2_disk_tier_decodes_natively_and_serves_the_same_tokens(tmp_path, monkeypatch):
+    """The real model's table has the transform and un-rotated keys, so its chunks decode
+    through the native decoder (where it can be built): a new engine served from the disk
+    tier alone, at a fine error target, gives full prefill's tokens. (At 5e-4 its layer-0 keys
+    reach 23K steps from the mean: before OutOfRange they were clamped, 10% off, and the
+    tokens differed; now those chunks are stored lossless.)"""
+    from lmkv.codec import native
+    from lmkv_engines.minimal.default_model import default_model_path
+
+    try:
+        path = str(default_model_path())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    chunk, engine_args = 64, dict(kv_cache_memory=96 << 20, max_model_len=1024)
+    cfg = load_config(env={}, chunk_size=chunk, max_local_cpu_size=0.05)
+    table, where = calibrate_model(path, cfg, CalibrationSettings(error=2e-3), num_prompts=1, length=256,
+                                   out=tmp_path / "t.safetensors", **engine_args)
+    engine_args["enable_prefix_caching"] = False
+    assert table.basis is not None and table.rope is not None
+    with LLM(path, **engine_args) as llm:
+        few = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{STORY * (1 + i)}\nWho repaired the clock, and when?"}]))
+            for i in range(3)]  # a trained model's answers to text are decisive; to random ids, not
+        reference = [o.output_token_ids for o in llm.generate(few, GREEDY)]
+    opts = dict(chunk_size=chunk, max_local_cpu_size=0.05, local_disk=str(tmp_path / "disk"),
+                max_local_disk_size=1.0, local_disk_codec="cachegen", cachegen_calibration=str(where))
+    with LLM(path, lmkv_config=load_config(env={}, **opts), **engine_args) as llm:
+        assert [o.output_token_ids for o in llm.generate(few, GREEDY)] == reference
+    lib, calls = native.library(), []
+    if lib is not None:
+        name = "lmkv_decode_amx" if lib.lmkv_amx() else "lmkv_symbols"
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a: calls.append(1) or real(*a))
+    with LLM(path, lmkv_config=load_config(env={}, enable_prefetch=False, **opts), **engine_args) as llm:
+        outs = llm.generate(few, GREEDY)
+        assert [o.output_token_ids for o in outs] == reference
+        assert [o.num_external_tokens for o in outs] == [(len(p) - 1) // chunk * chunk for p in few]
+        assert metric(llm, "lmkv_errors_total", tier="disk", kind="corrupt") == 0
+        read = metric(llm, "lmkv_tier_hits_total", tier="disk")  # chunks the prompts share: once
+    assert read >= 3 and (lib is None or len(calls) == read)

@@ -417,3 +417,44 @@ def test_codec_config_keys():
         load_config(env={}, local_disk_codec="lz4")
     with pytest.raises(ConfigError, match="codec_min_agreement"):
         load_config(env={}, codec_min_agreement=1.5)
+
+
+def test_values_beyond_the_tables_range_are_refused_and_stored_lossless(table, tmp_path, caplog):
+    """A value that would clamp (|x - mean| / step >= QMAX) is never coded silently outside
+    the error bound: encode raises OutOfRange (transform, per-channel and delta tables, at a
+    token that is not its group's anchor), and a lossy tier frames that chunk with zstd,
+    exactly, counted in lmkv_codec_lossless_chunks and logged once."""
+    import logging
+
+    from lmkv.backends.disk import DiskBackend
+    from lmkv.storage.tier import Tier
+
+    big = KVLayout(2, 2, 64, torch.float32, 256)
+    smooth = calibrate([kv_like(s, smooth=True, layout=big) for s in range(3)],
+                       CalibrationSettings(transform=False))
+    assert smooth.delta.all()
+    correlated = calibrate([kv_correlated(s, KVLayout(3, 2, 32, torch.float32, 128)) for s in range(4)])
+    assert correlated.basis is not None
+    cases = [(table, kv_like(5)), (smooth, kv_like(9, smooth=True, layout=big)),
+             (correlated, kv_correlated(9, KVLayout(3, 2, 32, torch.float32, 128)))]
+    for t, x in cases:
+        cachegen.encode(x, t)  # in range: coded
+        far = x.clone()
+        far[1, 1, 3, 0, 5] += 1e6 * t.step.max()  # token 3: not an anchor of a delta group
+        with pytest.raises(cachegen.OutOfRange, match="steps from the table's mean"):
+            cachegen.encode(far, t)
+    metrics = LMKVMetrics()
+    tier = Tier("disk", DiskBackend(tmp_path / "disk", 1 << 30), "cachegen", table, metrics)
+    pool = MemoryPool(LAYOUT, 3 * (64 + LAYOUT.chunk_bytes))
+    src, dst = pool.allocate(), pool.allocate()
+    src.kv.copy_(kv_like(5))
+    src.kv[1, 1, 3, 0, 5] += 20000 * table.step.max()
+    with caplog.at_level(logging.WARNING, logger="lmkv.storage.tier"):
+        for key in ("a", "b"):
+            frame = tier.encode(key, src)
+            assert decode_into(frame, dst, key, table).name == "zstd"
+            assert torch.equal(dst.kv, src.kv)
+    assert metrics.registry.get_sample_value("lmkv_codec_lossless_chunks_total", {"tier": "disk"}) == 2
+    assert caplog.text.count("stores a chunk lossless") == 1
+    src.kv.copy_(kv_like(5))
+    assert decode_into(tier.encode("c", src), dst, "c", table).name == "cachegen"
