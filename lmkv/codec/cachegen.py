@@ -45,7 +45,7 @@ import torch
 from .. import ops
 from ..memory import NO_POSITION
 from . import native, rans
-from .calibration import CacheGenTable
+from .calibration import QMAX, CacheGenTable
 
 _HEAD = struct.Struct("<4sQHBBI")
 _STREAM = struct.Struct("<BI")
@@ -55,7 +55,6 @@ MAGIC = b"CGv1"
 MAGIC_TRANSFORM = b"CGv2"
 CODERS = {"zstd": 0, "rans": 1}
 STORED = 3  # stream width code: int8 symbols as they are, not entropy-coded
-QMAX = 16383  # |q| <= QMAX, so anchor differences fit int16
 
 
 class PayloadError(ValueError):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ import numpy as np
 import torch
 import xxhash
 
+log = logging.getLogger(__name__)
+
+QMAX = 16383  # |symbol| < QMAX (cachegen.encode refuses a chunk beyond it)
+RANGE_HEADROOM = 2  # calibration's largest value may take half of that: unseen chunks go further
 FORMAT = "lmkv-cachegen-table/3"
 FORMATS = ("lmkv-cachegen-table/1", "lmkv-cachegen-table/2", FORMAT)  # /1: no transform; /2: no rope
 # band edges in coefficient spread / step, strongest first; the coefficients below the last
@@ -220,9 +225,10 @@ def calibrate(chunks: Iterable[torch.Tensor], settings: CalibrationSettings | No
     mean = data.mean(dim=2)  # [2, L, H, D]
     centred = data - mean[:, :, None]
     rms = centred.square().mean(dim=(2, 3, 4)).sqrt().clamp_min(1e-12)  # [2, L]
-    target = settings.targets(data.shape[1])
+    axes = _principal_axes(centred) if settings.transform else None
+    target = _within_range(centred, rms, settings.targets(data.shape[1]), axes)
     step = (target * math.sqrt(12) * rms)[:, :, None, None].expand_as(mean).contiguous()
-    q = torch.round(centred / step[:, :, None]).clamp(-16383, 16383)
+    q = torch.round(centred / step[:, :, None]).clamp(-QMAX, QMAX)
     g = settings.group_size
     anchors = q[:, :, (torch.arange(q.shape[2]) // g) * g]
     delta = torch.zeros(q.shape[:2], dtype=torch.bool)
@@ -238,7 +244,7 @@ def calibrate(chunks: Iterable[torch.Tensor], settings: CalibrationSettings | No
     from ..memory import NO_POSITION
     from .cachegen import encode
 
-    transformed = _calibrate_transform(data, mean, step, target, g, settings.store_weak, rope)
+    transformed = _calibrate_transform(axes, mean, step, target, g, settings.store_weak, rope)
     size = lambda t: sum(len(encode(c, t, position=NO_POSITION)) for c in chunks)  # noqa: E731
     return transformed if size(transformed) < size(table) else table
 
@@ -250,15 +256,42 @@ def _entropy(symbols: torch.Tensor) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def _calibrate_transform(data: torch.Tensor, mean: torch.Tensor, step: torch.Tensor,
-                         target: torch.Tensor, group_size: int, store_weak: bool,
-                         rope: torch.Tensor | None = None) -> CacheGenTable:
-    """The table with a decorrelating transform (see the module docstring)."""
-    two, layers, n, heads, dim = data.shape
-    x = (data - mean[:, :, None]).reshape(two, layers, n, heads * dim).double()
+def _principal_axes(centred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per [kv, layer], the variances [2, L, C] and orthonormal axes [2, L, C, C] (columns)
+    of the token vectors, strongest first."""
+    two, layers, n, heads, dim = centred.shape
+    x = centred.reshape(two, layers, n, heads * dim).double()
     cov = x.transpose(2, 3) @ x / n  # [2, L, C, C]
     var, vec = torch.linalg.eigh(cov)  # ascending
-    var, basis = var.flip(-1).clamp_min(0), vec.flip(-1).float()  # strongest first
+    return var.flip(-1).clamp_min(0), vec.flip(-1).float()
+
+
+def _within_range(centred: torch.Tensor, rms: torch.Tensor, target: torch.Tensor,
+                  axes: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``target`` [2, L], raised (with a warning) where its step would put the calibration
+    KV's largest value (per channel, or per coefficient on ``axes``) beyond 1/RANGE_HEADROOM
+    of the symbol range: a finer step cannot code this model's KV."""
+    two, layers, n, heads, dim = centred.shape
+    peak = centred.abs().amax(dim=(2, 3, 4))
+    if axes is not None:
+        coef = centred.reshape(two, layers, n, heads * dim) @ axes[1]
+        peak = torch.maximum(peak, coef.abs().amax(dim=(2, 3)))
+    finest = (peak * RANGE_HEADROOM / QMAX / (math.sqrt(12) * rms)).float()
+    low = target < finest
+    if bool(low.any()):
+        where = ", ".join(f"{'KV'[kv]}{layer} {finest[kv, layer]:.2g}"
+                          for kv, layer in low.nonzero().tolist())
+        log.warning("cachegen calibration: the error target is finer than the KV's range allows "
+                    "in %d (kv, layer)s; their targets are raised to: %s", int(low.sum()), where)
+    return torch.maximum(target, finest)
+
+
+def _calibrate_transform(axes: tuple[torch.Tensor, torch.Tensor], mean: torch.Tensor,
+                         step: torch.Tensor, target: torch.Tensor, group_size: int,
+                         store_weak: bool, rope: torch.Tensor | None = None) -> CacheGenTable:
+    """The table with a decorrelating transform (see the module docstring)."""
+    two, layers = step.shape[:2]
+    var, basis = axes
     spread = var.sqrt().float() / step.reshape(two, layers, -1)  # std in steps per coefficient
     edges = torch.tensor((float("inf"), *BAND_SPREADS, *((0.0,) if store_weak else ())))
     # coefficients are sorted by spread, so each band is a run: its end = how many reach it

@@ -458,3 +458,26 @@ def test_values_beyond_the_tables_range_are_refused_and_stored_lossless(table, t
     assert caplog.text.count("stores a chunk lossless") == 1
     src.kv.copy_(kv_like(5))
     assert decode_into(tier.encode("c", src), dst, "c", table).name == "cachegen"
+
+
+@pytest.mark.parametrize("transform", [True, False])
+def test_calibration_raises_a_target_finer_than_the_kvs_range_allows(transform, caplog):
+    """A target whose step cannot span a layer's largest value (here a spike in V layer 2)
+    is raised there, with a warning naming the layer; elsewhere it stays; the calibration
+    chunks themselves then encode without OutOfRange."""
+    import logging
+
+    chunks = [kv_like(s) for s in range(4)]
+    chunks[1][1, 2, 5, 1, 3] += 3000.0
+    settings = CalibrationSettings(error=1e-3, deep_ratio=1.0, transform=transform)
+    with caplog.at_level(logging.WARNING, logger="lmkv.codec.calibration"):
+        table = calibrate(chunks, settings)
+    assert "finer than the KV's range allows" in caplog.text and "V2" in caplog.text
+    assert table.target[1, 2] > 2 * 1e-3
+    assert torch.allclose(table.target[0], torch.tensor(1e-3)) and abs(table.target[1, 0] - 1e-3) < 1e-9
+    for c in chunks:
+        cachegen.encode(c, table)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lmkv.codec.calibration"):
+        calibrate(chunks, CalibrationSettings(transform=transform))  # the default target: in range
+    assert "finer" not in caplog.text
