@@ -124,7 +124,7 @@ done:
 /* A row of c floats to out: streaming stores where the row is 64-byte aligned (the chunk is
  * not read again before it is copied on, so it need not pass through the cache). */
 static void put_row(float *out, const float *row, int c) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(__SANITIZE_ADDRESS__) /* ASan does not see streaming stores */
     if (((uintptr_t)out & 63) == 0 && c % 16 == 0) {
         for (int j = 0; j < c; j += 16) _mm512_stream_ps(out + j, _mm512_load_ps(row + j));
         return;

@@ -41,12 +41,13 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build(cc: str, zstd: str, out_dir: Path) -> Path:
-    """Compile native.c for this CPU (-march=native) into out_dir, named by a hash of the
-    source, the compiler, the CPU's flags and libzstd, so a stale or foreign build is never
-    loaded; written under a temporary name and renamed, so concurrent builds are safe."""
+def build(cc: str, zstd: str, out_dir: Path, flags: tuple[str, ...] = ()) -> Path:
+    """Compile native.c for this CPU (-march=native, plus ``flags``) into out_dir, named by a
+    hash of the source, the compiler, the flags, the CPU's flags and libzstd, so a stale or
+    foreign build is never loaded; written under a temporary name and renamed, so concurrent
+    builds are safe."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, _cpu_flags(), zstd]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *flags, _cpu_flags(), zstd]).encode())
     path = out_dir / f"cachegen-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path
@@ -54,7 +55,7 @@ def build(cc: str, zstd: str, out_dir: Path) -> Path:
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so", delete=False) as tmp:
         pass
     try:
-        res = subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", tmp.name,
+        res = subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", *flags, "-o", tmp.name,
                               str(SOURCE), f"-l:{zstd}"], capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise OSError(f"{cc} failed on {SOURCE.name}: {res.stderr.strip()[-2000:]}")
@@ -76,10 +77,18 @@ def library() -> ctypes.CDLL | None:
         if cc is None or zstd is None:
             raise OSError("no C compiler (cc, gcc or $CC)" if cc is None else "no libzstd")
         path = build(cc, zstd, cache_dir())
-        lib = ctypes.CDLL(str(path))
+        lib = load(path)
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("cachegen: no native decoder (%s); decoding with torch, about 1.5x slower", e)
+        log.warning("cachegen: no native decoder (%s); decoding with torch, at about half the speed", e)
         return None
+    log.info("cachegen: native decoder %s (%s)", path,
+             "AMX" if lib.lmkv_amx() else "no AMX: the matmul runs in torch")
+    return lib
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built native.c with its functions' signatures declared."""
+    lib = ctypes.CDLL(str(path))
     lib.lmkv_symbols.restype = ctypes.c_long
     lib.lmkv_symbols.argtypes = [_P, _SZ, _SZ, _INT, _P, _P, _P, _P, _SZ, _P, _INT, _P, _I64P]
     lib.lmkv_finish.restype = _INT
@@ -89,6 +98,4 @@ def library() -> ctypes.CDLL | None:
     lib.lmkv_decode_amx.restype = ctypes.c_long
     lib.lmkv_decode_amx.argtypes = ([_P, _SZ, _SZ, _INT, _P, _P, _P] + [_INT] * 4 + [_P] * 5
                                     + [_INT, _P, _P, _P, _SZ, _P, _I64P])
-    log.info("cachegen: native decoder %s (%s)", path,
-             "AMX" if lib.lmkv_amx() else "no AMX: the matmul runs in torch")
     return lib

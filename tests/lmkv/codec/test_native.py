@@ -8,6 +8,7 @@ import ctypes.util
 import logging
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +154,20 @@ def test_without_a_compiler_or_when_off_decoding_stays_on_torch(fresh_library, m
     native.library.cache_clear()
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native.library() is None
+
+
+@pytest.mark.sanitize
+@pytest.mark.skipif(not CAN_BUILD or shutil.which("g++") is None, reason="no C compiler or libzstd")
+def test_native_decode_is_clean_under_address_sanitizer(tmp_path):
+    """An ASan build of native.c decodes valid and corrupted payloads (truncated, extended,
+    random bytes) on both of its paths without one out-of-bounds access."""
+    import subprocess
+    import sys
+
+    from lmkv_cuda.emu import sanitizer_env
+
+    script = Path(__file__).with_name("native_fuzz.py")
+    r = subprocess.run([sys.executable, str(script), str(tmp_path)], env=sanitizer_env("address"),
+                       capture_output=True, text=True, timeout=500, cwd=Path(__file__).parents[3])
+    assert r.returncode == 0 and "ERROR: AddressSanitizer" not in r.stderr, r.stdout + r.stderr[-6000:]
+    assert "native decode clean" in r.stdout
