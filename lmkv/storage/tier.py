@@ -5,7 +5,10 @@ tier and decoded where they leave it, here and nowhere else."""
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..backends.base import BackendError, StorageBackend
@@ -17,6 +20,20 @@ from ..metrics import LMKVMetrics
 from .breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
+
+
+DECODE_THREADS = min(4, os.cpu_count() or 1)
+_decoder_pool: ThreadPoolExecutor | None = None
+_decoder_lock = threading.Lock()
+
+
+def _decoders() -> ThreadPoolExecutor:
+    """The process's frame decoders (shared by every tier, made on first use)."""
+    global _decoder_pool
+    with _decoder_lock:
+        if _decoder_pool is None:
+            _decoder_pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="lmkv-decode")
+        return _decoder_pool
 
 
 @dataclass(eq=False)
@@ -104,8 +121,9 @@ class Tier:
             return [False] * len(keys)
         start = time.perf_counter()
         checked: dict[int, Exception | None] = {}  # frames checked as they landed: error
+        raw = self.codec.name == "raw"
         try:
-            if self.codec.name == "raw":  # frames straight into the slots, each checked
+            if raw:  # frames straight into the slots, each checked
                 frames = [memoryview(buf.frame.numpy()) for buf in bufs]  # as it lands
 
                 def arrived(i: int, n: int) -> None:
@@ -120,6 +138,8 @@ class Tier:
             return [False] * len(keys)
         self.breaker.success()
         self.metrics.tier_seconds.labels(self.name, "get").observe(time.perf_counter() - start)
+        if not raw:
+            checked = self._check_all(keys, bufs, values)
         ok = []
         for i, (key, buf, data) in enumerate(zip(keys, bufs, values, strict=True)):
             if data is not None:
@@ -128,6 +148,17 @@ class Tier:
             else:
                 ok.append(False)
         return ok
+
+    def _check_all(self, keys: list[str], bufs: list[ChunkBuffer], values: list
+                   ) -> dict[int, Exception | None]:
+        """_check of every frame that arrived, side by side on the decoder threads (the
+        codecs' decoders release the GIL)."""
+        todo = [i for i, v in enumerate(values) if v is not None]
+        if len(todo) < 2:
+            return {i: self._check(keys[i], bufs[i], values[i]) for i in todo}
+        pool = _decoders()
+        futures = {i: pool.submit(self._check, keys[i], bufs[i], values[i]) for i in todo}
+        return {i: f.result() for i, f in futures.items()}
 
     def _check(self, key: str, buf: ChunkBuffer, data: memoryview | bytes) -> Exception | None:
         """Verify and decode one frame into ``buf``; the error, if any. Thread-safe: touches

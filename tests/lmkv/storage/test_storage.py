@@ -234,3 +234,51 @@ def test_disk_tier_evicts_by_its_policy(tmp_path, policy, kept):
     assert disk.num_evictions == 17
     files = sorted(p.name for p in tmp_path.glob("*.kv"))
     assert files == sorted(disk.index)
+
+
+def test_a_batch_of_coded_frames_is_decoded_side_by_side(tmp_path, monkeypatch):
+    """Frames of a coded tier (not raw) are decoded on the decoder threads, several at once,
+    each into its own buffer; a corrupt one among them is still caught and removed."""
+    import threading
+    import time
+
+    from lmkv.codec.base import Zstd
+    from lmkv.metrics import LMKVMetrics
+    from lmkv.storage import tier as tier_module
+    from lmkv.storage.tier import Tier
+
+    running, most, lock = [0], [0], threading.Lock()
+    real = Zstd.decode_into
+
+    def slow(self, *args, **kwargs):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)  # long enough for the others to start
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(Zstd, "decode_into", slow)
+    monkeypatch.setattr(tier_module, "DECODE_THREADS", 4)
+    monkeypatch.setattr(tier_module, "_decoder_pool", None)
+    pool = MemoryPool(LAYOUT, 12 * (64 + LAYOUT.chunk_bytes))
+    tier = Tier("disk", DiskBackend(tmp_path, 1 << 30), "zstd", metrics=LMKVMetrics())
+    src = []
+    for i in range(5):
+        buf = pool.allocate()
+        buf.kv.normal_()
+        tier.write(f"k{i}", tier.encode(f"k{i}", buf))
+        src.append(buf)
+    path = next(p for p in tmp_path.glob("*.kv") if p.name == tier.backend._name("k3"))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    dst = [pool.allocate() for _ in range(5)]
+    assert tier.read([f"k{i}" for i in range(5)], dst) == [True, True, True, False, True]
+    assert most[0] >= 2
+    for i in (0, 1, 2, 4):
+        assert torch.equal(dst[i].kv, src[i].kv)
+    assert tier.backend.contains(["k3"]) == [False]  # the corrupt frame was removed
