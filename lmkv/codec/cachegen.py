@@ -34,10 +34,10 @@ today; ``encode`` takes a CUDA chunk too (quantized on the GPU, entropy-coded on
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
 import itertools
 import struct
+import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -62,7 +62,7 @@ class PayloadError(ValueError):
 
 
 class OutOfRange(ValueError):
-    """A chunk with values beyond the table's range (|x - mean| / step > QMAX): coded, they
+    """A chunk with values beyond the table's range (|x - mean| / step >= QMAX): coded, they
     would be clamped, far outside the error bound; the caller stores it another way."""
 
 
@@ -207,9 +207,8 @@ def decode_into(payload: bytes | memoryview, out: torch.Tensor, table: CacheGenT
         sizes = (widths * t).reshape(-1).tolist()
     if count != len(sizes):
         raise PayloadError(f"payload has {count} streams, chunk needs {len(sizes)}")
-    if (table.basis is not None and coder == CODERS["zstd"] and out.dtype == torch.float32
-            and out.is_contiguous() and (lib := native.library()) is not None):
-        _decode_native(lib, view, start, table, out, position)
+    native_ok = table.basis is not None and coder == CODERS["zstd"]
+    if native_ok and native.decode(view, start, table, out, position):
         return
     parts = _read_streams(view, coder, sizes, start)
     if table.basis is None:
@@ -287,128 +286,69 @@ def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tenso
         if e[-1] < c:
             pieces.append(np.zeros((c - e[-1]) * t, np.int8))
     synthesis, synthesis_bf16, offset = table.synthesis
-    coef, low, wide_sym = table.scratch.take(n, c, t)
+    scratch = table.scratch.take(n, c, t)
     try:
-        coef.copy_(torch.from_numpy(np.concatenate(pieces)).view(n, c, t))
-        torch.bmm(coef.transpose(1, 2), synthesis_bf16, out=low)
+        scratch.coef.copy_(torch.from_numpy(np.concatenate(pieces)).view(n, c, t))
+        torch.bmm(scratch.coef.transpose(1, 2), synthesis_bf16, out=scratch.low)
         flat = out.view(n, t, c)
-        flat.copy_(low)
+        flat.copy_(scratch.low)
         flat.add_(offset[:, None, :])
     finally:
-        table.scratch.give((coef, low, wide_sym))
+        table.scratch.give(scratch)
     for i, a, b, p in wide:
         flat[i].add_(torch.from_numpy(p.astype(np.float32)).view(b - a, t).T @ synthesis[i, a:b])
 
 
-def _decode_native(lib, view: memoryview, start: int, table: CacheGenTable, out: torch.Tensor,
-                   position: int) -> None:
-    """decode_into for a transform payload in C (native.c), float32 out. With AMX, all of it
-    in C, one (kv, layer) matrix at a time; else the streams to bfloat16 coefficients in C,
-    the torch batched matmul, then offset, int16 bands and the keys' rotation in one pass."""
-    two, layers, t, h, d = out.shape
-    n, c = two * layers, h * d
-    plan = table.scratch.plan(table, t)
-    data = np.frombuffer(view, np.uint8)
-    payload = (data.ctypes.data, len(data), start, len(plan.sizes), plan.sizes.ctypes.data,
-               plan.at.ctypes.data)
-    wide = np.empty(len(plan.sizes), np.int32)  # the int16 streams' indices
-    bad = ctypes.c_int64()
-    synthesis, synthesis_bf16, offset = table.synthesis
-    rot: tuple = (0, None, None)  # rotate the first n matrices (keys) by cos, sin [T, D/2]
-    if position != NO_POSITION:
-        angle = _positions(position, t, out.device).to(torch.float32)[:, None] * table.rope[None, :]
-        cos, sin = angle.cos(), angle.sin()  # alive until the C calls below return
-        rot = (layers, cos.data_ptr(), sin.data_ptr())
-    coef, low, wide_sym = table.scratch.take(n, c, t)
-    try:
-        if c % 32 == 0 and t % 16 == 0 and lib.lmkv_amx():
-            rc = lib.lmkv_decode_amx(*payload, plan.band.ctypes.data, n, t, h, d,
-                                     table.scratch.synthesis_t(table).data_ptr(), offset.data_ptr(),
-                                     synthesis.data_ptr(), wide_sym.data_ptr(), out.data_ptr(), *rot,
-                                     coef.data_ptr(), coef.numel() * 2, wide.ctypes.data, ctypes.byref(bad))
-            _check_native(rc, bad.value)
-            return
-        rc = lib.lmkv_symbols(*payload, coef.data_ptr(), wide_sym.data_ptr(), coef.numel(),
-                              plan.gaps.ctypes.data, len(plan.gaps), wide.ctypes.data, ctypes.byref(bad))
-        _check_native(rc, bad.value)
-        torch.bmm(coef.transpose(1, 2), synthesis_bf16, out=low)
-        if lib.lmkv_finish(n, t, h, d, low.data_ptr(), offset.data_ptr(), synthesis.data_ptr(),
-                           wide_sym.data_ptr(), wide.ctypes.data, rc, plan.band.ctypes.data,
-                           plan.at.ctypes.data, out.data_ptr(), *rot):
-            raise ValueError(f"native decode cannot take heads {h} x head_dim {d}")
-    finally:
-        table.scratch.give((coef, low, wide_sym))
+class Scratch(NamedTuple):
+    """One decode's buffers: bfloat16 coefficients [n, C, T] and products [n, T, C]; int16
+    room [n * C * T] for the int16 streams' symbols; the native AMX decode's workspace (bytes;
+    only the pages written are touched)."""
 
-
-def _check_native(rc: int, bad: int) -> None:
-    if rc == -5:
-        raise PayloadError(f"{bad} stray bytes after the last stream")
-    if rc < 0:
-        raise PayloadError(f"stream {bad}: {native.ERRORS.get(rc, f'error {rc}')}")
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamPlan:
-    """Where a transform payload's streams go for chunks of T tokens: symbols per stream,
-    their offset in the coefficients [2L, C, T], the (kv-layer, first, end coefficient) of
-    each, and the (offset, length) ranges of coefficients no stream holds (zeros)."""
-
-    sizes: np.ndarray  # int64 [S]
-    at: np.ndarray  # int64 [S]
-    band: np.ndarray  # int32 [S, 3]
-    gaps: np.ndarray  # int64 [G, 2]
-
-    @classmethod
-    def of(cls, table: CacheGenTable, t: int) -> StreamPlan:
-        two, layers, h, d = table.step.shape
-        c = h * d
-        sizes, at, streams, gaps = [], [], [], []
-        for i, e in enumerate(table.bands.reshape(two * layers, -1).tolist()):
-            for a, b in itertools.pairwise(e):
-                sizes.append((b - a) * t)
-                at.append((i * c + a) * t)
-                streams.append((i, a, b))
-            gaps += [((i * c + lo) * t, (hi - lo) * t) for lo, hi in ((0, e[0]), (e[-1], c)) if hi > lo]
-        return cls(np.array(sizes, np.int64), np.array(at, np.int64),
-                   np.array(streams, np.int32).reshape(-1, 3), np.array(gaps, np.int64).reshape(-1, 2))
+    coef: torch.Tensor
+    low: torch.Tensor
+    wide: torch.Tensor
+    work: torch.Tensor
 
 
 class DecodeScratch:
     """One table's decode buffers, reused (the first touch of fresh pages costs about as
     much as the matmul that fills them): at most ``KEEP`` sets wait between decodes, and
-    decoders on several threads never share one (list pop and append are atomic)."""
+    decoders on several threads never share one (list pop and append are atomic). Also the
+    table's derived decode data, made once under a lock."""
 
     KEEP = 2
 
     def __init__(self) -> None:
-        self._free: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._plans: dict[int, StreamPlan] = {}
+        self._free: list[Scratch] = []
+        self._lock = threading.Lock()
+        self._plans: dict[int, native.StreamPlan] = {}
         self._synthesis_t: torch.Tensor | None = None
 
     def synthesis_t(self, table: CacheGenTable) -> torch.Tensor:
         """bfloat16 [2L, C, C]: row j holds output channel j's synthesis weights (AMX's A)."""
-        if self._synthesis_t is None:
-            self._synthesis_t = table.synthesis[1].transpose(1, 2).contiguous()
-        return self._synthesis_t
+        with self._lock:
+            if self._synthesis_t is None:
+                self._synthesis_t = table.synthesis[1].transpose(1, 2).contiguous()
+            return self._synthesis_t
 
-    def plan(self, table: CacheGenTable, t: int) -> StreamPlan:
-        if t not in self._plans:
-            self._plans[t] = StreamPlan.of(table, t)
-        return self._plans[t]
+    def plan(self, table: CacheGenTable, t: int) -> native.StreamPlan:
+        with self._lock:
+            if t not in self._plans:
+                self._plans[t] = native.StreamPlan.of(table, t)
+            return self._plans[t]
 
-    def take(self, n: int, c: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """bfloat16 [n, C, T] coefficients and [n, T, C] products; int16 [n * C * T] room for
-        the wide streams' symbols (native decode; only the pages written are touched)."""
+    def take(self, n: int, c: int, t: int) -> Scratch:
         try:
-            coef, low, wide = self._free.pop()
+            scratch = self._free.pop()
         except IndexError:
-            coef = low = wide = None
-        if coef is None or coef.shape != (n, c, t):
-            coef = torch.empty(n, c, t, dtype=torch.bfloat16)
-            low = torch.empty(n, t, c, dtype=torch.bfloat16)
-            wide = torch.empty(n * c * t, dtype=torch.int16)
-        return coef, low, wide
+            scratch = None
+        if scratch is None or scratch.coef.shape != (n, c, t):
+            scratch = Scratch(torch.empty(n, c, t, dtype=torch.bfloat16),
+                              torch.empty(n, t, c, dtype=torch.bfloat16),
+                              torch.empty(n * c * t, dtype=torch.int16),
+                              torch.empty(native.amx_workspace(c, t), dtype=torch.uint8))
+        return scratch
 
-    def give(self, scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    def give(self, scratch: Scratch) -> None:
         if len(self._free) < self.KEEP:
             self._free.append(scratch)

@@ -6,8 +6,12 @@
  * lmkv_finish: the matmul's bfloat16 products to the float32 chunk: + offset + the int16
  *   bands' products in float32, keys rotated by their positions, written with streaming stores.
  *
- * Both are re-entrant (no global state) and check every length they are given: a payload is
- * untrusted input. */
+ * lmkv_decode_amx: both in one pass per (kv, layer) matrix, with AMX tiles.
+ *
+ * Re-entrant (the only state is one zstd context per thread). Every length read from a
+ * payload is checked before it is used: a payload is untrusted input. The plan arrays (sizes,
+ * offsets, bands) come from the caller's validated table and are trusted. */
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -15,10 +19,18 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__SANITIZE_ADDRESS__)
+#define LMKV_ASAN 1 /* gcc */
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LMKV_ASAN 1 /* clang */
+#endif
+#endif
 
 /* libzstd (the system's libzstd.so.1; declared here so that no header package is needed) */
 size_t ZSTD_decompressDCtx(void *dctx, void *dst, size_t capacity, const void *src, size_t size);
 void *ZSTD_createDCtx(void);
+size_t ZSTD_freeDCtx(void *dctx);
 unsigned ZSTD_isError(size_t code);
 
 enum { WIDTH_INT8 = 1, WIDTH_INT16 = 2, WIDTH_STORED = 3 };
@@ -44,10 +56,16 @@ static void int8_to_bf16(const int8_t *src, uint16_t *dst, size_t n) {
 
 static uint32_t read_u32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
 
-/* This thread's zstd decompression context, made on first use and kept (one per thread). */
+/* This thread's zstd decompression context: made on first use, freed when the thread ends. */
+static pthread_key_t dctx_key;
+static pthread_once_t dctx_once = PTHREAD_ONCE_INIT;
+static void free_dctx(void *dctx) { ZSTD_freeDCtx(dctx); }
+static void make_dctx_key(void) { pthread_key_create(&dctx_key, free_dctx); }
+
 static void *thread_dctx(void) {
-    static __thread void *dctx;
-    if (dctx == NULL) dctx = ZSTD_createDCtx();
+    pthread_once(&dctx_once, make_dctx_key);
+    void *dctx = pthread_getspecific(dctx_key);
+    if (dctx == NULL && (dctx = ZSTD_createDCtx()) != NULL) pthread_setspecific(dctx_key, dctx);
     return dctx;
 }
 
@@ -124,7 +142,7 @@ done:
 /* A row of c floats to out: streaming stores where the row is 64-byte aligned (the chunk is
  * not read again before it is copied on, so it need not pass through the cache). */
 static void put_row(float *out, const float *row, int c) {
-#if defined(__AVX512F__) && !defined(__SANITIZE_ADDRESS__) /* ASan does not see streaming stores */
+#if defined(__AVX512F__) && !defined(LMKV_ASAN) /* ASan does not see streaming stores */
     if (((uintptr_t)out & 63) == 0 && c % 16 == 0) {
         for (int j = 0; j < c; j += 16) _mm512_stream_ps(out + j, _mm512_load_ps(row + j));
         return;
@@ -260,7 +278,7 @@ long lmkv_decode_amx(const uint8_t *payload, size_t len, size_t desc, int count,
     int c = heads * d;
     size_t mat = (size_t)c * t, off = desc + (size_t)count * 5;
     *bad = -1;
-    if (!lmkv_amx() || c % 32 || t % 16 || c > 4096 || d % 2) return E_LENGTH;
+    if (!lmkv_amx() || c % 32 || t <= 0 || t % 16 || c > 4096 || d % 2) return E_LENGTH;
     if (desc > len || off > len) return E_TRUNCATED;
     for (int i = 0; i < count; i++) {
         int m = band[3 * i];
@@ -340,5 +358,11 @@ release:
 }
 #else
 int lmkv_amx(void) { return 0; }
-long lmkv_decode_amx(void) { return E_LENGTH; }
+long lmkv_decode_amx(const uint8_t *payload, size_t len, size_t desc, int count, const int64_t *sizes,
+                     const int64_t *at, const int32_t *band, int n, int t, int heads, int d,
+                     const uint16_t *synthesis_t, const float *offset, const float *synthesis,
+                     int16_t *wide_sym, float *out, int n_rot, const float *cosv, const float *sinv,
+                     uint8_t *work, size_t work_len, int32_t *wide, int64_t *bad) {
+    return E_LENGTH; /* never called: lmkv_amx() is 0 */
+}
 #endif

@@ -11,8 +11,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..memory import ChunkBuffer, MemoryPool
 from ..metrics import LMKVMetrics
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 
 LOAD_BATCH = 8  # chunks asked of a tier at once when loading a run of them
+DECODE_THREADS = min(4, len(os.sched_getaffinity(0)))  # frames of a batch decoded at once
 
 
 class StorageManager:
@@ -37,9 +39,12 @@ class StorageManager:
         self.tiers = tiers
         self.metrics = metrics
         self.io = IOWorker(io_queue_size)
+        # a batch of coded frames read from a tier is decoded side by side (threads start on use)
+        self.decoders = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="lmkv-decode")
         region = memoryview(pool.storage.numpy()).cast("B")
         for tier in tiers:
             tier.metrics = metrics  # one registry for the whole stack
+            tier.decoders = self.decoders
             tier.backend.register_memory(region)
         self._inflight: dict[str, Future] = {}  # key -> running fetch of that key
         self._lock = threading.Lock()
@@ -226,6 +231,7 @@ class StorageManager:
         """Finish background writes, then stop the I/O worker and drop the hot cache."""
         self.io.drain()
         self.io.close()
+        self.decoders.shutdown(wait=True)
         self.hot.clear()
         for tier in self.tiers:
             tier.close()

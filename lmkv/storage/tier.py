@@ -5,10 +5,8 @@ tier and decoded where they leave it, here and nowhere else."""
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from ..backends.base import BackendError, StorageBackend
@@ -22,20 +20,6 @@ from .breaker import CircuitBreaker
 log = logging.getLogger(__name__)
 
 
-DECODE_THREADS = min(4, os.cpu_count() or 1)
-_decoder_pool: ThreadPoolExecutor | None = None
-_decoder_lock = threading.Lock()
-
-
-def _decoders() -> ThreadPoolExecutor:
-    """The process's frame decoders (shared by every tier, made on first use)."""
-    global _decoder_pool
-    with _decoder_lock:
-        if _decoder_pool is None:
-            _decoder_pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="lmkv-decode")
-        return _decoder_pool
-
-
 @dataclass(eq=False)
 class Tier:
     name: str
@@ -44,11 +28,12 @@ class Tier:
     table: CacheGenTable | None = None  # the model's calibration, for lossy frames
     metrics: LMKVMetrics = field(default_factory=LMKVMetrics)
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    decoders: Executor | None = None  # decodes a batch's coded frames side by side; None: in turn
+    _warned_range: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.codec, str):  # a codec named in a config
             self.codec = get_codec(self.codec)
-        self._warned_range = False
 
     @property
     def lossy(self) -> bool:
@@ -151,13 +136,12 @@ class Tier:
 
     def _check_all(self, keys: list[str], bufs: list[ChunkBuffer], values: list
                    ) -> dict[int, Exception | None]:
-        """_check of every frame that arrived, side by side on the decoder threads (the
+        """_check of every frame that arrived, side by side on ``decoders`` if set (the
         codecs' decoders release the GIL)."""
         todo = [i for i, v in enumerate(values) if v is not None]
-        if len(todo) < 2:
+        if self.decoders is None or len(todo) < 2:
             return {i: self._check(keys[i], bufs[i], values[i]) for i in todo}
-        pool = _decoders()
-        futures = {i: pool.submit(self._check, keys[i], bufs[i], values[i]) for i in todo}
+        futures = {i: self.decoders.submit(self._check, keys[i], bufs[i], values[i]) for i in todo}
         return {i: f.result() for i, f in futures.items()}
 
     def _check(self, key: str, buf: ChunkBuffer, data: memoryview | bytes) -> Exception | None:

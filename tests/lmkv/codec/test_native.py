@@ -171,3 +171,87 @@ def test_native_decode_is_clean_under_address_sanitizer(tmp_path):
                        capture_output=True, text=True, timeout=500, cwd=Path(__file__).parents[3])
     assert r.returncode == 0 and "ERROR: AddressSanitizer" not in r.stderr, r.stdout + r.stderr[-6000:]
     assert "native decode clean" in r.stdout
+
+
+def test_first_decodes_of_a_table_on_several_threads_at_once(monkeypatch):
+    """Fresh tables (wide enough that deriving their decode data takes a while) decoded by 4
+    threads released together: every chunk equal to the one-thread decode, no crash (the
+    derived data was once made by each thread and freed under the others)."""
+    import threading
+
+    from lmkv.codec.calibration import build_table
+
+    h, d, layers, t = 8, 128, 4, 256
+    c = h * d
+    basis = torch.linalg.qr(torch.randn(c, c, generator=torch.Generator().manual_seed(0)))[0]
+    args = (torch.full((2, layers, h, d), 0.01), torch.zeros(2, layers, h, d),
+            torch.zeros(2, layers, dtype=torch.bool), torch.full((2, layers), 0.03), 16,
+            basis.expand(2, layers, c, c).contiguous(),
+            torch.tensor([0, 16, c], dtype=torch.int32).expand(2, layers, 3).contiguous())
+    x = 0.3 * torch.randn(2, layers, t, h, d, generator=torch.Generator().manual_seed(1))
+    table = build_table(*args)
+    payload = cachegen.encode(x, table)
+    ref = torch.empty_like(x)
+    cachegen.decode_into(payload, ref, table)
+    for _ in range(4):
+        table = build_table(*args)  # nothing derived yet
+        outs = [torch.empty_like(x) for _ in range(4)]
+        start = threading.Barrier(4)
+
+        def run(out: torch.Tensor, table=table, start=start) -> None:
+            start.wait()
+            cachegen.decode_into(payload, out, table)
+
+        threads = [threading.Thread(target=run, args=(o,)) for o in outs]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for o in outs:
+            assert torch.equal(o, ref)
+
+
+@pytest.mark.parametrize(("layers", "tokens"), [(1, 64), (2, 16), (2, 48), (3, 40)])
+def test_small_chunks_and_models_decode_natively(monkeypatch, layers, tokens):
+    """One or two layers, partial chunks of 16 / 40 / 48 tokens: decoded (AMX where it takes
+    them) as torch decodes them, never refused."""
+    layout = KVLayout(layers, 2, 32, torch.float32, 128)
+    table = calibrate([kv_correlated(s, layout) for s in range(4)], CalibrationSettings(error=0.04))
+    x = kv_correlated(8, layout)[:, :, :tokens].contiguous()
+    payload = cachegen.encode(x, table)
+    fast, ref = torch.empty_like(x), torch.empty_like(x)
+    cachegen.decode_into(payload, fast, table)
+    torch_decode(payload, ref, table, monkeypatch)
+    assert ((fast - ref).abs() <= 2**-8 * ref.abs().max()).all()
+
+
+def test_chunks_the_native_path_does_not_take_decode_with_torch(monkeypatch, rope_table):
+    """More channels than native.c holds, or fp16 out: native.decode declines (False, out
+    untouched) and decode_into gives the torch decode's chunk."""
+    x = rotated(kv_correlated(4, BIG), 64, rope_frequencies(BIG.head_dim))
+    payload = cachegen.encode(x, rope_table, position=64)
+    ref = torch.empty_like(x)
+    torch_decode(payload, ref, rope_table, monkeypatch)
+    monkeypatch.setattr(native, "MAX_CHANNELS", 32)
+    out = torch.full_like(x, 7.0)
+    start = cachegen._HEAD.size + cachegen._POSITION.size
+    assert not native.decode(memoryview(payload), start, rope_table, out, 64)
+    assert (out == 7).all()
+    cachegen.decode_into(payload, out, rope_table)
+    assert torch.equal(out, ref)
+
+
+def test_a_payload_inside_the_output_buffer_is_read_before_it_is_overwritten(monkeypatch, rope_table):
+    """A frame read into the slot it decodes to (the raw tiers' way): the decode must read
+    every stream before it writes (AMX, which writes as it goes, is not used then)."""
+    x = rotated(kv_correlated(6, BIG), 0, rope_frequencies(BIG.head_dim))
+    payload = cachegen.encode(x, rope_table, position=0)
+    ref = torch.empty_like(x)
+    torch_decode(payload, ref, rope_table, monkeypatch)
+    slot = torch.zeros(x.numel(), dtype=torch.float32)
+    raw = slot.view(torch.uint8)
+    assert len(payload) < raw.numel()
+    raw[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    view = memoryview(raw.numpy())[: len(payload)]
+    cachegen.decode_into(view, slot.view(x.shape), rope_table)
+    assert ((slot.view(x.shape) - ref).abs() <= 2**-8 * ref.abs().max()).all()

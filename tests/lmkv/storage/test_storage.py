@@ -208,6 +208,7 @@ def test_a_chunk_written_to_two_tiers_with_one_codec_is_encoded_once(tmp_path, m
              Tier("remote", DiskBackend(tmp_path / "b", 1 << 30), "zstd"),
              Tier("third", DiskBackend(tmp_path / "c", 1 << 30), "raw")]
     manager = StorageManager(pool, tiers, LMKVMetrics())
+    assert all(t.decoders is manager.decoders for t in tiers)  # one decoder pool per stack
     for i in range(3):
         buf = manager.allocate()
         buf.kv.normal_()
@@ -237,14 +238,15 @@ def test_disk_tier_evicts_by_its_policy(tmp_path, policy, kept):
 
 
 def test_a_batch_of_coded_frames_is_decoded_side_by_side(tmp_path, monkeypatch):
-    """Frames of a coded tier (not raw) are decoded on the decoder threads, several at once,
-    each into its own buffer; a corrupt one among them is still caught and removed."""
+    """Frames of a coded tier (not raw) are decoded on its decoder threads (the storage
+    manager's), several at once, each into its own buffer; a corrupt one among them is still
+    caught and removed."""
     import threading
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     from lmkv.codec.base import Zstd
     from lmkv.metrics import LMKVMetrics
-    from lmkv.storage import tier as tier_module
     from lmkv.storage.tier import Tier
 
     running, most, lock = [0], [0], threading.Lock()
@@ -262,10 +264,9 @@ def test_a_batch_of_coded_frames_is_decoded_side_by_side(tmp_path, monkeypatch):
                 running[0] -= 1
 
     monkeypatch.setattr(Zstd, "decode_into", slow)
-    monkeypatch.setattr(tier_module, "DECODE_THREADS", 4)
-    monkeypatch.setattr(tier_module, "_decoder_pool", None)
     pool = MemoryPool(LAYOUT, 12 * (64 + LAYOUT.chunk_bytes))
-    tier = Tier("disk", DiskBackend(tmp_path, 1 << 30), "zstd", metrics=LMKVMetrics())
+    tier = Tier("disk", DiskBackend(tmp_path, 1 << 30), "zstd", metrics=LMKVMetrics(),
+                decoders=ThreadPoolExecutor(4))
     src = []
     for i in range(5):
         buf = pool.allocate()
