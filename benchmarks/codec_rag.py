@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=100, help="held-out prompts")
     ap.add_argument("--calib", type=int, default=4, help="dev prompts to calibrate on")
     ap.add_argument("--errors", type=float, nargs="+", default=[0.03, 0.06, 0.12])
+    ap.add_argument("--deep-ratio", type=float, default=CalibrationSettings().deep_ratio,
+                    help="the last layer's error target relative to the first's, for every target")
     ap.add_argument("--value-ratio", type=float, default=CalibrationSettings().value_ratio,
                     help="V's error target relative to K's, for every error target")
     ap.add_argument("--chunk", type=int, default=256)
@@ -109,10 +111,12 @@ def main() -> None:
         calib += chunks
         calib_rotated += rotated(chunks, rope)
     vr = args.value_ratio
-    tables = {err: calibrate(calib, CalibrationSettings(error=err, value_ratio=vr), rope=rope)
+    dr = args.deep_ratio
+    profile = dict(deep_ratio=dr, value_ratio=vr)
+    tables = {err: calibrate(calib, CalibrationSettings(error=err, **profile), rope=rope)
               for err in args.errors}
     print(f"calibrated on {args.calib} dev prompts ({len(calib)} chunks): errors {args.errors}, "
-          f"V's target {vr:g}x K's", flush=True)
+          f"V's target {vr:g}x K's, the last layer's {dr:g}x the first's", flush=True)
     default = tables.get(CalibrationSettings().error) or next(iter(tables.values()))
     if args.decode_only:
         kv_sample = []
@@ -123,10 +127,10 @@ def main() -> None:
         llm.close()
         decode_speed(default, kv_sample[:8], args.chunk)
         return
-    per_channel = {err: calibrate(calib, CalibrationSettings(error=err, value_ratio=vr,
+    per_channel = {err: calibrate(calib, CalibrationSettings(error=err, **profile,
                                                              transform=False), rope=rope)
                    for err in args.errors}  # size only: what the transform saves
-    as_rotated = {err: calibrate(calib_rotated, CalibrationSettings(error=err, value_ratio=vr))
+    as_rotated = {err: calibrate(calib_rotated, CalibrationSettings(error=err, **profile))
                   for err in args.errors}  # size only: what coding keys un-rotated saves
 
     settings: dict[str, Transform] = {"int8": int8_roundtrip}

@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--error", type=float, default=CalibrationSettings.error,
                      help="relative error target of layer 0 (default %(default)s)")
     cal.add_argument("--deep-ratio", type=float, default=CalibrationSettings.deep_ratio,
-                     help="last layer's target / first layer's (default %(default)s)")
+                     help="last layer's target / first layer's; below 1: deep layers finer "
+                          "(default %(default)s)")
     cal.add_argument("--value-ratio", type=float, default=CalibrationSettings.value_ratio,
                      help="V's target / K's (default %(default)s)")
     cal.add_argument("--group-size", type=int, default=CalibrationSettings.group_size,

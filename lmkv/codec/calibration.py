@@ -6,9 +6,9 @@ Calibration (``calibrate``) looks at chunks of real KV [2, L, T, Hkv, D]:
   constant channel offsets);
 - ``step`` [2, L, Hkv, D]: the quantization step. A uniform step s leaves an error of rms
   s / sqrt(12), so s = error(kv, layer) * sqrt(12) * rms of the centred KV of that layer
-  gives a relative error of about error(kv, layer). The error target grows linearly from
-  ``error`` at layer 0 to ``error * deep_ratio`` at the last layer (shallow layers get more
-  bins: their errors propagate through every later layer), times ``value_ratio`` for V;
+  gives a relative error of about error(kv, layer). The error target moves linearly from
+  ``error`` at layer 0 to ``error * deep_ratio`` at the last layer (above 1: deep layers
+  coarser; below 1: finer), times ``value_ratio`` for V;
 - ``delta`` [2, L] bool: code each token as its difference from the group's first token
   (the anchor) where that lowers the measured entropy of the symbols (KV of neighbouring
   tokens is similar in trained models; in random ones it is not, and the flag stays off).
@@ -66,7 +66,7 @@ class CalibrationSettings:
     store_weak: bool = True  # also store coefficients whose spread is below half a step
 
     def __post_init__(self) -> None:
-        if not (0 < self.error < 1 and self.deep_ratio >= 1 and self.value_ratio > 0):
+        if not (0 < self.error < 1 and self.deep_ratio > 0 and self.value_ratio > 0):
             raise ValueError(f"bad calibration settings {self}")
         if not 1 <= self.group_size <= 1024:
             raise ValueError(f"group_size {self.group_size} outside [1, 1024]")
