@@ -139,12 +139,36 @@ done:
     return rc;
 }
 
-/* A row of c floats to out: streaming stores where the row is 64-byte aligned (the chunk is
- * not read again before it is copied on, so it need not pass through the cache). */
-static void put_row(float *out, const float *row, int c) {
+enum { OUT_F32 = 0, OUT_F16 = 1, OUT_BF16 = 2 }; /* the chunk's dtype */
+
+/* float32 to bfloat16, rounded to nearest even (NaN: the canonical quiet NaN, as torch) */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+/* A row of c floats to out in the chunk's dtype, rounded once. float32 rows use streaming
+ * stores where 64-byte aligned (the chunk is not read again before it is copied on, so it
+ * need not pass through the cache). */
+static void put_row(void *out, int kind, const float *row, int c) {
+    if (kind == OUT_F16) {
+        uint16_t *o = out;
+        for (int j = 0; j < c; j++) {
+            _Float16 h = (_Float16)row[j]; /* the compiler's IEEE conversion, nearest even */
+            memcpy(o + j, &h, 2);
+        }
+        return;
+    }
+    if (kind == OUT_BF16) {
+        uint16_t *o = out;
+        for (int j = 0; j < c; j++) o[j] = float_to_bf16(row[j]);
+        return;
+    }
 #if defined(__AVX512F__) && !defined(LMKV_ASAN) /* ASan does not see streaming stores */
     if (((uintptr_t)out & 63) == 0 && c % 16 == 0) {
-        for (int j = 0; j < c; j += 16) _mm512_stream_ps(out + j, _mm512_load_ps(row + j));
+        for (int j = 0; j < c; j += 16) _mm512_stream_ps((float *)out + j, _mm512_load_ps(row + j));
         return;
     }
 #endif
@@ -160,7 +184,8 @@ struct pass {
     const int16_t *wide_sym;
     const int32_t *wide, *band;
     const int64_t *at;
-    float *out;
+    void *out; /* [n, t, c] of out_kind */
+    int out_kind;
 };
 
 /* Row r of matrix m, its product in row[c]: + offset + the int16 bands' products, keys
@@ -179,9 +204,9 @@ static void finish_row(const struct pass *p, int m, int r, float *row) {
             for (int j = 0; j < c; j++) row[j] += x * s[j];
         }
     }
-    float *o = p->out + ((size_t)m * p->t + r) * c;
+    char *o = (char *)p->out + ((size_t)m * p->t + r) * c * (p->out_kind == OUT_F32 ? 4 : 2);
     if (m >= p->n_rot) {
-        put_row(o, row, c);
+        put_row(o, p->out_kind, row, c);
         return;
     }
     float rot[4096] __attribute__((aligned(64)));
@@ -194,18 +219,20 @@ static void finish_row(const struct pass *p, int m, int r, float *row) {
             y[j + half] = x[j + half] * cs[j] + x[j] * sn[j];
         }
     }
-    put_row(o, rot, c);
+    put_row(o, p->out_kind, rot, c);
 }
 
 /* out[m, t, :] = low[m, t, :] (bfloat16 products) finished by finish_row, for n matrices of
- * t rows of heads * d (<= 4096); the first n_rot are keys. */
+ * t rows of heads * d (<= 4096); the first n_rot are keys; out in float32, float16 or
+ * bfloat16 (out_kind 0, 1, 2). */
 int lmkv_finish(int n, int t, int heads, int d, const uint16_t *low, const float *offset,
                 const float *synthesis, const int16_t *wide_sym, const int32_t *wide, int n_wide,
-                const int32_t *band, const int64_t *at, float *out, int n_rot, const float *cosv,
-                const float *sinv) {
+                const int32_t *band, const int64_t *at, void *out, int out_kind, int n_rot,
+                const float *cosv, const float *sinv) {
     int c = heads * d;
-    if (c > 4096 || d % 2) return -1;
-    struct pass p = {t, heads, d, c, n_rot, n_wide, offset, synthesis, cosv, sinv, wide_sym, wide, band, at, out};
+    if (c > 4096 || d % 2 || out_kind < OUT_F32 || out_kind > OUT_BF16) return -1;
+    struct pass p = {t, heads, d, c, n_rot, n_wide, offset, synthesis, cosv, sinv, wide_sym, wide, band, at,
+                     out, out_kind};
     float row[4096] __attribute__((aligned(64)));
     for (int m = 0; m < n; m++) {
         for (int r = 0; r < t; r++) {
@@ -273,19 +300,21 @@ static void transpose16(const float *src, float *dst, int dst_stride) {
 long lmkv_decode_amx(const uint8_t *payload, size_t len, size_t desc, int count, const int64_t *sizes,
                      const int64_t *at, const int32_t *band, int n, int t, int heads, int d,
                      const uint16_t *synthesis_t, const float *offset, const float *synthesis,
-                     int16_t *wide_sym, float *out, int n_rot, const float *cosv, const float *sinv,
+                     int16_t *wide_sym, void *out, int out_kind, int n_rot, const float *cosv, const float *sinv,
                      uint8_t *work, size_t work_len, int32_t *wide, int64_t *bad) {
     int c = heads * d;
     size_t mat = (size_t)c * t, off = desc + (size_t)count * 5;
     *bad = -1;
-    if (!lmkv_amx() || c % 32 || t <= 0 || t % 16 || c > 4096 || d % 2) return E_LENGTH;
+    if (!lmkv_amx() || c % 32 || t <= 0 || t % 16 || c > 4096 || d % 2 || out_kind < OUT_F32
+        || out_kind > OUT_BF16) return E_LENGTH;
     if (desc > len || off > len) return E_TRUNCATED;
     for (int i = 0; i < count; i++) {
         int m = band[3 * i];
         if (m < 0 || m >= n || (i && m < band[3 * i - 3]) || sizes[i] < 0 || at[i] < (int64_t)(m * mat)
             || (size_t)(at[i] - (int64_t)(m * mat)) + (size_t)sizes[i] > mat) { *bad = i; return E_LENGTH; }
     }
-    struct pass p = {t, heads, d, c, n_rot, 0, offset, synthesis, cosv, sinv, wide_sym, wide, band, at, out};
+    struct pass p = {t, heads, d, c, n_rot, 0, offset, synthesis, cosv, sinv, wide_sym, wide, band, at,
+                     out, out_kind};
     /* work (64-byte aligned): token pairs [c / 2, t] u32, the products by column [c, t] f32,
      * 16 tokens' by row [16, c] f32, symbols [c, t] i8 */
     if ((uintptr_t)work & 63 || work_len < mat * 7 + (size_t)c * 64) return E_MEMORY;
@@ -361,7 +390,7 @@ int lmkv_amx(void) { return 0; }
 long lmkv_decode_amx(const uint8_t *payload, size_t len, size_t desc, int count, const int64_t *sizes,
                      const int64_t *at, const int32_t *band, int n, int t, int heads, int d,
                      const uint16_t *synthesis_t, const float *offset, const float *synthesis,
-                     int16_t *wide_sym, float *out, int n_rot, const float *cosv, const float *sinv,
+                     int16_t *wide_sym, void *out, int out_kind, int n_rot, const float *cosv, const float *sinv,
                      uint8_t *work, size_t work_len, int32_t *wide, int64_t *bad) {
     return E_LENGTH; /* never called: lmkv_amx() is 0 */
 }

@@ -35,6 +35,7 @@ ERRORS = {-1: "truncated stream descriptors", -2: "bad width or truncated",  # n
           -5: "stray bytes after the last stream", -6: "out of memory"}
 STRAY = -5
 MAX_CHANNELS = 4096  # heads * head_dim that native.c's row buffers hold
+OUT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # native.c's out_kind
 
 _P, _I64P, _SZ, _INT = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, ctypes.c_int
 
@@ -104,12 +105,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.lmkv_symbols.restype = ctypes.c_long
     lib.lmkv_symbols.argtypes = [_P, _SZ, _SZ, _INT, _P, _P, _P, _P, _SZ, _P, _INT, _P, _I64P]
     lib.lmkv_finish.restype = _INT
-    lib.lmkv_finish.argtypes = [_INT] * 4 + [_P] * 5 + [_INT, _P, _P, _P, _INT, _P, _P]
+    lib.lmkv_finish.argtypes = [_INT] * 4 + [_P] * 5 + [_INT, _P, _P, _P, _INT, _INT, _P, _P]
     lib.lmkv_amx.restype = _INT
     lib.lmkv_amx.argtypes = []
     lib.lmkv_decode_amx.restype = ctypes.c_long
     lib.lmkv_decode_amx.argtypes = ([_P, _SZ, _SZ, _INT, _P, _P, _P] + [_INT] * 4 + [_P] * 5
-                                    + [_INT, _P, _P, _P, _SZ, _P, _I64P])
+                                    + [_INT, _INT, _P, _P, _P, _SZ, _P, _I64P])
     return lib
 
 
@@ -146,18 +147,19 @@ class StreamPlan:
 
 def decode(view: memoryview, start: int, table: CacheGenTable, out: torch.Tensor, position: int) -> bool:
     """Decode the transform payload ``view`` (zstd coder; its stream descriptors at ``start``,
-    already checked against the table) into ``out`` [2, L, T, H, D]. False, with ``out``
-    untouched, where this path does not take the chunk (no library, not float32 and
-    contiguous, more than MAX_CHANNELS channels, an odd head_dim): the caller decodes it with
-    torch. Raises cachegen.PayloadError on a bad payload (``out`` may then hold part of a
-    chunk). With AMX, the whole decode runs in
-    C one (kv, layer) matrix at a time; else the streams become bfloat16 coefficients in C,
-    the batched product is torch's, and one C pass writes the chunk."""
+    already checked against the table) into ``out`` [2, L, T, H, D] (float32, float16 or
+    bfloat16, rounded once). False, with ``out`` untouched, where this path does not take the
+    chunk (no library, another dtype, not contiguous, more than MAX_CHANNELS channels, an odd
+    head_dim): the caller decodes it with torch. Raises cachegen.PayloadError on a bad
+    payload (``out`` may then hold part of a chunk). With AMX, the whole decode runs in C one
+    (kv, layer) matrix at a time; else the streams become bfloat16 coefficients in C, the
+    batched product is torch's, and one C pass writes the chunk."""
     two, layers, t, h, d = out.shape
     n, c = two * layers, h * d
-    if (out.dtype != torch.float32 or not out.is_contiguous() or c > MAX_CHANNELS or d % 2
+    if (out.dtype not in OUT_KINDS or not out.is_contiguous() or c > MAX_CHANNELS or d % 2
             or (lib := library()) is None):
         return False
+    kind = OUT_KINDS[out.dtype]
     plan = table.scratch.plan(table, t)
     data = np.frombuffer(view, np.uint8)
     payload = (data.ctypes.data, len(data), start, len(plan.sizes), plan.sizes.ctypes.data,
@@ -181,8 +183,8 @@ def decode(view: memoryview, start: int, table: CacheGenTable, out: torch.Tensor
             synthesis_t = table.scratch.synthesis_t(table)
             rc = lib.lmkv_decode_amx(*payload, plan.band.ctypes.data, n, t, h, d, synthesis_t.data_ptr(),
                                      offset.data_ptr(), synthesis.data_ptr(), scratch.wide.data_ptr(),
-                                     out.data_ptr(), *rot, scratch.work.data_ptr(), scratch.work.numel(),
-                                     wide.ctypes.data, ctypes.byref(bad))
+                                     out.data_ptr(), kind, *rot, scratch.work.data_ptr(),
+                                     scratch.work.numel(), wide.ctypes.data, ctypes.byref(bad))
             _check(rc, bad.value)
             return True
         rc = lib.lmkv_symbols(*payload, scratch.coef.data_ptr(), scratch.wide.data_ptr(),
@@ -192,7 +194,7 @@ def decode(view: memoryview, start: int, table: CacheGenTable, out: torch.Tensor
         torch.bmm(scratch.coef.transpose(1, 2), synthesis_bf16, out=scratch.low)
         rc = lib.lmkv_finish(n, t, h, d, scratch.low.data_ptr(), offset.data_ptr(), synthesis.data_ptr(),
                              scratch.wide.data_ptr(), wide.ctypes.data, rc, plan.band.ctypes.data,
-                             plan.at.ctypes.data, out.data_ptr(), *rot)
+                             plan.at.ctypes.data, out.data_ptr(), kind, *rot)
         assert rc == 0, f"lmkv_finish refused heads {h} x head_dim {d}"  # checked above
         return True
     finally:

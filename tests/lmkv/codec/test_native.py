@@ -46,12 +46,15 @@ def rope_table():
                      CalibrationSettings(error=0.04, store_weak=False), rope=inv_freq)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("amx", [True, False])
-def test_native_decode_equals_the_torch_decode(monkeypatch, rope_table, amx):
+def test_native_decode_equals_the_torch_decode(monkeypatch, rope_table, amx, dtype):
     """Keys rotated to their positions (0, 1000, none), a wide (int16) band, dropped
-    coefficients, plain tables too: the native decode gives the torch decode's chunk (checked
-    against the plain formula in test_codec): to float32 rounding where the matmul is torch's
-    too, to the bfloat16 rounding of torch's products with AMX (which keeps them in float32)."""
+    coefficients, plain tables too, into float32, float16 and bfloat16 chunks: the native
+    decode gives the torch decode's chunk (checked against the plain formula in test_codec):
+    to float32 rounding where the matmul is torch's too, to the bfloat16 rounding of torch's
+    products with AMX (which keeps them in float32), plus the dtype's rounding (torch rounds
+    to it up to three times, native once)."""
     lib = native.library()
     if CAN_BUILD:
         assert lib is not None  # where it can be built, it is what runs
@@ -76,11 +79,14 @@ def test_native_decode_equals_the_torch_decode(monkeypatch, rope_table, amx):
                                                + i * cachegen._STREAM.size)[0]
                   for i in range(cachegen._HEAD.unpack_from(payload)[5])]
         assert table is plain or 2 in widths
-        fast, ref = torch.full_like(x, float("nan")), torch.empty_like(x)
+        fast, ref = torch.full(x.shape, float("nan"), dtype=dtype), torch.empty(x.shape, dtype=dtype)
         cachegen.decode_into(payload, fast, table)
         torch_decode(payload, ref, table, monkeypatch)
+        fast, ref = fast.float(), ref.float()
         scale = ref.abs().amax(dim=(2, 3, 4), keepdim=True)
         tol = 2**-8 * scale if amx else 1e-5 * scale + 1e-5 * ref.abs()
+        if dtype != torch.float32:  # torch rounds to the dtype up to three times (on values
+            tol = tol + 4 * torch.finfo(dtype).eps * scale  # up to the layer's largest), native once
         assert ((fast - ref).abs() <= tol).all(), position
         if amx:  # not merely within tolerance: the products differ by bfloat16 rounding alone
             assert (fast - ref).abs().mean() < 2**-10 * scale.mean()
