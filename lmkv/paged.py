@@ -24,6 +24,7 @@ class PagedMemory(ABC):
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    device: torch.device = torch.device("cpu")  # where the pages are
 
     @abstractmethod
     def load(self, chunk: torch.Tensor, slots: torch.Tensor, skip: int = 0,
@@ -48,6 +49,7 @@ class BlockPagedMemory(PagedMemory):
         self.kv_cache = kv_cache
         self.num_layers, _, _, self.block_size, self.num_kv_heads, self.head_dim = kv_cache.shape
         self.dtype = kv_cache.dtype
+        self.device = kv_cache.device
         self.launcher = launcher
 
     def load(self, chunk, slots, skip=0, layer=None):

@@ -32,6 +32,7 @@ class StridedPagedMemory(PagedMemory):
         self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim = shape
         self.num_layers = len(k)
         self.dtype = k[0].dtype
+        self.device = k[0].device
         # A copy costs ~15 us of fixed overhead on CPU, and one layer's K of a 128-token
         # chunk is only ~64 KB: where the layers sit at one stride in one buffer (vLLM
         # allocates them so), a chunk moves with one copy for K and one for V across all

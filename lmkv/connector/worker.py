@@ -3,6 +3,10 @@
 Whole-request mode loads everything before the forward pass and saves after it.
 Layer-wise mode (use_layerwise) hands each layer to a helper thread: layer i+1 is loaded
 while layer i computes, and layer i is gathered for saving while layer i+1 computes.
+On a CUDA device the copies run on their own streams (lmkv.streams), ordered against
+the engine's by events: the forward pass waits GPU-side for layer i's load, a layer's save
+reads its pages only after the engine wrote them, and a chunk's host memory goes back to
+the pool only after the copies reading it have finished.
 A load that fails (at any layer) is reported by ``failed_loads`` after the forward pass:
 the engine must recompute those requests' tokens, and their saves of this step are dropped.
 """
@@ -19,6 +23,7 @@ import torch
 from ..cache import LMKVCache
 from ..memory import ChunkBuffer
 from ..paged import PagedMemory
+from ..streams import CopyStream, copy_stream
 from .metadata import ConnectorMetadata, LoadSpec
 
 log = logging.getLogger(__name__)
@@ -34,13 +39,18 @@ class WorkerConnector:
         self.meta = ConnectorMetadata()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer") if self.layerwise else None
         self._layer_loaded: list[threading.Event] = []
+        self._layer_marks: list = []  # per layer: the load stream's mark after its copies
+        self._loads: CopyStream = CopyStream()
+        self._saves: CopyStream = CopyStream()
         self._save_bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
         self._save_jobs: list[Future] = []
         self.load_job: Future | None = None  # the running layer-wise load (layer-wise mode)
         self._load_error: BaseException | None = None  # the whole-request load's failure
 
-    def register_kv_caches(self, paged: PagedMemory) -> None:
-        """The engine's paged KV memory, in whatever layout ``paged`` implements."""
+    def register_kv_caches(self, paged: PagedMemory,
+                           streams: Callable[[torch.device], CopyStream] = copy_stream) -> None:
+        """The engine's paged KV memory, in whatever layout ``paged`` implements; loads and
+        saves get a copy stream each on its device."""
         lay = self.cache.layout
         want = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
         got = (paged.num_layers, paged.num_kv_heads, paged.head_dim, paged.dtype)
@@ -48,6 +58,7 @@ class WorkerConnector:
             raise ValueError(f"paged KV memory (layers, kv heads, head_dim, dtype) {got} does not "
                              f"match the lmkv layout {want}")
         self.paged = paged
+        self._loads, self._saves = streams(paged.device), streams(paged.device)
 
     def bind_connector_metadata(self, meta: ConnectorMetadata) -> None:
         self.meta = meta
@@ -60,6 +71,9 @@ class WorkerConnector:
         self._load_error = None
         self.load_job = None
         self._layer_loaded = []
+        self._layer_marks = []
+        self._loads.bind_engine()  # this is the forward pass's thread
+        self._saves.bind_engine()
         if not loads:
             return
         chunks = [[self.cache.take(self._key(k)) for k in spec.keys] for spec in loads]
@@ -69,26 +83,37 @@ class WorkerConnector:
             self._load_error = LookupError(f"{len(missing)} chunks planned for loading are not pinned")
             self._release(chunks)
             return
+        stream = self._loads
         if not self.layerwise:
             try:
-                self._load(loads, chunks)
+                with stream.active():
+                    stream.after_engine()
+                    self._load(loads, chunks)
+                stream.engine_waits(stream.mark())
             except Exception as e:
                 self._load_error = e
-            finally:  # a failed load still returns its chunks to the pool
-                self._release(chunks)
+            finally:  # a failed load still returns its chunks to the pool, once unread
+                self._release_after(stream, chunks)
             return
-        self._layer_loaded = [threading.Event() for _ in range(self.cache.layout.num_layers)]
-        self.load_job = self._executor.submit(self._load_layers, loads, chunks, self._layer_loaded)
+        num_layers = self.cache.layout.num_layers
+        self._layer_loaded = [threading.Event() for _ in range(num_layers)]
+        self._layer_marks = [None] * num_layers
+        self.load_job = self._executor.submit(self._load_layers, loads, chunks,
+                                              self._layer_loaded, self._layer_marks)
 
-    def _load_layers(self, loads, chunks, events: list[threading.Event]) -> None:
+    def _load_layers(self, loads, chunks, events: list[threading.Event], marks: list) -> None:
+        stream = self._loads
         try:
-            for layer, event in enumerate(events):
-                self._load(loads, chunks, layer)
-                event.set()
+            with stream.active():
+                stream.after_engine()
+                for layer, event in enumerate(events):
+                    self._load(loads, chunks, layer)
+                    marks[layer] = stream.mark()
+                    event.set()
         finally:  # after a failure the forward pass goes on; failed_loads tells the engine
             for event in events:
                 event.set()
-            self._release(chunks)
+            self._release_after(stream, chunks)
 
     def _load(self, loads, chunks, layer: int | None = None) -> None:
         for spec, bufs in zip(loads, chunks, strict=True):
@@ -96,6 +121,13 @@ class WorkerConnector:
                 # a mapping shorter than the chunk (a load ending before the last prompt
                 # token) loads that many of its tokens
                 self.paged.load(buf.kv[:, :, : slots.shape[0]], slots, skip, layer)
+
+    def _release_after(self, stream: CopyStream, chunks: list[list[ChunkBuffer | None]]) -> None:
+        """Return ``chunks`` to the pool once ``stream``'s copies reading them are done."""
+        try:
+            stream.synchronize()
+        finally:
+            self._release(chunks)
 
     @staticmethod
     def _release(chunks: list[list[ChunkBuffer | None]]) -> None:
@@ -107,6 +139,7 @@ class WorkerConnector:
     def wait_for_layer_load(self, layer: int) -> None:
         if self._layer_loaded:
             self._layer_loaded[layer].wait()
+            self._loads.engine_waits(self._layer_marks[layer])
 
     def failed_loads(self) -> list[LoadSpec]:
         """After the forward pass: this step's loads if any part of them failed (all of
@@ -136,12 +169,16 @@ class WorkerConnector:
         if layer == 0:
             self._save_bufs = self._allocate_saves()
             self._save_jobs = []
-        if self._save_bufs:
-            self._save_jobs.append(self._executor.submit(self._gather_layer, layer, self._save_bufs))
+        if self._save_bufs:  # the gather reads the layer's pages after the engine wrote them
+            self._save_jobs.append(self._executor.submit(
+                self._gather, self._save_bufs, self._saves.engine_mark(), layer))
 
-    def _gather_layer(self, layer: int, bufs) -> None:
-        for _, buf, slots in bufs:
-            self.paged.save(slots, buf.kv, 0, layer)
+    def _gather(self, bufs, written, layer: int | None = None) -> None:
+        stream = self._saves
+        with stream.active():
+            stream.waits(written)
+            for _, buf, slots in bufs:
+                self.paged.save(slots, buf.kv, 0, layer)
 
     def wait_for_save(self, skip: set[str] | frozenset[str] = frozenset()) -> None:
         """End of the step: new chunks go to the hot cache; lower tiers are written in the
@@ -161,17 +198,16 @@ class WorkerConnector:
                     job.result()
             else:
                 bufs = self._allocate_saves()
-                for _, buf, slots in bufs:
-                    self.paged.save(slots, buf.kv)
+                self._gather(bufs, self._saves.engine_mark())
+            self._saves.synchronize()  # the chunks hold the pages' KV from here on
             parents = {self._key(k): None if p is None else self._key(p)
                        for spec in self.meta.saves for k, p in spec.parents().items()}
             for key, buf, _ in bufs:
                 if key not in skip_keys:
                     self.cache.store(key, buf, parents.get(key))
         finally:  # a failed gather stores nothing and still returns its buffers
-            for _, buf, _ in bufs:
-                buf.release()
             self.meta = ConnectorMetadata()
+            self._release_after(self._saves, [[buf for _, buf, _ in bufs]])
 
     def _allocate_saves(self) -> list[tuple[str, ChunkBuffer, torch.Tensor]]:
         out = []

@@ -6,6 +6,7 @@ to skip."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -16,7 +17,9 @@ from lmkv.config import load_config
 from lmkv.connector import ConnectorMetadata, WorkerConnector
 from lmkv.connector.metadata import LoadSpec, SaveSpec
 from lmkv.layout import KVLayout
+from lmkv.memory import ChunkBuffer
 from lmkv.paged import BlockPagedMemory
+from lmkv.streams import CopyStream, copy_stream
 
 CHUNK, BLOCK, LAYERS = 8, 4, 3
 
@@ -132,5 +135,167 @@ def test_saves_go_to_the_hot_cache_except_for_skipped_requests(layerwise):
     assert torch.equal(buf.kv, _paged(kv_cache, slots))
     buf.release()
     engine.pool.check_integrity()
+    worker.close()
+    engine.close()
+
+
+class _Recorder(CopyStream):
+    """A copy stream that writes what the worker asks of it, in order, into ``log``: the
+    events a CUDA stream would be ordered by, checked here without a GPU."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log, self.n = name, log, 0
+
+    def _mark(self, what: str) -> str:
+        self.n += 1
+        mark = f"{self.name}-{what}-{self.n}"
+        self.log.append((self.name, what, mark))
+        return mark
+
+    def bind_engine(self):
+        self.log.append((self.name, "bind", threading.current_thread() is threading.main_thread()))
+
+    @contextlib.contextmanager
+    def active(self):
+        self.log.append((self.name, "enter"))
+        yield
+        self.log.append((self.name, "exit"))
+
+    def after_engine(self):
+        self.log.append((self.name, "after_engine"))
+
+    def engine_mark(self):
+        return self._mark("engine_mark")
+
+    def mark(self):
+        return self._mark("mark")
+
+    def waits(self, mark):
+        self.log.append((self.name, "waits", mark))
+
+    def engine_waits(self, mark):
+        self.log.append((self.name, "engine_waits", mark))
+
+    def synchronize(self):
+        self.log.append((self.name, "synchronize"))
+
+
+class _LoggedPages(BlockPagedMemory):
+    def __init__(self, kv_cache, log):
+        super().__init__(kv_cache)
+        self.log = log
+
+    def load(self, chunk, slots, skip=0, layer=None):
+        self.log.append(("pages", "load", layer))
+        super().load(chunk, slots, skip, layer)
+
+    def save(self, slots, chunk, skip=0, layer=None):
+        self.log.append(("pages", "save", layer))
+        super().save(slots, chunk, skip, layer)
+
+
+def _at(log: list, *entry) -> int:
+    return log.index(entry)
+
+
+def _marks(log: list, stream: str, what: str) -> list[str]:
+    return [e[2] for e in log if e[:2] == (stream, what)]
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_copies_are_ordered_against_the_engine_by_stream_marks(layerwise, monkeypatch):
+    """The order a CUDA device needs: a load waits for the engine's earlier work, the
+    forward pass waits (GPU-side) for each layer's load before its attention, a chunk goes
+    back to the pool only after the copies reading it are done, a layer's save reads its
+    pages only after the engine wrote them, and saved chunks are stored only after their
+    copies are done."""
+    log: list = []
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001, use_layerwise=layerwise)
+    engine = LMKVCache(cfg, KVLayout(LAYERS, 2, 4, torch.float32, CHUNK), "model")
+    kv_cache = torch.zeros(LAYERS, 2, 16, BLOCK, 2, 4)
+    kvs = _pinned(engine, ["a", "b"])
+    worker = WorkerConnector(engine)
+    names = iter(["load", "save"])
+    worker.register_kv_caches(_LoggedPages(kv_cache, log), lambda device: _Recorder(next(names), log))
+    release, store = ChunkBuffer.release, engine.store
+    monkeypatch.setattr(ChunkBuffer, "release", lambda buf: (log.append(("pool", "release")), release(buf)))
+    monkeypatch.setattr(engine, "store", lambda *a: (log.append(("cache", "store")), store(*a)))
+    slots = [torch.arange(0, 8), torch.arange(8, 16)]
+    worker.bind_connector_metadata(ConnectorMetadata(
+        loads=[LoadSpec("r", ["a", "b"], slots, [0, 0])],
+        saves=[SaveSpec("r", ["c"], [torch.arange(16, 24)], parent="b", position=16)]))
+    worker.start_load_kv()
+    for layer in range(LAYERS):  # the forward pass, as the bundled engine's layers run it
+        worker.wait_for_layer_load(layer)
+        log.append(("engine", "attention", layer))
+        worker.save_kv_layer(layer)
+    assert worker.failed_loads() == []
+    log.append(("engine", "forward done"))
+    worker.wait_for_save()
+
+    assert ("load", "bind", True) in log and ("save", "bind", True) in log
+    releases = [i for i, e in enumerate(log) if e == ("pool", "release")]
+    load_sync = _at(log, "load", "synchronize")
+    assert _at(log, "load", "enter") < _at(log, "load", "after_engine") < min(
+        i for i, e in enumerate(log) if e[:2] == ("pages", "load"))
+    assert all(i > load_sync for i in releases)  # no chunk handed back while a copy reads it
+    load_marks = _marks(log, "load", "mark")
+    if layerwise:
+        assert len(load_marks) == LAYERS
+        for layer, mark in enumerate(load_marks):
+            assert _at(log, "pages", "load", layer) < _at(log, "load", "mark", mark) \
+                < _at(log, "load", "engine_waits", mark) < _at(log, "engine", "attention", layer)
+        written = _marks(log, "save", "engine_mark")
+        assert len(written) == LAYERS
+        for layer, mark in enumerate(written):
+            assert _at(log, "engine", "attention", layer) < _at(log, "save", "engine_mark", mark) \
+                < _at(log, "save", "waits", mark) < _at(log, "pages", "save", layer)
+    else:
+        (mark,) = load_marks
+        assert max(i for i, e in enumerate(log) if e[:2] == ("pages", "load")) \
+            < _at(log, "load", "mark", mark) < _at(log, "load", "engine_waits", mark) \
+            < _at(log, "engine", "attention", 0)
+        (written,) = _marks(log, "save", "engine_mark")
+        assert _at(log, "engine", "forward done") < _at(log, "save", "engine_mark", written) \
+            < _at(log, "save", "waits", written) < _at(log, "pages", "save", None)
+    save_sync = min(i for i, e in enumerate(log) if e == ("save", "synchronize"))
+    assert max(i for i, e in enumerate(log) if e[:2] == ("pages", "save")) < save_sync \
+        < _at(log, "cache", "store") < releases[-1]
+    assert torch.equal(_paged(kv_cache, slots[0]), kvs[0]) and torch.equal(_paged(kv_cache, slots[1]), kvs[1])
+    assert engine.storage.hot.contains("c")
+    engine.pool.check_integrity()
+    worker.close()
+    engine.close()
+
+
+def test_copy_streams_are_cuda_streams_only_for_cuda_pages():
+    assert type(copy_stream(torch.device("cpu"))) is CopyStream
+    assert type(copy_stream(torch.device("meta"))) is CopyStream
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_loads_and_saves_on_cuda_pages_through_copy_streams(layerwise):
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001, use_layerwise=layerwise)
+    engine = LMKVCache(cfg, KVLayout(LAYERS, 2, 4, torch.float32, CHUNK), "model")
+    kv_cache = torch.zeros(LAYERS, 2, 16, BLOCK, 2, 4, device="cuda")
+    worker = WorkerConnector(engine)
+    worker.register_kv_caches(BlockPagedMemory(kv_cache))
+    kvs = _pinned(engine, ["a"])
+    slots = torch.arange(8, 16)
+    worker.bind_connector_metadata(ConnectorMetadata(
+        loads=[LoadSpec("r", ["a"], [slots], [0])],
+        saves=[SaveSpec("r", ["c"], [slots], parent=None)]))
+    worker.start_load_kv()
+    for layer in range(LAYERS):
+        worker.wait_for_layer_load(layer)
+        worker.save_kv_layer(layer)
+    assert worker.failed_loads() == []
+    worker.wait_for_save()
+    torch.cuda.synchronize()
+    assert torch.equal(_paged(kv_cache, slots.cuda()).cpu(), kvs[0])
+    buf = engine.storage.hot.get("c")
+    assert torch.equal(buf.kv, kvs[0])
+    buf.release()
     worker.close()
     engine.close()
