@@ -22,10 +22,6 @@ class CopyStream:
         """Make this stream current on the calling thread for the block."""
         return contextlib.nullcontext()
 
-    def after_engine(self) -> None:
-        """This stream waits for the engine's work issued so far (pages still being read or
-        written by an earlier step)."""
-
     def engine_mark(self) -> Any:
         """A mark after the engine's work issued so far (a layer's KV written)."""
         return None
@@ -56,9 +52,6 @@ class CudaCopyStream(CopyStream):
 
     def active(self):
         return torch.cuda.stream(self.stream)
-
-    def after_engine(self) -> None:
-        self.stream.wait_stream(self.engine)
 
     def engine_mark(self):
         return self.engine.record_event()

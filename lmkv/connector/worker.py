@@ -40,6 +40,7 @@ class WorkerConnector:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer") if self.layerwise else None
         self._layer_loaded: list[threading.Event] = []
         self._layer_marks: list = []  # per layer: the load stream's mark after its copies
+        self._unread: list[list[ChunkBuffer | None]] | None = None  # whole-request load's chunks
         self._loads: CopyStream = CopyStream()
         self._saves: CopyStream = CopyStream()
         self._save_bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
@@ -68,6 +69,7 @@ class WorkerConnector:
         """Start this step's loads: take each chunk the scheduler role pinned, by key.
         Never raises: a failure is reported by failed_loads."""
         loads = self.meta.loads
+        self._finish_whole_load()  # an earlier step's, if failed_loads was not called
         self._load_error = None
         self.load_job = None
         self._layer_loaded = []
@@ -84,36 +86,60 @@ class WorkerConnector:
             self._release(chunks)
             return
         stream = self._loads
+        try:
+            ready = stream.engine_mark()  # the pages' earlier readers and writers are done
+        except Exception as e:  # nothing was issued
+            self._load_error = e
+            self._release(chunks)
+            return
         if not self.layerwise:
+            # the copies run on while the host queues the forward pass; their chunks go
+            # back to the pool in failed_loads, after the forward pass (a failed load's too)
+            self._unread = chunks
             try:
                 with stream.active():
-                    stream.after_engine()
-                    self._load(loads, chunks)
-                stream.engine_waits(stream.mark())
+                    stream.waits(ready)
+                    try:
+                        self._load(loads, chunks)
+                    finally:  # the forward pass waits for what was issued, failed or not
+                        stream.engine_waits(stream.mark())
             except Exception as e:
                 self._load_error = e
-            finally:  # a failed load still returns its chunks to the pool, once unread
-                self._release_after(stream, chunks)
             return
         num_layers = self.cache.layout.num_layers
         self._layer_loaded = [threading.Event() for _ in range(num_layers)]
         self._layer_marks = [None] * num_layers
-        self.load_job = self._executor.submit(self._load_layers, loads, chunks,
+        self.load_job = self._executor.submit(self._load_layers, loads, chunks, ready,
                                               self._layer_loaded, self._layer_marks)
 
-    def _load_layers(self, loads, chunks, events: list[threading.Event], marks: list) -> None:
+    def _load_layers(self, loads, chunks, ready, events: list[threading.Event], marks: list) -> None:
         stream = self._loads
         try:
             with stream.active():
-                stream.after_engine()
+                stream.waits(ready)
                 for layer, event in enumerate(events):
                     self._load(loads, chunks, layer)
                     marks[layer] = stream.mark()
                     event.set()
         finally:  # after a failure the forward pass goes on; failed_loads tells the engine
-            for event in events:
-                event.set()
-            self._release_after(stream, chunks)
+            try:  # the layers not reached wait for whatever the failed one had issued
+                last = stream.mark()
+                marks[:] = [last if m is None else m for m in marks]
+            finally:
+                for event in events:
+                    event.set()
+                self._release_after(stream, chunks)
+
+    def _finish_whole_load(self) -> None:
+        """Return the whole-request load's chunks to the pool once its copies are done; a
+        failure to wait for them fails the load."""
+        if self._unread is None:
+            return
+        chunks, self._unread = self._unread, None
+        try:
+            self._release_after(self._loads, chunks)
+        except Exception as e:
+            self._load_error = self._load_error or e
 
     def _load(self, loads, chunks, layer: int | None = None) -> None:
         for spec, bufs in zip(loads, chunks, strict=True):
@@ -145,6 +171,7 @@ class WorkerConnector:
         """After the forward pass: this step's loads if any part of them failed (all of
         them: a failure leaves it unknown which pages hold what), else []. The engine must
         recompute the tokens of those requests, and of any request that shares their pages."""
+        self._finish_whole_load()
         if self.load_job is not None:
             wait([self.load_job])
             self._load_error = self.load_job.exception()
@@ -228,5 +255,6 @@ class WorkerConnector:
         return None, None  # loads and saves complete within the step
 
     def close(self) -> None:
+        self._finish_whole_load()
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -143,6 +143,8 @@ class _Recorder(CopyStream):
     """A copy stream that writes what the worker asks of it, in order, into ``log``: the
     events a CUDA stream would be ordered by, checked here without a GPU."""
 
+    current = threading.local()  # the stream active on each thread (name), as CUDA keeps it
+
     def __init__(self, name: str, log: list):
         self.name, self.log, self.n = name, log, 0
 
@@ -157,12 +159,12 @@ class _Recorder(CopyStream):
 
     @contextlib.contextmanager
     def active(self):
-        self.log.append((self.name, "enter"))
-        yield
-        self.log.append((self.name, "exit"))
-
-    def after_engine(self):
-        self.log.append((self.name, "after_engine"))
+        before = getattr(self.current, "name", "engine")
+        self.current.name = self.name
+        try:
+            yield
+        finally:
+            self.current.name = before
 
     def engine_mark(self):
         return self._mark("engine_mark")
@@ -186,11 +188,11 @@ class _LoggedPages(BlockPagedMemory):
         self.log = log
 
     def load(self, chunk, slots, skip=0, layer=None):
-        self.log.append(("pages", "load", layer))
+        self.log.append(("pages", "load", layer, getattr(_Recorder.current, "name", "engine")))
         super().load(chunk, slots, skip, layer)
 
     def save(self, slots, chunk, skip=0, layer=None):
-        self.log.append(("pages", "save", layer))
+        self.log.append(("pages", "save", layer, getattr(_Recorder.current, "name", "engine")))
         super().save(slots, chunk, skip, layer)
 
 
@@ -234,35 +236,65 @@ def test_copies_are_ordered_against_the_engine_by_stream_marks(layerwise, monkey
     worker.wait_for_save()
 
     assert ("load", "bind", True) in log and ("save", "bind", True) in log
+    copies = [e for e in log if e[0] == "pages"]
+    assert {e[3] for e in copies if e[1] == "load"} == {"load"}  # every copy on its stream
+    assert {e[3] for e in copies if e[1] == "save"} == {"save"}
     releases = [i for i, e in enumerate(log) if e == ("pool", "release")]
     load_sync = _at(log, "load", "synchronize")
-    assert _at(log, "load", "enter") < _at(log, "load", "after_engine") < min(
-        i for i, e in enumerate(log) if e[:2] == ("pages", "load"))
+    (ready, *load_marks) = [e[2] for e in log if e[0] == "load" and e[1] in ("engine_mark", "mark")]
+    assert ready.startswith("load-engine_mark")  # taken before the forward pass: its earlier work
+    assert _at(log, "load", "waits", ready) < min(i for i, e in enumerate(log) if e[:2] == ("pages", "load"))
     assert all(i > load_sync for i in releases)  # no chunk handed back while a copy reads it
-    load_marks = _marks(log, "load", "mark")
     if layerwise:
-        assert len(load_marks) == LAYERS
-        for layer, mark in enumerate(load_marks):
-            assert _at(log, "pages", "load", layer) < _at(log, "load", "mark", mark) \
+        assert len(load_marks) == LAYERS + 1  # one per layer, then the one a failure would use
+        for layer, mark in enumerate(load_marks[:LAYERS]):
+            assert _at(log, "pages", "load", layer, "load") < _at(log, "load", "mark", mark) \
                 < _at(log, "load", "engine_waits", mark) < _at(log, "engine", "attention", layer)
         written = _marks(log, "save", "engine_mark")
         assert len(written) == LAYERS
         for layer, mark in enumerate(written):
             assert _at(log, "engine", "attention", layer) < _at(log, "save", "engine_mark", mark) \
-                < _at(log, "save", "waits", mark) < _at(log, "pages", "save", layer)
+                < _at(log, "save", "waits", mark) < _at(log, "pages", "save", layer, "save")
     else:
         (mark,) = load_marks
         assert max(i for i, e in enumerate(log) if e[:2] == ("pages", "load")) \
             < _at(log, "load", "mark", mark) < _at(log, "load", "engine_waits", mark) \
             < _at(log, "engine", "attention", 0)
+        # the host does not wait for the copies before queueing the forward pass
+        assert _at(log, "engine", "attention", LAYERS - 1) < load_sync
         (written,) = _marks(log, "save", "engine_mark")
         assert _at(log, "engine", "forward done") < _at(log, "save", "engine_mark", written) \
-            < _at(log, "save", "waits", written) < _at(log, "pages", "save", None)
+            < _at(log, "save", "waits", written) < _at(log, "pages", "save", None, "save")
     save_sync = min(i for i, e in enumerate(log) if e == ("save", "synchronize"))
     assert max(i for i, e in enumerate(log) if e[:2] == ("pages", "save")) < save_sync \
         < _at(log, "cache", "store") < releases[-1]
     assert torch.equal(_paged(kv_cache, slots[0]), kvs[0]) and torch.equal(_paged(kv_cache, slots[1]), kvs[1])
     assert engine.storage.hot.contains("c")
+    engine.pool.check_integrity()
+    worker.close()
+    engine.close()
+
+
+def test_after_a_failed_layer_the_layers_not_reached_wait_for_what_it_issued():
+    log: list = []
+    engine, worker, kv_cache = _setup(True)
+    _pinned(engine, ["a"])
+    worker.register_kv_caches(BlockPagedMemory(kv_cache), lambda device: _Recorder("load", log))
+
+    def broken(chunk, slots, skip=0, layer=None):
+        if layer == 1:
+            raise OSError("injected")
+
+    worker.paged.load = broken
+    worker.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec("r", ["a"], [torch.arange(8)], [0])]))
+    worker.start_load_kv()
+    for layer in range(LAYERS):
+        worker.wait_for_layer_load(layer)
+    waited = [e[2] for e in log if e[1] == "engine_waits"]
+    marks = _marks(log, "load", "mark")
+    assert len(marks) == 2 and waited == [marks[0], marks[1], marks[1]]  # layer 0's, then the last
+    assert len(worker.failed_loads()) == 1
+    assert _at(log, "load", "mark", marks[1]) < _at(log, "load", "synchronize")
     engine.pool.check_integrity()
     worker.close()
     engine.close()
