@@ -8,6 +8,12 @@ GB/s, the fraction of the HBM floor (bytes / peak bandwidth; default peak: H100 
 Llama-3-8B (32 layers, 8 KV heads, 32 query heads, head_dim 128, bf16). Kernels run with
 check=False (no index-check sync), as a per-step caller would.
 
+Then lmkv's transfers between a pinned host chunk and paged device memory, the issue's
+"paged <-> pinned" figure, each as a fraction of a plain pinned host<->device copy of the same
+bytes: staged (the chunk copied whole to a device buffer, then the transfer kernel; what
+lmkv's paged memory does) and mapped (the kernel reads or writes the pinned chunk in place
+over the link, through its unified address).
+
 Without a CUDA GPU it says so and exits 0. ``--emulate`` runs the same plumbing on tiny shapes
 under the CPU emulator (for testing this script; its timings mean nothing).
 """
@@ -24,6 +30,7 @@ import torch
 
 from lmkv import ops_torch
 from lmkv import ops_torch as engine_attention
+from lmkv.paged import BlockPagedMemory
 from lmkv_cuda import attention, kv_copy, rope
 
 
@@ -163,6 +170,60 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
     ]  # fmt: skip
 
 
+def _mapped(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on ``device`` over the pinned ``host`` memory: under unified addressing the
+    device reaches pinned host memory at its host address. The CPU emulator: ``host``."""
+    if device.type != "cuda":
+        return host
+    import cupy
+
+    nbytes = host.numel() * host.element_size()
+    mem = cupy.cuda.UnownedMemory(host.data_ptr(), nbytes, host, device.index)
+    raw = cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+    return torch.from_dlpack(raw).view(host.dtype).view(host.shape)
+
+
+def transfer_lines(g: Geometry, launcher: object, device: torch.device,
+                   measure: Callable[[Callable[[], object]], float]) -> list[str]:
+    """One chunk of ``g`` between pinned host memory and scattered pages on ``device``."""
+    torch.manual_seed(0)
+    t = g.chunk_tokens
+    pool = 16 * t // g.block_size
+    kv_cache = torch.randn(g.layers, 2, pool, g.block_size, g.kv_heads, g.head_dim,
+                           dtype=g.dtype, device=device)
+    slots = torch.randperm(pool * g.block_size)[:t]
+    host = torch.randn(2, g.layers, t, g.kv_heads, g.head_dim, dtype=g.dtype)
+    host = host.pin_memory() if device.type == "cuda" else host
+    dev_buf = torch.empty(host.shape, dtype=g.dtype, device=device)
+    paged = BlockPagedMemory(kv_cache, launcher)
+    dev_slots = slots.to(device)
+    nbytes = host.numel() * host.element_size()
+    try:
+        mapped, why = _mapped(host, device), ""
+    except Exception as e:  # noqa: BLE001 - reported, the other lines still run
+        mapped, why = None, f"{type(e).__name__}: {e}"
+    lines = []
+    for direction, copy, staged, in_place in (
+        ("host->device", lambda: dev_buf.copy_(host, non_blocking=True),
+         lambda: paged.load(host, slots),
+         lambda: kv_copy.chunk_to_paged(launcher, mapped, kv_cache, dev_slots, check=False)),
+        ("device->host", lambda: host.copy_(dev_buf, non_blocking=True),
+         lambda: paged.save(slots, host),
+         lambda: kv_copy.paged_to_chunk(launcher, kv_cache, dev_slots, mapped, check=False)),
+    ):  # fmt: skip
+        c = measure(copy)
+        lines.append(f"{direction} pinned copy {nbytes / 1e6:.1f} MB: {c * 1e6:.1f} us, "
+                     f"{nbytes / c / 1e9:.1f} GB/s")
+        kinds = [("staged", staged)] + ([("mapped", in_place)] if mapped is not None else [])
+        for kind, fn in kinds:
+            k = measure(fn)
+            lines.append(f"{direction} chunk<->pages {kind} {nbytes / 1e6:.1f} MB: {k * 1e6:.1f} us, "
+                         f"{nbytes / k / 1e9:.1f} GB/s: {kind}/copy = {c / k:.2f}x")
+        if mapped is None:
+            lines.append(f"{direction} chunk<->pages mapped: not available ({why})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM bandwidth of the GPU")
@@ -199,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             tflops = case.flops / k / 1e12
             line += f"  {tflops:6.1f} TFLOP/s ({tflops / args.peak_tflops:4.2f} of FP32 peak)"
         print(f"{line}  torch {t * 1e6:9.1f} us  torch/kernel {t / k:6.2f}x")
+    for line in transfer_lines(geometry, launcher, device, measure):
+        print(line)
     return 0
 
 

@@ -26,3 +26,7 @@ def test_emulated_run_prints_every_kernel(emu):
     for name in ("paged_to_chunk", "chunk_to_paged_vllm", "reshape_and_cache", "rerotate_keys",
                  "paged_attention_decode", "paged_attention_prefill"):  # fmt: skip
         assert name in r.stdout
+    for direction in ("host->device", "device->host"):  # the paged <-> pinned transfer lines
+        assert f"{direction} pinned copy" in r.stdout
+        for kind in ("staged", "mapped"):
+            assert f"{direction} chunk<->pages {kind}" in r.stdout and f"{kind}/copy = " in r.stdout
