@@ -142,6 +142,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--error", type=float, default=CalibrationSettings().error)
     ap.add_argument("--deep-ratio", type=float, default=CalibrationSettings().deep_ratio)
+    ap.add_argument("--value-ratio", type=float, default=CalibrationSettings().value_ratio)
     ap.add_argument("--also-error", type=float, nargs="*", default=[0.002],
                     help="further calibration error targets to report size and agreement for")
     ap.add_argument("--match-steps", type=int, default=6,
@@ -179,7 +180,8 @@ def main() -> None:
 
         def make_table(err: float) -> CacheGenTable:
             path = root / f"table-{err:g}.safetensors"
-            calibrate(calib, CalibrationSettings(error=err, deep_ratio=args.deep_ratio)).save(path)
+            calibrate(calib, CalibrationSettings(error=err, deep_ratio=args.deep_ratio,
+                                                   value_ratio=args.value_ratio)).save(path)
             return CacheGenTable.load(path)
 
         table, table_path = make_table(args.error), root / f"table-{args.error:g}.safetensors"
@@ -286,7 +288,7 @@ def main() -> None:
     n = len(kv)
     print(f"model {args.model or 'demo'}: {len(test_p)} prompts x {args.length} tokens, {n} chunks of "
           f"{args.chunk}, KV dtype {str(dtype).removeprefix('torch.')}, calibration error "
-          f"{args.error} (x{args.deep_ratio} at the last layer)")
+          f"{args.error} (x{args.deep_ratio} at the last layer, x{args.value_ratio} for V)")
     print(f"cachegen size vs fp16: {cg_bytes / 1e6:.2f} MB vs {fp16 / 1e6:.2f} MB at agreement "
           f"{agree_cg:.2%} (64 greedy tokens): {fp16 / cg_bytes:.2f}x")
     same = matched(levels, lambda lv: lv.agreement, agree_i8)

@@ -3,7 +3,7 @@
     engine serve [--model DIR|FILE.gguf] [--port 8000] ...   OpenAI-compatible HTTP API
     engine generate PROMPT [--max-tokens N] ...    one generation, printed to stdout
     engine precompute FILE... [--split-on SEP]     store RAG chunks' KV for CacheBlend
-    engine calibrate [--error 0.03] ...            the cachegen codec's table for a model
+    engine calibrate [--error 0.12] ...            the cachegen codec's table for a model
     engine export --out DIR [--model FILE.gguf]    a GGUF model as a Hugging Face directory
 
 Every command reads ``LMKV_CONFIG_FILE`` when it is set (lmkv on); precompute needs it.

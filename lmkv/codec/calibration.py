@@ -58,9 +58,9 @@ BAND_SPREADS = (64.0, 16.0, 4.0, 1.0, 0.5)
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    error: float = 0.03  # relative error target of layer 0 (keys); docs/codec.md "Numbers"
-    deep_ratio: float = 2.0  # the last layer's target is error * deep_ratio
-    value_ratio: float = 1.0  # V's target relative to K's
+    error: float = 0.12  # relative error target of layer 0 (keys); docs/codec.md "Numbers"
+    deep_ratio: float = 0.5  # the last layer's target is error * deep_ratio
+    value_ratio: float = 0.5  # V's target relative to K's
     group_size: int = 16  # tokens per anchor group
     transform: bool = True  # decorrelating transform per [kv, layer] (see above)
     store_weak: bool = True  # also store coefficients whose spread is below half a step

@@ -74,7 +74,7 @@ def test_cachegen_error_within_the_calibrated_bound(dtype):
 
 
 def test_shallow_layers_and_keys_get_more_bins():
-    table = calibrate([kv_like(s) for s in range(2)], CalibrationSettings(value_ratio=2.0))
+    table = calibrate([kv_like(s) for s in range(2)], CalibrationSettings(deep_ratio=2.0, value_ratio=2.0))
     assert table.step.shape == (2, 4, 2, 16)
     t = table.target
     assert (t[:, 1:] > t[:, :-1]).all() and (t[1] == 2 * t[0]).all()
@@ -469,7 +469,7 @@ def test_calibration_raises_a_target_finer_than_the_kvs_range_allows(transform, 
 
     chunks = [kv_like(s) for s in range(4)]
     chunks[1][1, 2, 5, 1, 3] += 3000.0
-    settings = CalibrationSettings(error=1e-3, deep_ratio=1.0, transform=transform)
+    settings = CalibrationSettings(error=1e-3, deep_ratio=1.0, value_ratio=1.0, transform=transform)
     with caplog.at_level(logging.WARNING, logger="lmkv.codec.calibration"):
         table = calibrate(chunks, settings)
     assert "finer than the KV's range allows" in caplog.text and "V2" in caplog.text
