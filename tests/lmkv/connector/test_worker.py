@@ -318,14 +318,20 @@ def test_loads_and_saves_on_cuda_pages_through_copy_streams(layerwise):
     worker.bind_connector_metadata(ConnectorMetadata(
         loads=[LoadSpec("r", ["a"], [slots], [0])],
         saves=[SaveSpec("r", ["c"], [slots], parent=None)]))
+    torch.cuda._sleep(200_000_000)  # the engine's stream is busy for a while...
+    kv_cache.fill_(-1.0)  # ...then writes every page: the load must land after this
     worker.start_load_kv()
+    seen = []
     for layer in range(LAYERS):
         worker.wait_for_layer_load(layer)
+        seen.append(kv_cache[layer].clone())  # the engine reads the layer after its load
         worker.save_kv_layer(layer)
     assert worker.failed_loads() == []
     worker.wait_for_save()
     torch.cuda.synchronize()
     assert torch.equal(_paged(kv_cache, slots.cuda()).cpu(), kvs[0])
+    for layer, pages in enumerate(seen):
+        assert torch.equal(pages.flatten(1, 2)[:, slots.cuda()].cpu(), kvs[0][:, layer])
     buf = engine.storage.hot.get("c")
     assert torch.equal(buf.kv, kvs[0])
     buf.release()
