@@ -123,8 +123,9 @@ class WorkerConnector:
                     event.set()
         finally:  # after a failure the forward pass goes on; failed_loads tells the engine
             try:  # the layers not reached wait for whatever the failed one had issued
-                last = stream.mark()
-                marks[:] = [last if m is None else m for m in marks]
+                if None in marks:
+                    last = stream.mark()
+                    marks[:] = [last if m is None else m for m in marks]
             finally:
                 for event in events:
                     event.set()
@@ -217,16 +218,18 @@ class WorkerConnector:
         skip_keys = {self._key(k) for spec in self.meta.saves if spec.request_id in skip
                      for k in spec.keys}
         try:
-            if self.layerwise:
-                bufs, self._save_bufs = self._save_bufs, []
-                jobs, self._save_jobs = self._save_jobs, []
-                wait(jobs)  # all gathers have stopped touching the buffers before any raises
-                for job in jobs:
-                    job.result()
-            else:
-                bufs = self._allocate_saves()
-                self._gather(bufs, self._saves.engine_mark())
-            self._saves.synchronize()  # the chunks hold the pages' KV from here on
+            try:
+                if self.layerwise:
+                    bufs, self._save_bufs = self._save_bufs, []
+                    jobs, self._save_jobs = self._save_jobs, []
+                    wait(jobs)  # all gathers have stopped touching the buffers before any raises
+                    for job in jobs:
+                        job.result()
+                else:
+                    bufs = self._allocate_saves()
+                    self._gather(bufs, self._saves.engine_mark())
+            finally:  # the chunks hold the pages' KV (or a failed gather's copies are done)
+                self._saves.synchronize()
             parents = {self._key(k): None if p is None else self._key(p)
                        for spec in self.meta.saves for k, p in spec.parents().items()}
             for key, buf, _ in bufs:
@@ -234,7 +237,7 @@ class WorkerConnector:
                     self.cache.store(key, buf, parents.get(key))
         finally:  # a failed gather stores nothing and still returns its buffers
             self.meta = ConnectorMetadata()
-            self._release_after(self._saves, [[buf for _, buf, _ in bufs]])
+            self._release([[buf for _, buf, _ in bufs]])
 
     def _allocate_saves(self) -> list[tuple[str, ChunkBuffer, torch.Tensor]]:
         out = []
