@@ -1,5 +1,6 @@
 """Kernel entry points: CUDA tensors go to the kernels in cuda/ (``lmkv_cuda``), everything
-else to the same-signature torch code in ``lmkv.ops_torch``.
+else to the same-signature torch code in ``lmkv.ops_torch``, except the engine layout's KV
+transfers on the CPU, which ``lmkv.transfer`` copies in C where it can.
 
 CuPy is imported only when a CUDA tensor arrives; if it (or the driver, or NVRTC) is
 unusable, one warning is printed and the torch code runs instead. Kernel-path extras, all
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lmkv import ops_torch
+from lmkv import ops_torch, transfer
 
 if TYPE_CHECKING:
     from lmkv_cuda.launcher import Launcher
@@ -60,7 +61,8 @@ def paged_to_chunk(
         with _dense(chunk) as out:  # the kernel writes a dense chunk
             kv_copy.paged_to_chunk(launcher, kv_cache, slot_mapping, out, skip, check=check)
         return
-    ops_torch.paged_to_chunk(kv_cache, slot_mapping, chunk, skip)
+    if not transfer.copy(kv_cache, slot_mapping, chunk, skip, to_paged=False):
+        ops_torch.paged_to_chunk(kv_cache, slot_mapping, chunk, skip)
 
 
 def chunk_to_paged(
@@ -74,7 +76,8 @@ def chunk_to_paged(
         # the kernel reads a dense chunk; a load ending inside a stored chunk passes a view
         return kv_copy.chunk_to_paged(launcher, chunk.contiguous(), kv_cache, slot_mapping, skip,
                                       check=check)
-    ops_torch.chunk_to_paged(chunk, kv_cache, slot_mapping, skip)
+    if not transfer.copy(kv_cache, slot_mapping, chunk, skip, to_paged=True):
+        ops_torch.chunk_to_paged(chunk, kv_cache, slot_mapping, skip)
 
 
 def paged_to_chunk_vllm(

@@ -22,3 +22,5 @@ def test_every_package_and_runtime_source_is_in_the_wheel():
     data = tool["package-data"]
     assert "*.c" in data["lmkv.codec"]  # native.c, compiled on first use
     assert (ROOT / "lmkv" / "codec" / "native.c").exists()
+    assert "*.c" in data["lmkv"]  # transfer.c, compiled on first use
+    assert (ROOT / "lmkv" / "transfer.c").exists()

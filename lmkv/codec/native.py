@@ -1,5 +1,5 @@
 """cachegen's decode in C (native.c): built with the system C compiler on first use into
-$LMKV_CACHE_DIR (default ~/.cache/lmkv), linked to the system's libzstd, loaded with ctypes;
+$LMKV_CACHE_DIR (lmkv.cc), linked to the system's libzstd, loaded with ctypes;
 ``decode`` is its checking wrapper. Where no compiler or libzstd is found, with
 LMKV_NATIVE_DECODE=0, or for a chunk it does not take, cachegen decodes with torch. The same
 chunk either way: to float32 rounding without AMX; with AMX the products stay in float32
@@ -10,19 +10,18 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import hashlib
 import itertools
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..cc import build as cc_build
+from ..cc import cache_dir, compiler
 from ..memory import NO_POSITION
 from .calibration import CacheGenTable
 
@@ -40,42 +39,10 @@ OUT_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # native.c'
 _P, _I64P, _SZ, _INT = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, ctypes.c_int
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("LMKV_CACHE_DIR") or Path.home() / ".cache" / "lmkv") / "native"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def build(cc: str, zstd: str, out_dir: Path, flags: tuple[str, ...] = ()) -> Path:
-    """Compile native.c for this CPU (-march=native, plus ``flags``) into out_dir, named by a
-    hash of the source, the compiler, the flags, the CPU's flags and libzstd, so a stale or
-    foreign build is never loaded; written under a temporary name and renamed, so concurrent
-    builds are safe."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *flags, _cpu_flags(), zstd]).encode())
-    path = out_dir / f"cachegen-{key.hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so", delete=False) as tmp:
-        pass
-    try:
-        res = subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", *flags, "-o", tmp.name,
-                              str(SOURCE), f"-l:{zstd}"], capture_output=True, text=True, timeout=120)
-        if res.returncode != 0:
-            raise OSError(f"{cc} failed on {SOURCE.name}: {res.stderr.strip()[-2000:]}")
-        os.replace(tmp.name, path)
-    finally:
-        Path(tmp.name).unlink(missing_ok=True)
-    return path
+    """native.c compiled for this CPU (plus ``flags``) and linked to ``zstd``, into out_dir
+    (lmkv.cc.build: named by what went into it, built once)."""
+    return cc_build(cc, SOURCE, out_dir, flags, libs=(f"-l:{zstd}",))
 
 
 @functools.cache
@@ -84,7 +51,7 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         log.info("cachegen: native decode off (%s=0); decoding with torch", DISABLE_ENV)
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     zstd = ctypes.util.find_library("zstd")
     try:
         if cc is None or zstd is None:
