@@ -1,8 +1,9 @@
 """LMCache 0.5.6's side of benchmarks/lmcache_compare.py, run in LMCache's own venv.
 
 Reads the shared work from --data (a paged CPU KV buffer, block tables, prompts), stores
-and retrieves it through LMCache's LMCacheEngine (CPU tier, then disk tier) and prints
-one JSON object of seconds. LMCache's connectors need a GPU, so the engine gets a CPU
+and retrieves it through LMCache's LMCacheEngine (CPU tier, then disk tier as configured by
+default, then disk tier with its O_DIRECT option, extra_config use_odirect) and prints one
+JSON object of seconds. LMCache's connectors need a GPU, so the engine gets a CPU
 connector (PagedCPUConnector) that copies between the paged buffer and LMCache's memory
 objects one block at a time, as lmkv's torch path does.
 """
@@ -69,7 +70,7 @@ def drop_tier_from_page_cache(root: Path) -> None:
     drop_page_cache([p for p in root.rglob("*") if p.is_file()])
 
 
-def build(name: str, meta: dict, connector: PagedCPUConnector, disk: Path | None):
+def build(name: str, meta: dict, connector: PagedCPUConnector, disk: Path | None, direct: bool):
     layers, heads, head_dim = meta["layers"], meta["heads"], meta["head_dim"]
     gb = 1.5 * meta["repeats"] * meta["kv_bytes"] / 2**30 + 0.25
     if disk is None:
@@ -78,7 +79,8 @@ def build(name: str, meta: dict, connector: PagedCPUConnector, disk: Path | None
     else:  # the CPU tier only lends its allocator: objects live on disk
         config = LMCacheEngineConfig.from_defaults(
             chunk_size=meta["chunk"], local_cpu=False, max_local_cpu_size=gb,
-            local_disk=f"file://{disk}", max_local_disk_size=gb)
+            local_disk=f"file://{disk}", max_local_disk_size=gb,
+            extra_config={"use_odirect": True} if direct else None)
     metadata = LMCacheMetadata(
         model_name="bench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
         kv_dtype=DTYPES[meta["dtype"]], kv_shape=(layers, 2, meta["chunk"], heads, head_dim),
@@ -111,11 +113,11 @@ def main() -> None:
     connector = PagedCPUConnector(paged)
     out: dict[str, list[float]] = {}
 
-    for tier in ("cpu", "disk"):
-        disk = args.data / "lmcache-disk" if tier == "disk" else None
+    for tier in ("cpu", "disk", "disk_direct"):
+        disk = args.data / "lmcache-disk" if tier != "cpu" else None
         if disk is not None:
             disk.mkdir()
-        engine = build(f"bench-{tier}", meta, connector, disk)
+        engine = build(f"bench-{tier}", meta, connector, disk, direct=tier == "disk_direct")
         stores, retrieves = [], []
         for tokens in prompts:  # a fresh prompt per store: nothing is stored twice
             start = time.perf_counter()

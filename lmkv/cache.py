@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from . import transfer
 from .backends.base import BackendError, StorageBackend
 from .blend.plan import BlendPlan, CachedSegment
 from .blend.segments import split_segments
@@ -47,6 +48,7 @@ class LMKVCache:
             self.gate = QualityGate(config.quality_check_every, config.codec_min_agreement,
                                     self.metrics, self.storage.make_lossless)
         self._metrics_server = self._serve_metrics() if config.metrics_port else None
+        transfer.library()  # the CPU's paged copies built now (once per machine), not at the first load
         log.info(
             "lmkv ready: chunk %d tokens (%.1f MB), hot cache %d chunks, tiers: %s",
             layout.chunk_size, layout.chunk_bytes / 1e6, self.pool.num_slots,
@@ -62,7 +64,7 @@ class LMKVCache:
 
             try:
                 backend = DiskBackend(self.config.local_disk, self.config.disk_bytes,
-                                      self.config.cache_policy)
+                                      self.config.cache_policy, direct=self.config.local_disk_direct)
             except BackendError as e:
                 raise ValueError(f"lmkv config key local_disk: {e}") from e
             tiers.append(_tier("disk", backend, self.config.local_disk_codec, table, self.metrics))

@@ -41,6 +41,7 @@ class LMKVConfig:
     remote_url: str | None = None  # lm://, redis://, ... (issue: cross-instance sharing)
     remote_serde: str = "raw"  # raw (LMCache's "naive" is read as raw) | zstd | cachegen (lossy)
     local_disk_codec: str = "raw"  # raw | zstd | cachegen: how chunks are written to disk
+    local_disk_direct: bool = True  # read cold disk-tier files with O_DIRECT (around the page cache)
     cachegen_calibration: str | None = None  # table file; None = ~/.cache/lmkv/calibration/<scope>
     # quality gate: re-run 1 in N greedy requests served lossy KV; None = 16 with a lossy
     # codec configured, else off; 0 = off

@@ -109,7 +109,8 @@ class Tier:
         raw = self.codec.name == "raw"
         try:
             if raw:  # frames straight into the slots, each checked
-                frames = [memoryview(buf.frame.numpy()) for buf in bufs]  # as it lands
+                # whole slots: a disk tier may read whole pages into them (O_DIRECT)
+                frames = [memoryview(buf.slot.numpy()) for buf in bufs]  # checked as it lands
 
                 def arrived(i: int, n: int) -> None:
                     checked[i] = self._check(keys[i], bufs[i], frames[i][:n])
