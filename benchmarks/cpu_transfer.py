@@ -7,7 +7,9 @@ paged memory [L, 2, blocks, 16, Hkv, D] on shuffled whole blocks (a load, chunk 
 and a save, paged -> chunk), fp16 and fp32. Each figure is the best of --repeats; every copy
 is checked against the other path's. Lines end with native/torch; a line per dtype compares
 the native load with the fastest plain copy of the same bytes we know
-(lmkv_ttft.memcpy_gbps).
+(lmkv_ttft.memcpy_gbps); two more time loads into the pages as they are and into pages
+zeroed just before each load (dirty in the caches, as benchmarks/lmcache_compare.py leaves
+them), with the native copy's plain-store variant beside.
 """
 
 from __future__ import annotations
@@ -28,13 +30,27 @@ BLOCK = 16
 DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
-def best_seconds(run, repeats: int) -> float:
+def best_seconds(run, repeats: int, before=None) -> float:
+    """The best of ``repeats`` timed calls of ``run``, each after an untimed ``before``."""
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def plain_stores(run):
+    """``run`` with the native copy's streaming stores off (every copy below the threshold)."""
+    def go():
+        saved, transfer.STREAM_BYTES = transfer.STREAM_BYTES, 1 << 62
+        try:
+            run()
+        finally:
+            transfer.STREAM_BYTES = saved
+    return go
 
 
 def main() -> None:
@@ -101,6 +117,19 @@ def main() -> None:
             if what == "load":
                 print(f"{name} {nbytes / 1e6:.0f} MB, load: native {a:.2f} GB/s vs memcpy "
                       f"{memcpy:.2f} GB/s: native/memcpy = {a / memcpy:.2f}x")
+        # loads into pages written just before (lmcache_compare zeroes them before each
+        # retrieve): their lines sit dirty in the caches; and the native copy with plain stores
+        dst = order[:, None]
+
+        def zero(paged=paged, dst=dst):
+            paged[:, :, dst.flatten()] = 0
+
+        for state, before in (("as they are", None), ("just zeroed", zero)):
+            a = nbytes / best_seconds(load_native, args.repeats, before) / 1e9
+            c = nbytes / best_seconds(plain_stores(load_native), args.repeats, before) / 1e9
+            b = nbytes / best_seconds(load_torch, args.repeats, before) / 1e9
+            print(f"{name} {nbytes / 1e6:.0f} MB, load into pages {state}: native {a:.2f} GB/s "
+                  f"(with plain stores {c:.2f}) vs torch {b:.2f} GB/s: native/torch = {a / b:.2f}x")
 
 
 if __name__ == "__main__":

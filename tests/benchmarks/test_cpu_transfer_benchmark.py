@@ -24,3 +24,6 @@ def test_cpu_transfer_benchmark_prints_a_ratio_per_dtype_and_direction():
             assert sum(f"{dtype}" in x and f", {what} (chunk" in x and "native/torch = " in x
                        for x in lines) == 1
         assert sum(dtype in x and "native/memcpy = " in x for x in lines) == 1
+        for state in ("as they are", "just zeroed"):
+            assert sum(dtype in x and f"load into pages {state}" in x and "with plain stores" in x
+                       for x in lines) == 1
