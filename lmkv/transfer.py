@@ -89,8 +89,8 @@ def _takes(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, chunk: torch.Tens
         return False
     if {kv_cache.device.type, chunk.device.type, slot_mapping.device.type} != {"cpu"}:
         return False
-    if chunk.dtype != kv_cache.dtype or slot_mapping.dtype != torch.int64:
-        return False
+    if chunk.dtype != kv_cache.dtype or slot_mapping.dtype != torch.int64 or chunk.dtype.is_complex:
+        return False  # (complex tensors may be lazy conjugate views: their bits are not their values)
     layers, two, _, block_size, heads, dim = kv_cache.shape
     if two != 2 or chunk.shape != (2, layers, slot_mapping.shape[0], heads, dim):
         return False

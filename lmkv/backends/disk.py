@@ -69,6 +69,9 @@ class DiskBackend(StorageBackend):
         self.num_evictions = 0
         self._pool: ThreadPoolExecutor | None = None  # reader threads, started at the first batch
         self.direct = direct and bool(DIRECT)  # O_DIRECT reads, until the file system refuses one
+        # whether the last batch read into buffers that take O_DIRECT (None: none read yet);
+        # read-ahead hints are skipped only then, since the reads would go around them
+        self._direct_batches: bool | None = None
         self._rebuild_index()
 
     def _rebuild_index(self) -> None:
@@ -145,8 +148,10 @@ class DiskBackend(StorageBackend):
             size = self.index.get(name)
             if size is not None and size <= len(out):  # larger: not a frame this reader holds
                 wanted.append((i, name, size))
-        if not (self.direct and all(_aligned(outs[i], size) for i, _, size in wanted)):
-            self._advise([name for _, name, _ in wanted])  # O_DIRECT reads skip the page cache
+        if wanted:
+            self._direct_batches = self.direct and all(_aligned(outs[i], size) for i, _, size in wanted)
+        if not self._direct_batches:  # O_DIRECT reads skip the page cache: no read-ahead for them
+            self._advise([name for _, name, _ in wanted])
 
         def read(i: int, name: str, size: int) -> int | OSError:
             n = self._read(name, outs[i], size)
@@ -182,7 +187,7 @@ class DiskBackend(StorageBackend):
             try:
                 done = 0
                 if self.direct and _aligned(out, size) and not _cached(fd, size):
-                    done = self._read_direct(path, out, size)
+                    done = self._read_direct(fd, path, out, size)
                 while done < size:
                     n = os.preadv(fd, [out[done:size]], done)
                     if n == 0:
@@ -194,12 +199,14 @@ class DiskBackend(StorageBackend):
         except OSError as e:
             return e
 
-    def _read_direct(self, path: Path, out: memoryview, size: int) -> int:
-        """The file's first ``size`` bytes into ``out`` with O_DIRECT, in whole pages; the
-        bytes in place (0 where the file system takes no O_DIRECT: reads go through the page
-        cache from then on)."""
+    def _read_direct(self, fd: int, path: Path, out: memoryview, size: int) -> int:
+        """The first ``size`` bytes of the file open as ``fd`` into ``out`` with O_DIRECT,
+        in whole pages; the bytes in place (0 where the file system takes no O_DIRECT: reads
+        go through the page cache from then on). The file is reopened through /proc, so a
+        file renamed over ``path`` meanwhile is not mixed in."""
+        same = f"/proc/self/fd/{fd}"
         try:
-            fd = os.open(path, os.O_RDONLY | DIRECT)
+            fd = os.open(same if os.path.exists(same) else path, os.O_RDONLY | DIRECT)
         except OSError as e:
             return self._no_direct(e)
         try:
@@ -233,7 +240,8 @@ class DiskBackend(StorageBackend):
         return self._pool
 
     def will_get(self, keys: Sequence[str]) -> None:
-        if not self.direct:  # read-ahead into the page cache would only double O_DIRECT's reads
+        # read-ahead into the page cache would only double O_DIRECT's reads of the same files
+        if not (self.direct and self._direct_batches):
             self._advise([n for n in map(self._name, keys) if n in self.index])
 
     def _advise(self, names: list[str]) -> None:
@@ -303,6 +311,6 @@ def _cached(fd: int, size: int) -> bool:
 
 def _aligned(out: memoryview, size: int) -> bool:
     """Whether an O_DIRECT read of ``size`` bytes in whole pages fits ``out``."""
-    if out.readonly or len(out) < -(-size // DIRECT_ALIGN) * DIRECT_ALIGN:
+    if out.readonly or len(out) == 0 or len(out) < -(-size // DIRECT_ALIGN) * DIRECT_ALIGN:
         return False
     return ctypes.addressof(ctypes.c_char.from_buffer(out)) % DIRECT_ALIGN == 0

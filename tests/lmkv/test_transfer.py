@@ -65,6 +65,9 @@ def test_native_copies_equal_torch_for_every_slot_pattern(dtype, skip):
         both_ways(kv[1:2], slots, chunk[:, 1:2], skip)
         longer = torch.randn(2, layers, t + 24, heads, dim, generator=g).to(dtype)
         both_ways(kv, slots, longer[:, :, :t], skip)
+        # tokens not back to back in the chunk (token-major storage): no runs merged
+        token_major = torch.randn(layers, t, 2, heads, dim, generator=g).to(dtype).permute(2, 0, 1, 3, 4)
+        both_ways(kv, slots, token_major, skip)
 
 
 @needs_cc
@@ -77,8 +80,10 @@ def test_large_copies_stream_on_threads_and_stay_exact(monkeypatch):
     kv = torch.randn(layers, 2, blocks, bs, heads, dim, generator=g).half()
     chunk = torch.randn(2, layers, t, heads, dim, generator=g).half()
     assert 2 * layers * t * heads * dim * 2 >= 2 * transfer.STREAM_BYTES
+    token_major = chunk.permute(2, 1, 0, 3, 4).contiguous().permute(2, 1, 0, 3, 4)  # same values
     for slots in slot_patterns(g, blocks, bs, t).values():
         both_ways(kv, slots, chunk, 3)
+        both_ways(kv, slots, token_major, 3)
 
 
 @needs_cc
@@ -104,6 +109,8 @@ def test_what_the_native_copy_does_not_take_goes_to_torch():
     assert not transfer.copy(kv, slots, half, 0, to_paged=True)
     ops.chunk_to_paged(half, kv, slots)
     assert torch.equal(kv.flatten(2, 3)[:, :, slots], half.float().transpose(0, 1))
+    assert not transfer.copy(kv.to(torch.complex64), slots, torch.randn(2, 2, 6, 2, 8,
+                             dtype=torch.complex64).conj(), 0, to_paged=True)  # lazy conjugate
     strided = torch.randn(2, 2, 6, 8, 2).transpose(3, 4)  # rows not contiguous
     assert not transfer.copy(kv, slots, strided, 0, to_paged=True)
     ops.chunk_to_paged(strided, kv, slots)

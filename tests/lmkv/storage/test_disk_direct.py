@@ -35,6 +35,26 @@ def drop(paths) -> bool:
     return cold
 
 
+def resident_pages(path) -> int:
+    """Pages of the file in the page cache (mincore on a mapping of it: nothing is read)."""
+    import ctypes
+
+    size = os.path.getsize(path)
+    libc = disk_module._libc
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        try:
+            assert libc.mincore(ctypes.c_void_p(addr), size, vec) == 0
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+        return sum(b & 1 for b in bytes(vec))
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture
 def opens(monkeypatch):
     """The flags of every os.open the disk tier makes: O_DIRECT or not, per file."""
@@ -83,6 +103,8 @@ def test_cold_files_come_with_o_direct_and_cached_ones_from_the_page_cache(tmp_p
     assert disk.get_into_many(keys, outs) == sizes
     assert [bytes(o[:n]) for o, n in zip(outs, sizes, strict=True)] == values
     assert opens.count(True) == len(keys) and disk.direct  # each file once with O_DIRECT
+    # and all of it that way: nothing went through the page cache
+    assert [resident_pages(tmp_path / disk._name(k)) for k in keys] == [0] * len(keys)
     for o in outs:
         o[:] = bytes(len(o))
     for key in keys:  # now in the page cache: copied from it, O_DIRECT not asked
@@ -172,7 +194,27 @@ def test_chunks_stored_to_disk_come_back_exact_with_o_direct_on_or_off(tmp_path,
         bufs = cache.fetch(keys)
         assert [torch.equal(b.kv, w) for b, w in zip(bufs, want, strict=True)] == [True] * 3
         assert opens.count(True) == (3 if direct else 0)
+        if direct:  # read around the page cache, and no read-ahead beside it
+            assert sum(resident_pages(p) for p in disk.root.glob("*.kv")) == 0
         for b in bufs:
             b.release()
     finally:
         cache.close()
+
+
+def test_read_ahead_hints_are_skipped_only_once_batches_read_with_o_direct(tmp_path, monkeypatch):
+    disk = DiskBackend(tmp_path, 1 << 30)
+    disk.put([("k", os.urandom(3 * DIRECT_ALIGN))])
+    advised: list[list[str]] = []
+    monkeypatch.setattr(disk, "_advise", lambda names: advised.append(names))
+    disk.will_get(["k"])  # nothing read yet: the hint goes out
+    assert len(advised) == 1
+    region, (out,) = aligned_buffers(1, 4 * DIRECT_ALIGN)
+    disk.get_into_many(["k"], [out])  # an O_DIRECT batch: neither it nor later hints advise
+    disk.will_get(["k"])
+    assert len(advised) == 1
+    disk.get_into_many(["k"], [out[1:]])  # a batch that cannot take O_DIRECT: hints again
+    disk.will_get(["k"])
+    assert len(advised) == 3
+    out.release()
+    region.close()
