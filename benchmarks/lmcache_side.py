@@ -4,13 +4,16 @@ Reads the shared work from --data (a paged CPU KV buffer, block tables, prompts)
 and retrieves it through LMCache's LMCacheEngine (CPU tier, then disk tier as configured by
 default, then disk tier with its O_DIRECT option, extra_config use_odirect) and prints one
 JSON object of seconds. LMCache's connectors need a GPU, so the engine gets a CPU
-connector (PagedCPUConnector) that copies between the paged buffer and LMCache's memory
-objects one block at a time, as lmkv's torch path does.
+connector, in two versions, each tier run with both: PagedCPUConnector copies between the
+paged buffer and LMCache's memory objects one block at a time with torch, as lmkv's torch
+path does; NativePagedCPUConnector with lmkv's native copier, as lmkv's default path does.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import itertools
 import json
 import os
 import shutil
@@ -66,6 +69,40 @@ class PagedCPUConnector(GPUConnectorInterface):
         return torch.Size([2, self.layers, num_tokens, self.heads * self.head_dim])
 
 
+class NativePagedCPUConnector(PagedCPUConnector):
+    """The same copies with lmkv's native paged copier (lmkv/transfer.c, the library lmkv's
+    side built, loaded here by path: lmkv itself is not installed in this venv), called
+    exactly as lmkv.transfer.copy calls it: so both sides move the bytes the same way."""
+
+    STREAM_BYTES = 4 << 20  # lmkv.transfer.STREAM_BYTES
+
+    def __init__(self, paged: torch.Tensor, library: str):
+        super().__init__(paged)
+        self.lib = ctypes.CDLL(library)
+        self.lib.lmkv_transfer.restype = ctypes.c_int
+        self.lib.lmkv_transfer.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 10 + [ctypes.c_int] * 3
+
+    def _copy(self, memory_obj, start: int, end: int, slot_mapping: torch.Tensor, to_paged: bool) -> None:
+        obj = memory_obj.tensor
+        assert obj.is_contiguous() and obj.dtype == self.paged.dtype
+        slots = slot_mapping[start:end].contiguous()
+        size = obj.element_size()
+        tokens, row = end - start, self.heads * self.head_dim * size
+        ks = [st * size for st in self.paged.stride()]
+        rc = self.lib.lmkv_transfer(obj.data_ptr(), self.paged.data_ptr(), slots.data_ptr(), tokens,
+                                    self.paged.shape[2] * self.block_size, self.layers, row,
+                                    self.layers * tokens * row, tokens * row, row, ks[0], ks[1], ks[3],
+                                    int(to_paged), torch.get_num_threads(),
+                                    int(2 * self.layers * tokens * row >= self.STREAM_BYTES))
+        assert rc == 0, rc
+
+    def from_gpu(self, memory_obj, start, end, **kwargs):
+        self._copy(memory_obj, start, end, kwargs["slot_mapping"], to_paged=False)
+
+    def to_gpu(self, memory_obj, start, end, **kwargs):
+        self._copy(memory_obj, start, end, kwargs["slot_mapping"], to_paged=True)
+
+
 def drop_tier_from_page_cache(root: Path) -> None:
     drop_page_cache([p for p in root.rglob("*") if p.is_file()])
 
@@ -110,14 +147,16 @@ def main() -> None:
     src, dst = (torch.tensor(s, dtype=torch.long) for s in (meta["src_slots"], meta["dst_slots"]))
     bs = paged.shape[3]
     src_blocks, dst_blocks = src[::bs] // bs, dst[::bs] // bs
-    connector = PagedCPUConnector(paged)
+    connectors = {"": PagedCPUConnector(paged),
+                  "_native": NativePagedCPUConnector(paged, meta["native_copy"])}
     out: dict[str, list[float]] = {}
 
-    for tier in ("cpu", "disk", "disk_direct"):
+    for tier, suffix in itertools.product(("cpu", "disk", "disk_direct"), connectors):
+        connector = connectors[suffix]
         disk = args.data / "lmcache-disk" if tier != "cpu" else None
         if disk is not None:
             disk.mkdir()
-        engine = build(f"bench-{tier}", meta, connector, disk, direct=tier == "disk_direct")
+        engine = build(f"bench-{tier}{suffix}", meta, connector, disk, direct=tier == "disk_direct")
         stores, retrieves = [], []
         for tokens in prompts:  # a fresh prompt per store: nothing is stored twice
             start = time.perf_counter()
@@ -134,8 +173,8 @@ def main() -> None:
             retrieves.append(time.perf_counter() - start)
             assert int(hit.sum()) == len(prompts[-1]), f"{tier}: retrieved {int(hit.sum())} tokens"
             assert torch.equal(paged[:, :, dst_blocks], paged[:, :, src_blocks]), tier
-        out[f"{tier}_store"], out[f"{tier}_retrieve"] = stores, retrieves
-        LMCacheEngineBuilder.destroy(f"bench-{tier}")
+        out[f"{tier}{suffix}_store"], out[f"{tier}{suffix}_retrieve"] = stores, retrieves
+        LMCacheEngineBuilder.destroy(f"bench-{tier}{suffix}")
         if disk is not None:
             shutil.rmtree(disk)
     print(json.dumps(out), flush=True)

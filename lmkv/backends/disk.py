@@ -69,9 +69,10 @@ class DiskBackend(StorageBackend):
         self.num_evictions = 0
         self._pool: ThreadPoolExecutor | None = None  # reader threads, started at the first batch
         self.direct = direct and bool(DIRECT)  # O_DIRECT reads, until the file system refuses one
-        # whether the last batch read into buffers that take O_DIRECT (None: none read yet);
-        # read-ahead hints are skipped only then, since the reads would go around them
-        self._direct_batches: bool | None = None
+        # whether reads go around the page cache: the last batch read into buffers that take
+        # O_DIRECT (assumed until a batch or a plain get says otherwise); read-ahead hints are
+        # skipped only then, since those reads would go around them
+        self._direct_batches = self.direct
         self._rebuild_index()
 
     def _rebuild_index(self) -> None:
@@ -116,6 +117,7 @@ class DiskBackend(StorageBackend):
         self.policy.inserted(name, None)
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        self._direct_batches = False  # whole files as bytes (coded tiers): through the page cache
         out: list[bytes | None] = []
         for key in keys:
             name = self._name(key)

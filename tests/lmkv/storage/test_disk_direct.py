@@ -202,12 +202,15 @@ def test_chunks_stored_to_disk_come_back_exact_with_o_direct_on_or_off(tmp_path,
         cache.close()
 
 
-def test_read_ahead_hints_are_skipped_only_once_batches_read_with_o_direct(tmp_path, monkeypatch):
+def test_read_ahead_hints_are_skipped_only_while_reads_go_around_the_page_cache(tmp_path, monkeypatch):
     disk = DiskBackend(tmp_path, 1 << 30)
     disk.put([("k", os.urandom(3 * DIRECT_ALIGN))])
     advised: list[list[str]] = []
     monkeypatch.setattr(disk, "_advise", lambda names: advised.append(names))
-    disk.will_get(["k"])  # nothing read yet: the hint goes out
+    disk.will_get(["k"])  # nothing read yet: O_DIRECT reads are assumed, no hint
+    assert advised == []
+    disk.get(["k"])  # whole files as bytes (a coded tier): through the page cache, hints again
+    disk.will_get(["k"])
     assert len(advised) == 1
     region, (out,) = aligned_buffers(1, 4 * DIRECT_ALIGN)
     disk.get_into_many(["k"], [out])  # an O_DIRECT batch: neither it nor later hints advise
@@ -216,5 +219,6 @@ def test_read_ahead_hints_are_skipped_only_once_batches_read_with_o_direct(tmp_p
     disk.get_into_many(["k"], [out[1:]])  # a batch that cannot take O_DIRECT: hints again
     disk.will_get(["k"])
     assert len(advised) == 3
+    assert DiskBackend(tmp_path / "b", 1 << 30, direct=False)._direct_batches is False
     out.release()
     region.close()
