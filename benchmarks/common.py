@@ -119,7 +119,8 @@ def raw_read_seconds(paths: list[Path], repeats: int = 3) -> tuple[float, int]:
     """The fastest of the ways to read these files cold that we know, best of ``repeats``
     each (the files dropped from the page cache before every read): one after the other; all
     advised WILLNEED, then 4 threads; 16 threads reading 1 MiB pieces; O_DIRECT with 4 and
-    with 16 threads. A floor that lmkv's own reads cannot beat."""
+    with 16 threads. What the disk gives plain reads: the floor of a disk load, as far as
+    the disk's speed holds still between the reads compared (on a VM it may not)."""
     sizes = [p.stat().st_size for p in paths]
     page = 4096
     rounded = [-(-n // page) * page for n in sizes]
