@@ -4,6 +4,8 @@ dequantized); unsupported files get one clear error."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -272,3 +274,39 @@ def test_the_exported_directory_is_the_same_model(llm, hf, tmp_path):
     dense = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     for name, p in dense.named_parameters():
         assert torch.equal(p, hf[1].get_parameter(name)), name
+
+
+def test_lmkv_loads_on_the_real_model_give_its_tokens(gguf_path, llm, tmp_path, monkeypatch):
+    """SmolLM2 with lmkv (chunks of 256 tokens, 11.8 MB in float32: the native paged copies
+    on two threads with streaming stores, and page-aligned slots): a prompt's tokens from the
+    hot cache and then from cold disk files, read with O_DIRECT, equal the engine's own."""
+    from lmkv.backends import disk as disk_module
+    from lmkv.config import load_config
+
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = torch.randint(100, 40000, (2 * 256 + 30,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = llm.generate([prompt], greedy)[0].output_token_ids
+    cfg = load_config(env={}, chunk_size=256, max_local_cpu_size=0.1, local_disk=str(tmp_path / "disk"),
+                      max_local_disk_size=0.2)
+    with LLM(str(gguf_path), lmkv_config=cfg, kv_cache_memory=64 << 20, max_model_len=1024,
+             enable_prefix_caching=False) as lm:
+        assert lm.generate([prompt], greedy)[0].output_token_ids == want
+        cache = lm.engine.kv_connector.cache
+        cache.drain()
+        hot = lm.generate([prompt], greedy)[0]
+        assert (hot.output_token_ids, hot.num_external_tokens) == (want, 512)
+        cache.storage.hot.clear()
+        files = sorted((tmp_path / "disk").glob("*.kv"))
+        assert len(files) == 2
+        for f in files:  # cold: out of the page cache
+            fd = os.open(f, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        direct = []
+        real_open = os.open
+        monkeypatch.setattr(disk_module.os, "open", lambda p, flags, *a: (
+            direct.append(bool(flags & disk_module.DIRECT)), real_open(p, flags, *a))[1])
+        cold = lm.generate([prompt], greedy)[0]
+        assert (cold.output_token_ids, cold.num_external_tokens) == (want, 512)
+        assert direct.count(True) == 2  # both chunks read around the page cache
