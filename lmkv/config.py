@@ -121,8 +121,9 @@ class LMKVConfig:
         tiers = [f"hot cache {self.max_local_cpu_size:g} GB" if self.local_cpu
                  else f"CPU staging only ({self.max_local_cpu_size:g} GB)"]
         if self.local_disk:
+            reads = ", O_DIRECT reads" if self.local_disk_direct else ""
             tiers.append(f"disk {self.local_disk} ({self.max_local_disk_size:g} GB, "
-                         f"{self.local_disk_codec})")
+                         f"{self.local_disk_codec}{reads})")
         if self.remote_url:
             tiers.append(f"remote {self.remote_url} ({self.remote_serde})")
         extras = [name for name, on in (("layer-wise", self.use_layerwise),

@@ -316,7 +316,7 @@ def test_a_body_over_the_limit_gets_413_and_the_server_goes_on(server):
 def test_serve_logs_whether_lmkv_is_on_and_its_tiers(server, serve_dir):
     log = (serve_dir / "server.log").read_text()
     assert f"lmkv is on (LMKV_CONFIG_FILE={serve_dir / 'lmkv.yaml'}): chunks of 32 tokens; tiers: " \
-           f"hot cache 0.05 GB, disk {serve_dir / 'disk'} (0.1 GB, raw)" in log, log
+           f"hot cache 0.05 GB, disk {serve_dir / 'disk'} (0.1 GB, raw, O_DIRECT reads)" in log, log
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "precompute"])
