@@ -298,10 +298,12 @@ def test_lmkv_loads_on_the_real_model_give_its_tokens(gguf_path, llm, tmp_path, 
         cache.storage.hot.clear()
         files = sorted((tmp_path / "disk").glob("*.kv"))
         assert len(files) == 2
-        for f in files:  # cold: out of the page cache
+        cold_files = True
+        for f in files:  # cold: out of the page cache (where the file system lets them go)
             fd = os.open(f, os.O_RDONLY)
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            cold_files &= not disk_module._cached(fd, os.fstat(fd).st_size)
             os.close(fd)
         direct = []
         real_open = os.open
@@ -309,4 +311,5 @@ def test_lmkv_loads_on_the_real_model_give_its_tokens(gguf_path, llm, tmp_path, 
             direct.append(bool(flags & disk_module.DIRECT)), real_open(p, flags, *a))[1])
         cold = lm.generate([prompt], greedy)[0]
         assert (cold.output_token_ids, cold.num_external_tokens) == (want, 512)
-        assert direct.count(True) == 2  # both chunks read around the page cache
+        if cold_files:  # both chunks read around the page cache
+            assert direct.count(True) == 2
