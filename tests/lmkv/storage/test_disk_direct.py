@@ -153,7 +153,8 @@ def test_unaligned_buffers_and_file_systems_without_o_direct_use_the_page_cache(
         return real(p, flags, *args, **kwargs)
 
     monkeypatch.setattr(disk_module.os, "open", no_direct)
-    drop([path])
+    if not drop([path]):
+        pytest.skip("this file system keeps files in the page cache")
     out[:] = bytes(len(out))
     with caplog.at_level(logging.INFO, logger="lmkv.backends.disk"):
         assert disk.get_into_many(["k"], [out]) == [len(value)]
