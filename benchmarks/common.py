@@ -83,11 +83,15 @@ def hf_model(path: Path):
         path.parent, gguf_file=path.name, dtype=torch.float32, **dense).eval()
 
 
-def _times(fn: Callable[[], object], repeats: int) -> list[float]:
-    """Wall times of ``repeats`` calls, after one warm-up call."""
+def _times(fn: Callable[[], object], repeats: int,
+           before: Callable[[], object] | None = None) -> list[float]:
+    """Wall times of ``repeats`` calls, after one warm-up call; ``before`` runs untimed
+    ahead of every call."""
     fn()
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -99,9 +103,26 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(_times(fn, repeats))
 
 
-def best(fn: Callable[[], object], repeats: int = 5) -> float:
-    """Lowest wall time of ``repeats`` calls, after one warm-up call."""
-    return min(_times(fn, repeats))
+def best(fn: Callable[[], object], repeats: int = 5, before: Callable[[], object] | None = None) -> float:
+    """Lowest wall time of ``repeats`` calls, after one warm-up call (``before``: as _times)."""
+    return min(_times(fn, repeats, before))
+
+
+def add_kv_work_args(ap, block: int) -> None:
+    """The shared work's size on the command line: a prompt of --tokens in chunks of --chunk
+    (whole blocks of ``block``), Llama-3.2-1B's KV shape by default (16 layers, 8 KV heads,
+    head_dim 64). Check the result with ``check_kv_work_args``."""
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.set_defaults(block=block)
+
+
+def check_kv_work_args(ap, args) -> None:
+    if args.tokens % args.chunk or args.chunk % args.block:
+        ap.error(f"--tokens must be a multiple of --chunk, and --chunk of {args.block}")
 
 
 def drop_page_cache(paths: list[Path]) -> None:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_kv_work_args, best, check_kv_work_args  # noqa: E402
 from lmkv_ttft import memcpy_gbps  # noqa: E402
 
 from lmkv import ops_torch, transfer  # noqa: E402
@@ -30,41 +30,33 @@ BLOCK = 16
 DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
-def best_seconds(run, repeats: int, before=None) -> float:
-    """The best of ``repeats`` timed calls of ``run``, each after an untimed ``before``."""
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def plain_stores(run):
-    """``run`` with the native copy's streaming stores off (every copy below the threshold)."""
-    def go():
-        saved, transfer.STREAM_BYTES = transfer.STREAM_BYTES, 1 << 62
+def copies(paged: torch.Tensor, bufs: list[torch.Tensor], spans: list[torch.Tensor], to_paged: bool,
+           native: bool, streaming: bool = True):
+    """A function copying every chunk buffer to (or from) its slots: natively (with plain
+    stores where ``streaming`` is off: every copy below the threshold) or with torch."""
+    def run() -> None:
+        saved = transfer.STREAM_BYTES
+        transfer.STREAM_BYTES = saved if streaming else 1 << 62
         try:
-            run()
+            for buf, slots in zip(bufs, spans, strict=True):
+                if native:
+                    assert transfer.copy(paged, slots, buf, 0, to_paged)
+                elif to_paged:
+                    ops_torch.chunk_to_paged(buf, paged, slots)
+                else:
+                    ops_torch.paged_to_chunk(paged, slots, buf)
         finally:
             transfer.STREAM_BYTES = saved
-    return go
+    return run
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
+    add_kv_work_args(ap, BLOCK)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     args = ap.parse_args()
-    if args.tokens % args.chunk or args.chunk % BLOCK:
-        ap.error(f"--tokens must be a multiple of --chunk, and --chunk of {BLOCK}")
+    check_kv_work_args(ap, args)
     if transfer.library() is None:
         sys.exit("no native paged copies here (no C compiler, or LMKV_NATIVE_COPY=0)")
     n, chunk = args.tokens, args.chunk
@@ -80,54 +72,33 @@ def main() -> None:
         slots = (order[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
         chunks = [torch.randn(2, args.layers, chunk, args.heads, args.head_dim, generator=g).to(dtype)
                   for _ in range(n // chunk)]
+        outs = [torch.empty_like(c) for c in chunks]
         spans = [slots[i : i + chunk] for i in range(0, n, chunk)]
         nbytes = sum(c.numel() * c.element_size() for c in chunks)
-
-        def load_native(paged=paged, chunks=chunks, spans=spans):
-            for c, s in zip(chunks, spans, strict=True):
-                assert transfer.copy(paged, s, c, 0, to_paged=True)
-
-        def load_torch(paged=paged, chunks=chunks, spans=spans):
-            for c, s in zip(chunks, spans, strict=True):
-                ops_torch.chunk_to_paged(c, paged, s)
-
-        outs = [torch.empty_like(c) for c in chunks]
-
-        def save_native(paged=paged, outs=outs, spans=spans):
-            for c, s in zip(outs, spans, strict=True):
-                assert transfer.copy(paged, s, c, 0, to_paged=False)
-
-        def save_torch(paged=paged, outs=outs, spans=spans):
-            for c, s in zip(outs, spans, strict=True):
-                ops_torch.paged_to_chunk(paged, s, c)
-
         memcpy = memcpy_gbps(nbytes)
-        for what, native, plain in (("load", load_native, load_torch), ("save", save_native, save_torch)):
+        for what, bufs, written in (("load", chunks, [paged]), ("save", outs, outs)):
+            to_paged = what == "load"
+            native, plain = (copies(paged, bufs, spans, to_paged, mode) for mode in (True, False))
             native()
-            mine = paged.clone() if what == "load" else [o.clone() for o in outs]
+            mine = [t.clone() for t in written]
             plain()
-            theirs = paged if what == "load" else outs
-            same = torch.equal(mine, theirs) if what == "load" else all(
-                torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
-            assert same, f"{name} {what}: native and torch copies differ"
-            a = nbytes / best_seconds(native, args.repeats) / 1e9
-            b = nbytes / best_seconds(plain, args.repeats) / 1e9
-            print(f"{name} {nbytes / 1e6:.0f} MB, {what} (chunk {'->' if what == 'load' else '<-'} "
+            assert all(torch.equal(a, b) for a, b in zip(mine, written, strict=True)), \
+                f"{name} {what}: native and torch copies differ"
+            a, b = (nbytes / best(run, args.repeats) / 1e9 for run in (native, plain))
+            print(f"{name} {nbytes / 1e6:.0f} MB, {what} (chunk {'->' if to_paged else '<-'} "
                   f"paged): native {a:.2f} GB/s vs torch {b:.2f} GB/s: native/torch = {a / b:.2f}x")
-            if what == "load":
+            if to_paged:
                 print(f"{name} {nbytes / 1e6:.0f} MB, load: native {a:.2f} GB/s vs memcpy "
                       f"{memcpy:.2f} GB/s: native/memcpy = {a / memcpy:.2f}x")
         # loads into pages written just before (lmcache_compare zeroes them before each
         # retrieve): their lines sit dirty in the caches; and the native copy with plain stores
-        dst = order[:, None]
+        def zero(paged=paged, blocks=order):
+            paged[:, :, blocks] = 0
 
-        def zero(paged=paged, dst=dst):
-            paged[:, :, dst.flatten()] = 0
-
+        runs = [copies(paged, chunks, spans, True, True), copies(paged, chunks, spans, True, True, False),
+                copies(paged, chunks, spans, True, False)]
         for state, before in (("as they are", None), ("just zeroed", zero)):
-            a = nbytes / best_seconds(load_native, args.repeats, before) / 1e9
-            c = nbytes / best_seconds(plain_stores(load_native), args.repeats, before) / 1e9
-            b = nbytes / best_seconds(load_torch, args.repeats, before) / 1e9
+            a, c, b = (nbytes / best(run, args.repeats, before) / 1e9 for run in runs)
             print(f"{name} {nbytes / 1e6:.0f} MB, load into pages {state}: native {a:.2f} GB/s "
                   f"(with plain stores {c:.2f}) vs torch {b:.2f} GB/s: native/torch = {a / b:.2f}x")
 

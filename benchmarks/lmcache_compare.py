@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drop_page_cache, random_prompt, raw_read_seconds  # noqa: E402
+from common import add_kv_work_args, check_kv_work_args, drop_page_cache, random_prompt, raw_read_seconds  # noqa: E402
 from lmkv_ttft import memcpy_gbps  # noqa: E402
 
-from lmkv import ops, transfer  # noqa: E402
+from lmkv import ops  # noqa: E402
 from lmkv.cache import LMKVCache  # noqa: E402
 from lmkv.config import load_config  # noqa: E402
 from lmkv.layout import KVLayout  # noqa: E402
@@ -70,7 +70,6 @@ def make_work(root: Path, args, dtype: str) -> tuple[torch.Tensor, dict]:
         paged_shape=list(paged.shape), paged_numel=paged.numel(),
         src_slots=slots(src_blocks), dst_slots=slots(dst_blocks),
         prompts=[random_prompt(n, 32000, seed=100 + i) for i in range(args.repeats)],
-        native_copy=transfer.library()._name,  # LMCache's second connector copies with it too
     )
     paged.flatten().numpy().tofile(root / "paged.bin")
     (root / "meta.json").write_text(json.dumps(meta))
@@ -134,18 +133,12 @@ def lmcache_side(root: Path) -> dict[str, list[float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--chunk", type=int, default=256)
-    # Llama-3.2-1B's KV shape: 16 layers, 8 KV heads, head_dim 64
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
+    add_kv_work_args(ap, BLOCK)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="turns each side takes, alternating")
     ap.add_argument("--dtypes", nargs="+", default=["float16", "float32"], choices=list(DTYPES))
     args = ap.parse_args()
-    if args.tokens % args.chunk or args.chunk % BLOCK:
-        ap.error(f"--tokens must be a multiple of --chunk, and --chunk of {BLOCK}")
+    check_kv_work_args(ap, args)
     print(f"{args.tokens} tokens, chunk {args.chunk}, {args.layers} layers x {args.heads} KV heads "
           f"x {args.head_dim}, paged blocks of {BLOCK} (shuffled), best of {args.repeats} x "
           f"{args.rounds} rounds (the sides alternating); "

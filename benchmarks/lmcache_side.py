@@ -12,7 +12,6 @@ path does; NativePagedCPUConnector with lmkv's native copier, as lmkv's default 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import itertools
 import json
 import os
@@ -24,12 +23,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py (no lmkv import)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # lmkv.transfer from this checkout
 from common import drop_page_cache  # noqa: E402
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.metadata import LMCacheMetadata
+
+from lmkv import transfer
 
 DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
@@ -70,31 +72,12 @@ class PagedCPUConnector(GPUConnectorInterface):
 
 
 class NativePagedCPUConnector(PagedCPUConnector):
-    """The same copies with lmkv's native paged copier (lmkv/transfer.c, the library lmkv's
-    side built, loaded here by path: lmkv itself is not installed in this venv), called
-    exactly as lmkv.transfer.copy calls it: so both sides move the bytes the same way."""
-
-    STREAM_BYTES = 4 << 20  # lmkv.transfer.STREAM_BYTES
-
-    def __init__(self, paged: torch.Tensor, library: str):
-        super().__init__(paged)
-        self.lib = ctypes.CDLL(library)
-        self.lib.lmkv_transfer.restype = ctypes.c_int
-        self.lib.lmkv_transfer.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 10 + [ctypes.c_int] * 3
+    """The same copies with lmkv's native paged copier (lmkv.transfer, imported from this
+    checkout: it needs only torch), called as lmkv's side calls it."""
 
     def _copy(self, memory_obj, start: int, end: int, slot_mapping: torch.Tensor, to_paged: bool) -> None:
-        obj = memory_obj.tensor
-        assert obj.is_contiguous() and obj.dtype == self.paged.dtype
-        slots = slot_mapping[start:end].contiguous()
-        size = obj.element_size()
-        tokens, row = end - start, self.heads * self.head_dim * size
-        ks = [st * size for st in self.paged.stride()]
-        rc = self.lib.lmkv_transfer(obj.data_ptr(), self.paged.data_ptr(), slots.data_ptr(), tokens,
-                                    self.paged.shape[2] * self.block_size, self.layers, row,
-                                    self.layers * tokens * row, tokens * row, row, ks[0], ks[1], ks[3],
-                                    int(to_paged), torch.get_num_threads(),
-                                    int(2 * self.layers * tokens * row >= self.STREAM_BYTES))
-        assert rc == 0, rc
+        obj = memory_obj.tensor.view(2, self.layers, end - start, self.heads, self.head_dim)
+        assert transfer.copy(self.paged, slot_mapping[start:end], obj, 0, to_paged), "not native"
 
     def from_gpu(self, memory_obj, start, end, **kwargs):
         self._copy(memory_obj, start, end, kwargs["slot_mapping"], to_paged=False)
@@ -148,7 +131,7 @@ def main() -> None:
     bs = paged.shape[3]
     src_blocks, dst_blocks = src[::bs] // bs, dst[::bs] // bs
     connectors = {"": PagedCPUConnector(paged),
-                  "_native": NativePagedCPUConnector(paged, meta["native_copy"])}
+                  "_native": NativePagedCPUConnector(paged)}
     out: dict[str, list[float]] = {}
 
     for tier, suffix in itertools.product(("cpu", "disk", "disk_direct"), connectors):

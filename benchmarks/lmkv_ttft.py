@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_model, drop_page_cache, random_prompt, raw_read_seconds  # noqa: E402
+from common import bench_model, best, drop_page_cache, random_prompt, raw_read_seconds  # noqa: E402
 
 from lmkv import ops  # noqa: E402
 from lmkv.config import load_config  # noqa: E402
@@ -78,13 +78,7 @@ def memcpy_gbps(nbytes: int) -> float:
     slots = torch.arange(rows)
     flat_src, flat_dst = src.view(-1), dst.view(-1)
     copies = [lambda: flat_dst.copy_(flat_src), lambda: ops.chunk_to_paged(src, dst, slots)]
-    times = []
-    for copy in copies:
-        for _ in range(5):
-            start = time.perf_counter()
-            copy()
-            times.append(time.perf_counter() - start)
-    return src.numel() * 4 / min(times) / 1e9
+    return src.numel() * 4 / min(best(copy, 5) for copy in copies) / 1e9
 
 
 def child(args) -> None:

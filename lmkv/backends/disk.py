@@ -150,13 +150,16 @@ class DiskBackend(StorageBackend):
             size = self.index.get(name)
             if size is not None and size <= len(out):  # larger: not a frame this reader holds
                 wanted.append((i, name, size))
+        # one way for the whole batch: O_DIRECT where every buffer takes it (then no read-ahead,
+        # which would only read the files a second time), else read-ahead and the page cache
+        direct = self.direct and all(_aligned(outs[i], size) for i, _, size in wanted)
         if wanted:
-            self._direct_batches = self.direct and all(_aligned(outs[i], size) for i, _, size in wanted)
-        if not self._direct_batches:  # O_DIRECT reads skip the page cache: no read-ahead for them
+            self._direct_batches = direct
+        if not direct:
             self._advise([name for _, name, _ in wanted])
 
         def read(i: int, name: str, size: int) -> int | OSError:
-            n = self._read(name, outs[i], size)
+            n = self._read(name, outs[i], size, direct)
             if arrived is not None and isinstance(n, int):
                 arrived(i, n)
             return n
@@ -179,16 +182,16 @@ class DiskBackend(StorageBackend):
             raise BackendError(f"disk tier read failed: {failed}") from failed
         return lengths
 
-    def _read(self, name: str, out: memoryview, size: int) -> int | OSError:
-        """One file into ``out`` (runs on a reader thread): its length, or the error. A file
-        the page cache holds whole is copied from it, any other read with O_DIRECT where
-        ``out`` allows; whatever is left goes through the page cache."""
+    def _read(self, name: str, out: memoryview, size: int, direct: bool) -> int | OSError:
+        """One file into ``out`` (runs on a reader thread): its length, or the error. With
+        ``direct`` (``out`` takes O_DIRECT), a file the page cache does not hold whole is read
+        with O_DIRECT; whatever is left goes through the page cache."""
         path = self.root / name
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
                 done = 0
-                if self.direct and _aligned(out, size) and not _cached(fd, size):
+                if direct and self.direct and not _cached(fd, size):
                     done = self._read_direct(fd, path, out, size)
                 while done < size:
                     n = os.preadv(fd, [out[done:size]], done)
@@ -231,7 +234,7 @@ class DiskBackend(StorageBackend):
         if error.errno != errno.EINVAL:
             raise error
         if self.direct:
-            self.direct = False
+            self.direct = self._direct_batches = False
             log.info("disk tier %s: no O_DIRECT reads here (%s); reading through the page cache",
                      self.root, error)
         return 0
@@ -243,7 +246,7 @@ class DiskBackend(StorageBackend):
 
     def will_get(self, keys: Sequence[str]) -> None:
         # read-ahead into the page cache would only double O_DIRECT's reads of the same files
-        if not (self.direct and self._direct_batches):
+        if not self._direct_batches:
             self._advise([n for n in map(self._name, keys) if n in self.index])
 
     def _advise(self, names: list[str]) -> None:
