@@ -1,8 +1,9 @@
-"""lmkv's hot cache on a real request trace (the Mooncake conversation trace in shared/):
-with cache_policy lru it serves exactly what a textbook LRU cache of the same size would;
-with each policy it serves what that policy, driven directly, serves (the benchmark's
-sweeps drive policies directly); the default never serves less than LRU; Belady is an
-upper bound on block hits, also of a policy that stores only blocks used again."""
+"""lmkv's hot cache on request traces (the Mooncake conversation trace in shared/, where the
+checkout has it beside it, and the generated ones, always): with cache_policy lru it serves
+exactly what a textbook LRU cache of the same size would; with each policy it serves what
+that policy, driven directly, serves (the benchmark's sweeps drive policies directly); the
+default never serves less than LRU; Belady is an upper bound on block hits, also of a policy
+that stores only blocks used again."""
 
 from __future__ import annotations
 
@@ -20,20 +21,29 @@ from benchmarks.trace_replay import (
 )
 from lmkv.policy import DEFAULT_POLICY
 
-pytestmark = pytest.mark.skipif(not DEFAULT_TRACE.is_file(), reason=f"no trace at {DEFAULT_TRACE}")
+needs_trace = pytest.mark.skipif(not DEFAULT_TRACE.is_file(), reason=f"no trace at {DEFAULT_TRACE}")
+TRACES = [pytest.param("conversation", marks=needs_trace), "agent", "rag"]
 
 
-@pytest.mark.parametrize("capacity", [50, 400, 3000])
-def test_hot_cache_with_lru_serves_what_lru_serves_on_a_real_trace(capacity):
-    trace = load_trace(DEFAULT_TRACE, 1500)
+def trace_of(name: str, requests: int = 1500):
+    return load_trace(DEFAULT_TRACE, requests) if name == "conversation" else synthetic_trace(name, requests)
+
+
+@pytest.mark.parametrize("name", TRACES)
+@pytest.mark.parametrize("capacity", [50, 400, 1000, 3000])
+def test_hot_cache_with_lru_serves_what_lru_serves(name, capacity):
+    if (name, capacity) == ("agent", 3000):
+        pytest.skip("1500 agent requests' reuse fits in 3000 chunks: nothing to evict")
+    trace = trace_of(name)
     served, _, _ = replay(trace, capacity, "lru")
     assert served == plain_lru(trace, capacity) == simulate(trace, capacity, "lru")
-    assert 0 < served < plain_lru(trace, None)
+    assert 0 < served < plain_lru(trace, None)  # the cache is too small to hold all reuse
 
 
+@pytest.mark.parametrize("name", TRACES)
 @pytest.mark.parametrize("capacity", [50, 400, 3000])
-def test_hot_cache_with_the_default_serves_what_the_policy_serves_and_no_less_than_lru(capacity):
-    trace = load_trace(DEFAULT_TRACE, 1500)
+def test_hot_cache_with_the_default_serves_what_the_policy_serves_and_no_less_than_lru(name, capacity):
+    trace = trace_of(name)
     served, _, _ = replay(trace, capacity, DEFAULT_POLICY)
     assert served == simulate(trace, capacity, DEFAULT_POLICY)
     assert plain_lru(trace, capacity) <= served <= plain_lru(trace, None)
@@ -46,8 +56,9 @@ def test_belady_bounds_the_policies_on_a_generated_trace():
     assert all(simulate(trace, 200, p) <= opt for p in ("lru", "prefix_lru", DEFAULT_POLICY))
 
 
-def test_the_admission_oracle_stores_only_blocks_used_again_and_lru_gains_by_it():
-    trace = load_trace(DEFAULT_TRACE, 1500)
+@pytest.mark.parametrize("name", [TRACES[0], "rag"])
+def test_the_admission_oracle_stores_only_blocks_used_again_and_lru_gains_by_it(name):
+    trace = trace_of(name)
     blocks = [k for _, keys in trace for k in keys]
     uses = next_uses(trace)
     later = {k: i for i, k in enumerate(blocks)}  # the last use of each key
