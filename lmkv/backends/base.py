@@ -15,8 +15,9 @@ class StorageBackend(ABC):
     - Keys are ASCII strings of at most 150 bytes (the lm:// key field's size).
     - Values are opaque, already framed and checksummed bytes (see lmkv.codec): a backend
       never interprets them.
-    - Calls are blocking and need not be thread-safe: one I/O worker per process drives
-      each backend. Every call that touches a network or a device is bounded by a timeout.
+    - Calls are blocking and need not be thread-safe: the Tier above a backend makes one
+      call at a time (from lmkv's I/O worker, and lookups from the engine's threads). Every
+      call that touches a network or a device is bounded by a timeout.
     - Failures raise ``BackendError`` (or a subclass); the caller turns them into a
       recompute, a log line and a metric. A backend never returns wrong bytes silently:
       a corrupt value is detected by the codec frame's checksum above it.

@@ -1,10 +1,14 @@
 """Tier: one storage tier below the hot cache: its backend, the codec its chunks are
 framed with, its circuit breaker and its metrics. Chunks are encoded where they enter a
-tier and decoded where they leave it, here and nowhere else."""
+tier and decoded where they leave it, here and nowhere else. Backends need not be
+thread-safe (base.py), while a tier is used from the I/O worker (reads, writes) and from the
+thread that looks chunks up (the engine's scheduler, vLLM's lookup server): the tier makes
+one backend call at a time, under its lock."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -30,6 +34,7 @@ class Tier:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     decoders: Executor | None = None  # decodes a batch's coded frames side by side; None: in turn
     _warned_range: bool = field(default=False, init=False, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.codec, str):  # a codec named in a config
@@ -69,34 +74,38 @@ class Tier:
             self.metrics.dropped.labels(f"save_{self.name}").inc()
             return False
         start = time.perf_counter()
-        before = self.backend.num_evictions
-        try:
-            self.backend.put([(key, frame)])
-        except BackendError as e:
-            self._failed("put", e)
-            return False
-        self.breaker.success()
+        with self._lock:
+            before = self.backend.num_evictions
+            try:
+                self.backend.put([(key, frame)])
+            except BackendError as e:
+                self._failed("put", e)
+                return False
+            self.breaker.success()
+            evicted = self.backend.num_evictions - before
         self.metrics.tier_seconds.labels(self.name, "put").observe(time.perf_counter() - start)
         self.metrics.tier_bytes.labels(self.name, "put").inc(len(frame))
-        self.metrics.evictions.labels(self.name).inc(max(0, self.backend.num_evictions - before))
+        self.metrics.evictions.labels(self.name).inc(max(0, evicted))
         return True
 
     def contains(self, keys: list[str]) -> list[bool] | None:
         """Which keys the tier holds; None if it could not be asked."""
         if not self.available:
             return None
-        try:
-            found = self.backend.contains(keys)
-        except BackendError as e:
-            self._failed("contains", e)
-            return None
-        self.breaker.success()
+        with self._lock:
+            try:
+                found = self.backend.contains(keys)
+            except BackendError as e:
+                self._failed("contains", e)
+                return None
+            self.breaker.success()
         return found
 
     def will_get(self, keys: list[str]) -> None:
         """Tell the backend that ``keys`` will be read soon (a disk tier starts the reads)."""
         if self.available and keys:
-            self.backend.will_get(keys)
+            with self._lock:
+                self.backend.will_get(keys)
 
     def read(self, keys: list[str], bufs: list[ChunkBuffer]) -> list[bool]:
         """Read and decode ``keys[i]`` into ``bufs[i]``, one batch (one pipelined round trip
@@ -107,22 +116,23 @@ class Tier:
         start = time.perf_counter()
         checked: dict[int, Exception | None] = {}  # frames checked as they landed: error
         raw = self.codec.name == "raw"
-        try:
-            if raw:  # frames straight into the slots, each checked
-                # whole slots: a disk tier may read whole pages into them (O_DIRECT)
-                frames = [memoryview(buf.slot.numpy()) for buf in bufs]  # checked as it lands
+        with self._lock:
+            try:
+                if raw:  # frames straight into the slots, each checked
+                    # whole slots: a disk tier may read whole pages into them (O_DIRECT)
+                    frames = [memoryview(buf.slot.numpy()) for buf in bufs]  # checked as it lands
 
-                def arrived(i: int, n: int) -> None:
-                    checked[i] = self._check(keys[i], bufs[i], frames[i][:n])
+                    def arrived(i: int, n: int) -> None:
+                        checked[i] = self._check(keys[i], bufs[i], frames[i][:n])
 
-                lengths = self.backend.get_into_many(keys, frames, arrived)
-                values = [None if n is None else f[:n] for f, n in zip(frames, lengths, strict=True)]
-            else:
-                values = self.backend.get(keys)
-        except BackendError as e:
-            self._failed("get", e)
-            return [False] * len(keys)
-        self.breaker.success()
+                    lengths = self.backend.get_into_many(keys, frames, arrived)
+                    values = [None if n is None else f[:n] for f, n in zip(frames, lengths, strict=True)]
+                else:
+                    values = self.backend.get(keys)
+            except BackendError as e:
+                self._failed("get", e)
+                return [False] * len(keys)
+            self.breaker.success()
         self.metrics.tier_seconds.labels(self.name, "get").observe(time.perf_counter() - start)
         if not raw:
             checked = self._check_all(keys, bufs, values)
@@ -160,7 +170,8 @@ class Tier:
             log.warning("lmkv: a chunk from %s is corrupt (%s); it will be recomputed", self.name, error)
             self.metrics.errors.labels(self.name, "corrupt").inc()
             try:
-                self.backend.remove([key])
+                with self._lock:
+                    self.backend.remove([key])
             except BackendError as e:
                 log.warning("lmkv: cannot remove the corrupt chunk from %s (%s)", self.name, e)
             return False
@@ -177,4 +188,5 @@ class Tier:
         self.metrics.errors.labels(self.name, op).inc()
 
     def close(self) -> None:
-        self.backend.close()
+        with self._lock:
+            self.backend.close()

@@ -1,0 +1,121 @@
+"""A tier is used from two threads at once: lookups ask it what it holds on the caller's
+thread (the engine's scheduler, vLLM's lookup server) while lmkv's I/O worker writes and
+reads through the same backend. Backends are not thread-safe (one lm:// connection, the
+disk tier's eviction policy), so the tier makes one backend call at a time; before it did,
+a real lmkv_server saw requests spliced into each other's payloads."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import torch
+
+from lmkv.backends.base import StorageBackend
+from lmkv.cache import LMKVCache
+from lmkv.config import load_config
+from lmkv.layout import KVLayout
+from lmkv.storage.tier import Tier
+
+LAYOUT = KVLayout(4, 4, 64, torch.float16, 64)  # 128 KiB chunks
+
+
+def store_prompt(cache: LMKVCache, seed: int, chunks: int) -> list[str]:
+    keys = cache.keys(random.Random(seed).choices(range(30000), k=64 * chunks))
+    for key in keys:
+        buf = cache.allocate()
+        if buf is None:  # every slot waits for its write: the save is dropped, as the connector does
+            break
+        buf.kv.fill_(seed % 7)
+        buf.num_tokens = 64
+        cache.store(key, buf)
+        buf.release()
+    return keys
+
+
+def test_lookups_beside_saves_on_one_lm_connection_stay_in_step(spawn_server):
+    server = spawn_server("--max-memory", "64MiB")
+    cfg = load_config(env={}, chunk_size=64, max_local_cpu_size=0.2, remote_url=server.url,
+                      remote_timeout=5.0)
+    cache = LMKVCache(cfg, LAYOUT, "model")
+    try:
+        base = store_prompt(cache, 0, 4)
+        cache.drain()
+        cache.storage.hot.clear()  # lookups must ask the server
+        assert cache.lookup(base) == len(base)
+        stop = time.monotonic() + 3
+        seen: list[int] = []
+        errors: list[BaseException] = []
+
+        def look() -> None:
+            try:
+                while time.monotonic() < stop:
+                    seen.append(cache.lookup(base))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        looker = threading.Thread(target=look)
+        looker.start()
+        seed = 0
+        while time.monotonic() < stop:  # saves on the I/O worker, all the while (40 prompts
+            store_prompt(cache, 1 + seed % 40, 2)  # over and over: the server never evicts)
+            seed += 1
+        looker.join()
+        cache.drain()
+        assert not errors
+        assert len(seen) > 100 and set(seen) == {len(base)}  # every lookup found all of it
+        samples = cache.metrics.errors.collect()[0].samples
+        assert not [s for s in samples if s.value], samples  # no failed call on the tier
+        stats = httpx.get(f"http://127.0.0.1:{server.admin_port}/stats").json()
+        assert not any(stats["traffic"]["protocol_errors"].values()), stats["traffic"]
+        assert cache.fetch(base) and len(cache.fetch(base)) == len(base)
+    finally:
+        cache.close()
+
+
+class OneAtATime(StorageBackend):
+    """A backend that fails if two of its calls overlap."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.overlaps = 0
+        self.calls = 0
+
+    def _enter(self) -> None:
+        self.overlaps += self.busy
+        self.busy = True
+        self.calls += 1
+        time.sleep(0.0005)
+        self.busy = False
+
+    def put(self, items):
+        self._enter()
+
+    def get(self, keys):
+        self._enter()
+        return [None] * len(keys)
+
+    def contains(self, keys):
+        self._enter()
+        return [False] * len(keys)
+
+
+def test_a_tier_never_overlaps_calls_into_its_backend():
+    backend = OneAtATime()
+    tier = Tier("remote", backend, "zstd")
+    frame = memoryview(bytearray(64))
+
+    def hammer(fn) -> None:
+        for _ in range(200):
+            fn()
+
+    threads = [threading.Thread(target=hammer, args=(fn,)) for fn in (
+        lambda: tier.contains(["a", "b"]), lambda: tier.write("a", frame),
+        lambda: tier.read(["a"], [None]), lambda: tier.will_get(["a"]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert backend.calls == 600 and backend.overlaps == 0
