@@ -7,6 +7,7 @@ either server stores them verbatim. Wire format: lmkv.backends.lm_wire.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import select
 import socket
@@ -19,7 +20,10 @@ from urllib.parse import urlsplit
 from lmkv.backends import lm_wire as wire
 from lmkv.backends.base import Arrived, BackendError, StorageBackend
 
-DEFAULT_MAX_VALUE_SIZE = 1 << 30
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_VALUE_SIZE = 256 << 20  # lmkv_server's default: a larger PUT would be refused
+RECEIVE_STEP = 16 << 20  # a value is received into memory grown by this much as it arrives
 # lmcache_server parses the key of every frame, HEALTH included, and drops the connection
 # if it is not model@world_size@worker_id@chunk_hash_hex@dtype
 _HEALTH_KEY = b"lmkv-health@1@0@0@uint8"
@@ -118,9 +122,7 @@ class LMBackend(StorageBackend):
                 if length is None:
                     values.append(None)
                     continue
-                value = bytearray(length)
-                self._recv_exactly(sock, memoryview(value), deadline)
-                values.append(value)  # type: ignore[arg-type]
+                values.append(self._recv_value(sock, length, deadline))  # type: ignore[arg-type]
         except OSError as exc:
             self._fail("get from", exc)
         return values
@@ -138,8 +140,8 @@ class LMBackend(StorageBackend):
             if length is None:
                 return None
             if length > view.nbytes:
-                # the reply cannot be skipped cheaply: drop the connection instead
-                self._fail_with(f"value of {key!r} is {length} bytes, buffer {view.nbytes}")
+                self._skip(sock, key, length, view.nbytes, deadline)
+                return None
             self._recv_exactly(sock, view[:length], deadline)
             return length
         except OSError as exc:
@@ -158,7 +160,8 @@ class LMBackend(StorageBackend):
                 deadline = time.monotonic() + self.timeout
                 length = self._read_value_header(sock, deadline)
                 if length is not None and length > view.nbytes:
-                    self._fail_with(f"value of {key!r} is {length} bytes, buffer {view.nbytes}")
+                    self._skip(sock, key, length, view.nbytes, deadline)
+                    length = None
                 if length is not None:
                     self._recv_exactly(sock, view[:length], deadline)
                 if length is not None and arrived is not None:
@@ -232,11 +235,36 @@ class LMBackend(StorageBackend):
 
     def _read_value_header(self, sock: socket.socket, deadline: float) -> int | None:
         reply = self._read_response(sock, deadline)
-        if reply.code != wire.Code.SUCCESS:
+        if reply.code == wire.Code.FAIL:  # not stored
             return None
+        if reply.code != wire.Code.SUCCESS:  # not a reply: the stream is out of step
+            self._fail_with(f"{self._where()} answered with code {reply.code}")
         if not 0 <= reply.length <= self.max_value_size:
             self._fail_with(f"{self._where()} announced a {reply.length}-byte value")
         return reply.length
+
+    def _recv_value(self, sock: socket.socket, length: int, deadline: float) -> bytearray:
+        """A value of ``length`` bytes (at most max_value_size), in memory that grows as the
+        bytes arrive, so a length announced but never sent costs no more than what came."""
+        value = bytearray(min(length, RECEIVE_STEP))
+        self._recv_exactly(sock, memoryview(value), deadline)
+        while len(value) < length:
+            start = len(value)
+            value.extend(bytes(min(length - start, RECEIVE_STEP)))
+            self._recv_exactly(sock, memoryview(value)[start:], deadline)
+        return value
+
+    def _skip(self, sock: socket.socket, key: str, length: int, room: int, deadline: float) -> None:
+        """Read and drop a value too large for its buffer (not a frame this reader can take:
+        another layout's, or corrupt), so the connection stays in step; the caller takes it
+        as a miss."""
+        log.warning("lmkv: %s holds %d bytes under %r, more than the %d a chunk takes here; "
+                    "taken as a miss", self._where(), length, key, room)
+        scratch = memoryview(bytearray(min(length, RECEIVE_STEP)))
+        while length:
+            n = min(length, scratch.nbytes)
+            self._recv_exactly(sock, scratch[:n], deadline)
+            length -= n
 
     def _recv_exactly(self, sock: socket.socket, view: memoryview, deadline: float) -> None:
         while view.nbytes:

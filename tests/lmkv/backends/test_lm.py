@@ -7,9 +7,11 @@ import signal
 import socket
 import threading
 import time
+import tracemalloc
 
 import pytest
 
+from lmkv.backends import lm
 from lmkv.backends import lm_wire as wire
 from lmkv.backends.base import BackendError
 from lmkv.backends.lm import LMBackend, parse_lm_url
@@ -150,9 +152,51 @@ def test_get_into_caller_buffer(spawn_server):
     assert backend.get_into("into@1", slot) == len(value)
     assert slot[: len(value)] == value
     assert backend.get_into("missing@1", slot) is None
-    with pytest.raises(BackendError, match="buffer 10"):
-        backend.get_into("into@1", bytearray(10))
-    assert backend.get(["into@1"]) == [value]  # reconnected after the refused reply
+    sock = backend._sock
+    # a value larger than its buffer (not a chunk of this layout) is read past: a miss, and
+    # the connection stays in step (the tier is not failed over one stored value)
+    assert backend.get_into("into@1", bytearray(10)) is None
+    small, big = bytearray(10), bytearray(200_000)
+    assert backend.get_into_many(["into@1", "into@1"], [memoryview(small), memoryview(big)]) == [
+        None, len(value)]
+    assert big[: len(value)] == value and small == bytearray(10)
+    assert backend.get(["into@1"]) == [value] and backend._sock is sock
+
+
+def test_values_arrive_in_steps(spawn_server, monkeypatch):
+    """A value is received into memory grown as it arrives (a length announced but not sent
+    costs only what came): the bytes are the same."""
+    monkeypatch.setattr(lm, "RECEIVE_STEP", 4096)
+    server = spawn_server("--max-memory", "8MiB")
+    backend = LMBackend(server.url)
+    value = os.urandom(100_001)
+    backend.put([("steps@1", value)])
+    assert backend.get(["steps@1", "none@1", "steps@1"]) == [value, None, value]
+
+
+def test_a_length_announced_but_not_sent_costs_only_what_came():
+    """A server that announces a 1 GiB value and sends 10 bytes: the client fails the call
+    without having allocated the gigabyte."""
+    reply = wire.pack_response(wire.Code.SUCCESS, 1 << 30, 4, 6, (1 << 30, 0, 0, 0)) + b"x" * 10
+    fake = FakeServer(reply=reply)
+    backend = LMBackend(fake.url, timeout=0.5, max_value_size=1 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(BackendError):
+            backend.get(["k@1"])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * lm.RECEIVE_STEP
+    fake.close()
+
+
+def test_a_reply_code_that_is_no_reply_fails_the_call():
+    fake = FakeServer(reply=wire.pack_response(500, 0, 0, 0))
+    backend = LMBackend(fake.url, timeout=1)
+    with pytest.raises(BackendError, match="code 500"):
+        backend.get(["k@1"])
+    fake.close()
 
 
 def test_frozen_server_times_out_then_recovers(spawn_server):
