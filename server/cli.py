@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a started frame may take (default 30)",
     )
     p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=_DEFAULTS.idle_timeout,
+        help="close a connection with no request for this many seconds (default 0: never; "
+        "TCP keepalive finds dead clients either way)",
+    )
+    p.add_argument(
         "--max-connections",
         type=int,
         default=_DEFAULTS.max_connections,
@@ -89,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             persist_dir=args.persist_dir,
             admin_port=args.admin_port,
             io_timeout=args.io_timeout,
+            idle_timeout=args.idle_timeout,
             max_connections=args.max_connections,
             allow=args.allow,
             log_level=args.log_level.upper(),

@@ -89,6 +89,10 @@ class ServerConfig:
     admin_port: int | None = None
     # A started frame (header or PUT payload) must complete within this many seconds.
     io_timeout: float = 30.0
+    # A connection with no request for this many seconds is closed; 0: never. Off by
+    # default: engines hold idle connections between requests and LMCache's client does
+    # not reconnect. TCP keepalive finds dead peers either way (docs/server.md).
+    idle_timeout: float = 0.0
     # Open client connections (one thread each); more are refused at accept.
     max_connections: int = 1024
     # Client networks allowed to connect (empty: anyone who can reach the port). The
@@ -116,6 +120,8 @@ class ServerConfig:
             raise ValueError("max_connections must be at least 1")
         if self.io_timeout <= 0:
             raise ValueError("io_timeout must be positive")
+        if self.idle_timeout < 0:
+            raise ValueError("idle_timeout must be 0 (never) or positive")
         if self.cache_policy not in POLICIES:
             raise ValueError(f"cache_policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.cache_policy!r}")

@@ -100,7 +100,12 @@ class Listener:
         )
         with self._lock:
             self._live[conn] = thread
-        thread.start()
+        try:
+            thread.start()  # e.g. RuntimeError: can't start new thread
+        except BaseException:
+            with self._lock:  # its slot is free again; the accept loop closes the socket
+                del self._live[conn]
+            raise
 
     def _run(self, conn: Connection) -> None:
         try:

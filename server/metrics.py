@@ -41,6 +41,10 @@ class ServerCollector(Collector):
         yield _counter("evicted_bytes", "Value bytes evicted", s.evicted_bytes)
         yield _gauge("open_connections", "Open client connections", t.connections)
         yield _counter("accepted_connections", "Accepted client connections", t.connections_total)
+        yield _counter(
+            "idle_timeouts", "Connections closed after --idle-timeout without a request",
+            t.idle_timeouts,
+        )
         yield _labelled("requests", "Frames received, by command", "command", t.requests)
         yield _counter("get_hits", "GETs answered with a value", t.hits)
         yield _counter("get_misses", "GETs of absent keys", t.misses)

@@ -5,8 +5,10 @@ the thread later writes whatever value the key has then (so a key overwritten te
 before the thread gets to it is written once), or deletes the file if the key is gone
 (evicted). Disk use therefore follows the memory bound. Writes are atomic (tmp file +
 rename); a crash loses at most the keys still pending, never leaves a torn file under a
-final name. On start the index is rebuilt by reading every file, newest first, verifying
-its checksum; corrupt or truncated files are skipped with a log line.
+final name. A write that fails (disk full) removes the key's file too: a restart must
+not bring back the older value it held. On start the index is rebuilt by reading every
+file, newest first, verifying its checksum; corrupt or truncated files are skipped with
+a log line.
 
 File layout (little-endian):
     header  "<8sHii4iQ": magic, key length, fmt, dtype, shape0..3, value length
@@ -17,6 +19,7 @@ File layout (little-endian):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -158,16 +161,32 @@ class Persister:
             for segment in segments:
                 crc = zlib.crc32(segment, crc)
             tmp = path.with_name(path.name + TMP_SUFFIX)
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(CRC.pack(crc))
-                f.write(key)
-                for segment in segments:
-                    f.write(segment)
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(header)
+                    f.write(CRC.pack(crc))
+                    f.write(key)
+                    for segment in segments:
+                        f.write(segment)
+                os.replace(tmp, path)
+            except OSError:
+                self._remove_stale(key, tmp, path)
+                raise
             self.files_written += 1
         finally:
             self.store.release(entry)
+
+    def _remove_stale(self, key: bytes, tmp: Path, path: Path) -> None:
+        """After a failed write of ``key``: remove the partial ``tmp`` and the key's older
+        file, which a restart would otherwise serve in place of the value in memory."""
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        self.files_deleted += 1
+        log.warning("removed %s: the newer value of %r could not be written", path, key[:60])
 
     def _load_file(self, path: Path) -> _Outcome:
         with open(path, "rb", buffering=0) as f:

@@ -10,6 +10,10 @@ came within 0.8-0.9x of a trivial threaded sink server, where asyncio versions (
 loop's ``sock_*`` calls with SO_RCVLOWAT batching, on one or several loops) stayed
 near 0.6x of it.
 
+TCP keepalive ends a connection whose peer vanished (host down, network cut), and
+``idle_timeout``, if set, one that sends no request for that long: either would
+otherwise hold a thread and a slot of max_connections for good.
+
 Errors stay local: a frame that cannot be answered meaningfully fails (FAIL reply, or a
 dropped PUT, which has no reply), and a frame that leaves the stream unparseable (unknown
 command, negative or oversized length, timeout inside a frame) closes this connection.
@@ -33,6 +37,11 @@ log = logging.getLogger(__name__)
 
 _DRAIN_CHUNK = 256 * 1024
 _IOV_MAX = 512  # buffers per sendmsg/recvmsg call, below Linux's IOV_MAX of 1024
+# TCP keepalive: a peer silent for 60 s is probed every 10 s, and after 6 unanswered
+# probes the kernel fails the connection (a dead client host is noticed in ~2 minutes).
+_KEEPALIVE_IDLE_S = 60
+_KEEPALIVE_INTERVAL_S = 10
+_KEEPALIVE_PROBES = 6
 
 
 @dataclass(slots=True)
@@ -41,6 +50,7 @@ class Traffic:
 
     connections: int = 0  # open now (set when summing)
     connections_total: int = 0
+    idle_timeouts: int = 0  # connections closed after idle_timeout without a request
     requests: dict[str, int] = field(default_factory=lambda: {c.name: 0 for c in wire.Command})
     hits: int = 0
     misses: int = 0
@@ -74,6 +84,10 @@ class _Closed(Exception):
     """The peer closed the connection in the middle of a frame."""
 
 
+class _Stalled(Exception):
+    """A frame did not complete within io_timeout."""
+
+
 class Connection:
     def __init__(self, sock: socket.socket, store: Store, config: ServerConfig) -> None:
         self.sock = sock
@@ -86,9 +100,14 @@ class Connection:
         self._deadline = 0.0
         sock.setblocking(True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        timeval = _timeval(config.io_timeout)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _KEEPALIVE_PROBES)
+        # receives wake at least this often, to look at the clock and the stop flag
+        wake = min(config.io_timeout, config.idle_timeout or config.io_timeout)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wake))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(config.io_timeout))
 
     def serve(self) -> None:
         try:
@@ -97,12 +116,12 @@ class Connection:
         except _Closed:
             if not self.stopping:
                 log.info("%s closed the connection inside a frame", self.peer)
-        except TimeoutError:
+        except _Stalled:
             self.traffic.protocol_errors["timeout"] += 1
             log.warning(
                 "%s: frame not completed within %ss; closing", self.peer, self.config.io_timeout
             )
-        except OSError as exc:
+        except OSError as exc:  # including ETIMEDOUT: keepalive probes went unanswered
             if not self.stopping:
                 log.info("%s: connection error: %s", self.peer, exc)
         finally:
@@ -111,12 +130,18 @@ class Connection:
     def _next_frame(self) -> bool:
         """Serve one frame; False when the connection should close."""
         header = memoryview(self._header)
-        while True:  # idle: wait for a frame as long as it takes, waking every io_timeout
+        idle = self.config.idle_timeout
+        idle_since = time.monotonic()
+        while True:  # idle: wait for a frame, up to idle_timeout (0: as long as it takes)
             try:
                 n = self.sock.recv_into(header, wire.REQUEST_SIZE, socket.MSG_WAITALL)
                 break
             except BlockingIOError:  # SO_RCVTIMEO expired with nothing received
                 if self.stopping:
+                    return False
+                if idle and time.monotonic() - idle_since >= idle:
+                    self.traffic.idle_timeouts += 1
+                    log.info("%s: idle for %ss; closing", self.peer, idle)
                     return False
         if n == 0:
             return False
@@ -220,7 +245,7 @@ class Connection:
                 length -= n
                 views = _advance(views, n)
             if length and time.monotonic() > self._deadline:
-                raise TimeoutError
+                raise _Stalled
             if self.stopping:
                 raise _Closed
 
@@ -241,7 +266,7 @@ class Connection:
                 sent = 0
             buffers = _advance(buffers, sent)
             if buffers and time.monotonic() > self._deadline:
-                raise TimeoutError
+                raise _Stalled
 
 
 def _advance(views: list, n: int) -> list:

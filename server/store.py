@@ -2,6 +2,9 @@
 policy (lmkv.policy, by name; the lm:// protocol carries no prefix parents, so every key is
 a root to it: ``prefix_lru`` is plain LRU here).
 
+Every entry holds at least one page, an empty value too: the index lives outside the
+arena, and this bounds it (and the persisted files) to one entry per page.
+
 Life of a PUT: ``reserve`` pages (evicting the entries the policy picks to make room),
 the connection receives the payload straight into them, then ``commit`` publishes the
 entry (or ``abort`` returns the pages). Until the commit, readers still see the old value.
@@ -68,16 +71,20 @@ class Store:
         with self._lock:
             self._on_change = on_change
 
+    def pages_for(self, nbytes: int) -> int:
+        """Pages an entry with a value of ``nbytes`` holds: at least one."""
+        return max(1, self.arena.pages_for(nbytes))
+
     def fits(self, nbytes: int) -> bool:
         """Whether a value of ``nbytes`` could ever be stored (it is not above the cap)."""
-        return self.arena.pages_for(nbytes) <= self.arena.num_pages
+        return self.pages_for(nbytes) <= self.arena.num_pages
 
     def reserve(self, nbytes: int, evict: bool = True) -> list[int] | None:
         """Pages for a value of ``nbytes``, evicting entries the policy picks if needed; None
         if they cannot be found (value above the cap, or the rest is pinned/in flight); then
         nothing is evicted."""
         arena = self.arena
-        need = arena.pages_for(nbytes)
+        need = self.pages_for(nbytes)
         with self._lock:
             missing = need - arena.free_pages
             if missing > 0 and (not evict or missing > self._evictable_pages):

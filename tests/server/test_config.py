@@ -42,6 +42,8 @@ def test_config_validation():
         ServerConfig(log_level="CHATTY")
     with pytest.raises(ValueError, match="cache_policy must be one of lru, .*got 'mru'"):
         ServerConfig(cache_policy="mru")
+    with pytest.raises(ValueError, match="idle_timeout must be 0"):
+        ServerConfig(idle_timeout=-1)
 
 
 def test_loopback_detection():
@@ -53,6 +55,7 @@ def test_loopback_detection():
 def test_cli_parses_sizes():
     args = build_parser().parse_args(["0.0.0.0", "9000", "--max-memory", "512MB"])
     assert args.max_memory == 512 * 10**6 and args.port == 9000 and args.prefault
+    assert args.idle_timeout == 0  # off unless asked for
 
 
 def test_allow_list():

@@ -62,3 +62,14 @@ def test_value_above_cap_is_refused_without_crash(spawn_server):
     stats = server.stats()
     assert stats["traffic"]["dropped"]["too_large"] == 1
     assert stats["used_bytes"] <= stats["capacity_bytes"] and server.alive()
+
+
+def test_empty_values_count_against_the_cap(spawn_server):
+    server = spawn_server("--max-memory", "1MiB", "--page-size", "64KiB")  # 16 pages
+    backend = LMBackend(server.url)
+    backend.put([(f"empty@{i}", b"") for i in range(100)])
+    assert backend.get(["empty@99", "empty@0"]) == [b"", None]
+    stats = server.stats()
+    assert stats["entries"] == 16 and stats["evictions"] == 84
+    assert stats["used_bytes"] == stats["capacity_bytes"] == 1 << 20
+    backend.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import time
 
 from lmkv.backends.lm import LMBackend
@@ -68,3 +69,36 @@ def test_kill_9_after_flush_loses_nothing_and_eviction_deletes_files(spawn_serve
     kept = [i for i, v in enumerate(got) if v is not None]
     assert len(kept) == 4 and 7 in kept
     assert all(got[i] == bytes([i]) * (256 << 10) for i in kept)
+
+
+def test_a_failed_write_leaves_no_file_for_its_key(spawn_server, tmp_path):
+    # a full disk (here: a 64 KiB file-size limit on the server process) must leave
+    # neither a partial file nor the key's older value to come back at the next start
+    persist = tmp_path / "store"
+    server = spawn_server("--persist-dir", str(persist), "--max-memory", "4MiB")
+    backend = LMBackend(server.url)
+    backend.put([("f@1", b"old value"), ("f@2", b"kept")])
+    backend.contains(["sync"])
+    wait_flushed(server)
+    assert len(list(persist.glob("*.kv"))) == 2
+
+    pid = server.proc.pid
+    unlimited = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (64 << 10, unlimited[1]))
+    try:
+        new = os.urandom(256 << 10)
+        backend.put([("f@1", new)])
+        assert backend.get(["f@1"]) == [new]  # served from memory all the same
+        wait_flushed(server)
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, unlimited)
+    assert not list(persist.glob("*.tmp"))
+    assert len(list(persist.glob("*.kv"))) == 1
+    assert server.stats()["persist"]["errors"] == 1
+    assert "could not be written" in server.log()
+    backend.close()
+
+    server.restart()
+    backend = LMBackend(server.url)
+    assert backend.get(["f@1", "f@2"]) == [None, b"kept"]
+    backend.close()

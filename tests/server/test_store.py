@@ -157,3 +157,14 @@ def test_reloaded_values_rank_oldest_first_and_can_go_before_ranking():
     assert put(store, b"b", b"y" * PAGE)  # evicts the oldest file
     assert sorted(store.keys()) == [b"a", b"b", b"new"]
     store.check_integrity()
+
+
+def test_empty_values_hold_a_page_and_are_evicted_like_any_other():
+    store = make_store(pages=4)
+    for i in range(10):
+        assert put(store, b"e%d" % i, b"")
+    assert len(store.keys()) == 4
+    stats = store.stats()
+    assert stats.evictions == 6 and stats.used_bytes == stats.capacity_bytes == 4 * PAGE
+    assert read(store, b"e9") == b""
+    store.check_integrity()

@@ -1,0 +1,75 @@
+"""Connections as the listener admits them: TCP keepalive, the idle timeout, and a
+connection whose thread cannot start."""
+
+from __future__ import annotations
+
+import resource
+import socket
+import time
+from pathlib import Path
+
+from lmkv.backends import lm_wire as wire
+from lmkv.backends.lm import LMBackend
+from lmkv_server.arena import PageArena
+from lmkv_server.config import ServerConfig
+from lmkv_server.protocol import Connection
+from lmkv_server.store import Store
+
+
+def test_accepted_sockets_have_tcp_keepalive():
+    config = ServerConfig(max_memory=1 << 20, prefault=False)
+    store = Store(PageArena(config.num_pages, config.page_size, prefault=False))
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(
+        server.getsockname(), timeout=5
+    ):
+        accepted, _ = server.accept()
+        conn = Connection(accepted, store, config)
+        option = conn.sock.getsockopt
+        assert option(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert option(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 60
+        assert option(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 10
+        assert option(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 6
+        accepted.close()
+    store.arena.close()
+
+
+def test_idle_connections_are_closed_after_idle_timeout(spawn_server):
+    server = spawn_server("--max-memory", "1MiB", "--idle-timeout", "1")
+    health = wire.pack_request(wire.Command.HEALTH, b"h")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        for _ in range(6):  # a request every 0.3 s keeps the connection open
+            sock.sendall(health)
+            assert len(sock.recv(wire.RESPONSE_SIZE, socket.MSG_WAITALL)) == wire.RESPONSE_SIZE
+            time.sleep(0.3)
+        t0 = time.monotonic()
+        sock.settimeout(10)
+        assert sock.recv(1) == b""  # then closed by the server
+        assert 0.5 < time.monotonic() - t0 < 8
+    stats = server.stats()["traffic"]
+    assert stats["idle_timeouts"] == 1 and stats["connections"] == 0
+    assert "idle for 1.0s; closing" in server.log()
+    backend = LMBackend(server.url)  # lmkv's client reconnects after an idle close
+    assert backend.contains(["x@1"]) == [False]
+    time.sleep(1.5)
+    assert backend.contains(["x@1"]) == [False]
+    backend.close()
+
+
+def test_a_connection_whose_thread_cannot_start_frees_its_slot(spawn_server):
+    server = spawn_server("--max-memory", "1MiB", "--max-connections", "1")
+    pid = server.proc.pid
+    status = Path(f"/proc/{pid}/status").read_text()
+    vm_size = int(next(ln for ln in status.splitlines() if ln.startswith("VmSize:")).split()[1])
+    unlimited = resource.prlimit(pid, resource.RLIMIT_AS)
+    # 4 MiB of address space to spare: less than a thread stack (8 MiB by default)
+    resource.prlimit(pid, resource.RLIMIT_AS, ((vm_size << 10) + (4 << 20), unlimited[1]))
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            assert sock.recv(1) == b""  # closed: no thread to serve it
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_AS, unlimited)
+    assert "can't start new thread" in server.log()
+    assert server.stats()["traffic"]["connections"] == 0
+    backend = LMBackend(server.url)  # the one connection slot is free
+    assert backend.contains(["x@1"]) == [False]
+    backend.close()
