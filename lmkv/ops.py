@@ -1,6 +1,7 @@
 """Kernel entry points: CUDA tensors go to the kernels in cuda/ (``lmkv_cuda``), everything
-else to the same-signature torch code in ``lmkv.ops_torch``, except the engine layout's KV
-transfers on the CPU, which ``lmkv.transfer`` copies in C where it can.
+else to the same-signature torch code in ``lmkv.ops_torch``, except on the CPU the engine
+layout's KV transfers, which ``lmkv.transfer`` copies in C where it can, and attention steps
+with a few queries per sequence (decode), which ``lmkv.cpu_attention`` runs in C.
 
 CuPy is imported only when a CUDA tensor arrives; if it (or the driver, or NVRTC) is
 unusable, one warning is printed and the torch code runs instead. Kernel-path extras, all
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lmkv import ops_torch, transfer
+from lmkv import cpu_attention, ops_torch, transfer
 
 if TYPE_CHECKING:
     from lmkv_cuda.launcher import Launcher
@@ -163,7 +164,10 @@ def paged_attention_decode(
             launcher, query.contiguous(), kv_layer, block_tables.to(dev), seq_lens.to(dev), scale,
             check=check, out=out,
         )  # fmt: skip
-    result = ops_torch.paged_attention_decode(query, kv_layer, block_tables, seq_lens, scale)
+    result = cpu_attention.attention(query, kv_layer, block_tables, seq_lens,
+                                     torch.arange(query.shape[0] + 1), scale)
+    if result is None:
+        result = ops_torch.paged_attention_decode(query, kv_layer, block_tables, seq_lens, scale)
     return result if out is None else out.copy_(result)
 
 
@@ -182,9 +186,11 @@ def paged_attention_prefill(
             launcher, query.contiguous(), kv_layer, block_tables.to(dev), seq_lens.to(dev),
             query_start_loc.to(dev), scale, check=check, out=out,
         )  # fmt: skip
-    result = ops_torch.paged_attention_prefill(
-        query, kv_layer, block_tables, seq_lens, query_start_loc, scale
-    )
+    result = cpu_attention.attention(query, kv_layer, block_tables, seq_lens, query_start_loc, scale)
+    if result is None:
+        result = ops_torch.paged_attention_prefill(
+            query, kv_layer, block_tables, seq_lens, query_start_loc, scale
+        )
     return result if out is None else out.copy_(result)
 
 

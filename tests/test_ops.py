@@ -95,11 +95,15 @@ def test_reshape_and_cache_and_attention_dispatch_to_engine():
     out = torch.full_like(q, float("nan"))
     got = ops.paged_attention_decode(q, kv_layer, tables, lens, 0.3, out=out)
     assert got is out
-    assert torch.equal(out, attention.paged_attention_decode(q, kv_layer, tables, lens, 0.3))
+    # a step with few queries per sequence runs in C (lmkv.cpu_attention, where a compiler
+    # is): the reference's result up to float32 rounding
+    close = dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, attention.paged_attention_decode(q, kv_layer, tables, lens, 0.3),
+                               **close)
     qp, starts = torch.randn(3, 4, 8, generator=gen), torch.tensor([0, 3])
-    assert torch.equal(
+    torch.testing.assert_close(
         ops.paged_attention_prefill(qp, kv_layer, tables, lens, starts, 0.3),
-        attention.paged_attention_prefill(qp, kv_layer, tables, lens, starts, 0.3),
+        attention.paged_attention_prefill(qp, kv_layer, tables, lens, starts, 0.3), **close,
     )
 
 

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from lmkv import cpu_attention
+
 from .attention_metadata import AttentionMetadata
 from .blend import blend_prefill
 from .model import LayerHooks, LlamaForCausalLM
@@ -23,6 +25,8 @@ class ModelRunner:
         self.block_size = block_size
         self.launcher = launcher  # lmkv's kernels' launcher when the device does not say
         self.num_forward_tokens = 0  # tokens the model computed, over the engine's life
+        if self.device.type == "cpu" and launcher is None:
+            cpu_attention.library()  # decode attention's C, built now (once per machine), not in a request
 
     def execute(
         self, sched: SchedulerOutput, hooks: LayerHooks | None = None
