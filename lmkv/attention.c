@@ -7,10 +7,13 @@
  *   and KV pages [2, blocks, block_size, Hkv, D] (float32, float16 or bfloat16; rows of
  *   Hkv * D contiguous, any block and K/V strides). Sequence i has queries [starts[i],
  *   starts[i + 1]), the last of them at position seq_lens[i] - 1, and its blocks in
- *   tables[i]. Query head h reads KV head h / (Hq / Hkv). One pass over each sequence's
- *   blocks in order, each block's K and V rows read once, with a running softmax per query
- *   row (max, sum, weighted sum of V). One thread: the caller's (the engine's torch threads
- *   would contend with more). exp() is a polynomial (relative error ~2e-7) that vectorizes.
+ *   tables[i]. Query head h reads KV head h / (Hq / Hkv). Each sequence's keys are cut
+ *   into spans of SPAN; a span is read block by block, each block's K and V rows once, in
+ *   order, with a running softmax per query row (max, sum, weighted sum of V), and the
+ *   spans' results are merged. Spans run in parallel with OpenMP when built with it: the
+ *   same runtime as torch's (its threads, which are spinning from the step's last matrix
+ *   product, take the spans at once; threads of our own would contend with them). exp() is
+ *   a polynomial (relative error ~2e-7) that vectorizes.
  *
  * Re-entrant; no state outside a call. */
 #include <math.h>
@@ -21,6 +24,7 @@
 enum { OK = 0, E_ARG = -1, E_MEMORY = -2 };
 enum { F32 = 0, F16 = 1, BF16 = 2 };
 enum { MAX_ROWS = 128, MAX_BLOCK = 128, MAX_DIM = 256 };
+static const int64_t SPAN = 512; /* keys per work item */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
@@ -103,41 +107,41 @@ typedef struct {
     int64_t hq, hkv, dim, bs, kind;
     int64_t kv_half, block_bytes, token_bytes; /* strides, in bytes */
     float scale;
-    float *kbuf, *vbuf, *scores; /* [MAX_BLOCK * MAX_DIM] x 2, [MAX_ROWS * MAX_BLOCK] */
-    float *state;                /* per query row: max, sum, then D weighted sums of V */
 } pass_t;
 
-/* The nq queries q [nq, Hq, D] of one sequence of len keys in blocks table, into out. */
-static void attend(const pass_t *p, const float *q, float *out, int64_t nq, int64_t len,
-                   const int64_t *table) {
+/* Keys [t0, t1) of one sequence of len keys (blocks in table) for its nq queries q: each
+ * query row's running max, sum and weighted sum of V into state (row qi * hq + head). */
+static void attend(const pass_t *p, const float *q, float *state, int64_t nq, int64_t len,
+                   int64_t t0, int64_t t1, const int64_t *table, float *kbuf, float *vbuf,
+                   float *scores) {
     int64_t d = p->dim, g = p->hq / p->hkv, elem = p->kind == F32 ? 4 : 2, width = d + 2;
     const float *krow[MAX_BLOCK], *vrow[MAX_BLOCK];
-    for (int64_t r = 0; r < nq * p->hq; r++) { /* row qi * hq + head */
-        p->state[r * width] = -INFINITY;
-        p->state[r * width + 1] = 0.f;
-        memset(p->state + r * width + 2, 0, (size_t)d * sizeof(float));
+    for (int64_t r = 0; r < nq * p->hq; r++) {
+        state[r * width] = -INFINITY;
+        state[r * width + 1] = 0.f;
+        memset(state + r * width + 2, 0, (size_t)d * sizeof(float));
     }
-    for (int64_t tb = 0; tb < len;) {
-        int64_t n = p->bs < len - tb ? p->bs : len - tb;
-        const char *block = p->kv + table[tb / p->bs] * p->block_bytes;
+    for (int64_t tb = t0; tb < t1;) {
+        int64_t off = tb % p->bs, n = p->bs - off < t1 - tb ? p->bs - off : t1 - tb;
+        const char *block = p->kv + table[tb / p->bs] * p->block_bytes + off * p->token_bytes;
         for (int64_t h = 0; h < p->hkv; h++) {
             const char *base = block + h * d * elem;
             for (int64_t i = 0; i < n; i++) {
                 const char *row = base + i * p->token_bytes;
-                krow[i] = as_float(row, d, p->kind, p->kbuf + i * d);
-                vrow[i] = as_float(row + p->kv_half, d, p->kind, p->vbuf + i * d);
+                krow[i] = as_float(row, d, p->kind, kbuf + i * d);
+                vrow[i] = as_float(row + p->kv_half, d, p->kind, vbuf + i * d);
                 for (int64_t qi = 0; qi < nq; qi++)
                     for (int64_t r = 0; r < g; r++)
-                        p->scores[(qi * g + r) * MAX_BLOCK + i] =
+                        scores[(qi * g + r) * MAX_BLOCK + i] =
                             dot(q + (qi * p->hq + h * g + r) * d, krow[i], d) * p->scale;
             }
             for (int64_t qi = 0; qi < nq; qi++) {
-                int64_t valid = len - nq + qi + 1 - tb; /* query qi sees keys up to its position */
+                int64_t valid = len - nq + qi + 1 - tb;
                 if (valid <= 0) continue;
                 if (valid > n) valid = n;
                 for (int64_t r = 0; r < g; r++) {
-                    float *restrict s = p->scores + (qi * g + r) * MAX_BLOCK;
-                    float *m = p->state + (qi * p->hq + h * g + r) * width;
+                    float *restrict s = scores + (qi * g + r) * MAX_BLOCK;
+                    float *m = state + (qi * p->hq + h * g + r) * width;
                     float top = m[0], sum = 0.f;
                     for (int64_t i = 0; i < valid; i++) top = s[i] > top ? s[i] : top;
                     float keep = m[0] == -INFINITY ? 0.f : exp_neg(m[0] - top);
@@ -150,10 +154,6 @@ static void attend(const pass_t *p, const float *q, float *out, int64_t nq, int6
             }
         }
         tb += n;
-    }
-    for (int64_t r = 0; r < nq * p->hq; r++) { /* every query sees key 0: sum > 0 */
-        const float *m = p->state + r * width;
-        for (int64_t e = 0; e < d; e++) out[r * d + e] = m[2 + e] / m[1];
     }
 }
 
@@ -169,7 +169,7 @@ int lmkv_paged_attention(const float *q, float *out, const char *kv, const int64
     if (hkv <= 0 || hq % hkv || dim <= 0 || dim > MAX_DIM || bs <= 0 || bs > MAX_BLOCK
         || (kind != F32 && kind != F16 && kind != BF16))
         return E_ARG;
-    int64_t rows = 0;
+    int64_t items = 0;
     for (int64_t s = 0; s < nseq; s++) {
         int64_t nq = starts[s + 1] - starts[s], used = (seq_lens[s] + bs - 1) / bs;
         if (nq < 0 || nq * (hq / hkv) > MAX_ROWS || seq_lens[s] < nq) return E_ARG;
@@ -178,21 +178,68 @@ int lmkv_paged_attention(const float *q, float *out, const char *kv, const int64
         for (int64_t b = 0; b < used; b++)
             if (tables[s * table_stride + b] < 0 || tables[s * table_stride + b] >= num_blocks)
                 return E_ARG;
-        rows = nq * hq > rows ? nq * hq : rows;
+        items += (seq_lens[s] + SPAN - 1) / SPAN;
     }
-    size_t floats = 2 * MAX_BLOCK * MAX_DIM + MAX_ROWS * MAX_BLOCK + (size_t)rows * (dim + 2);
-    float *work = malloc(floats * sizeof(float));
-    if (work == NULL) return E_MEMORY;
-    int64_t elem = kind == F32 ? 4 : 2;
-    pass_t p = {kv, hq, hkv, dim, bs, kind, kv_half, block_bytes, hkv * dim * elem, scale,
-                work, work + MAX_BLOCK * MAX_DIM, work + 2 * MAX_BLOCK * MAX_DIM,
-                work + 2 * MAX_BLOCK * MAX_DIM + MAX_ROWS * MAX_BLOCK};
+    if (items == 0) return OK;
+    int64_t *ints = malloc((size_t)items * 4 * sizeof(int64_t));
+    if (ints == NULL) return E_MEMORY;
+    int64_t *iseq = ints, *it0 = ints + items, *it1 = ints + 2 * items, *ioff = ints + 3 * items;
+    int64_t n = 0, floats = 0;
     for (int64_t s = 0; s < nseq; s++) {
         int64_t nq = starts[s + 1] - starts[s];
-        if (nq > 0)
-            attend(&p, q + starts[s] * hq * dim, out + starts[s] * hq * dim, nq, seq_lens[s],
-                   tables + s * table_stride);
+        if (nq == 0) continue;
+        for (int64_t t = 0; t < seq_lens[s]; t += SPAN, n++) {
+            iseq[n] = s, it0[n] = t, it1[n] = t + SPAN < seq_lens[s] ? t + SPAN : seq_lens[s];
+            ioff[n] = floats;
+            floats += nq * hq * (dim + 2);
+        }
     }
-    free(work);
-    return OK;
+    float *partial = malloc((size_t)floats * sizeof(float));
+    if (partial == NULL) {
+        free(ints);
+        return E_MEMORY;
+    }
+    int64_t elem = kind == F32 ? 4 : 2;
+    pass_t p = {kv, hq, hkv, dim, bs, kind, kv_half, block_bytes, hkv * dim * elem, scale};
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *work = malloc((size_t)(2 * MAX_BLOCK * MAX_DIM + MAX_ROWS * MAX_BLOCK) * sizeof(float));
+        failed = work == NULL;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < items; i++) {
+            if (work == NULL) continue;
+            int64_t s = iseq[i];
+            attend(&p, q + starts[s] * hq * dim, partial + ioff[i], starts[s + 1] - starts[s],
+                   seq_lens[s], it0[i], it1[i], tables + s * table_stride, work,
+                   work + MAX_BLOCK * MAX_DIM, work + 2 * MAX_BLOCK * MAX_DIM);
+        }
+        free(work);
+    }
+    for (int64_t a = 0; a < items && !failed;) { /* merge each sequence's spans */
+        int64_t s = iseq[a], b = a;
+        while (b < items && iseq[b] == s) b++;
+        int64_t first = starts[s], rows = (starts[s + 1] - first) * hq;
+        for (int64_t row = 0; row < rows; row++) {
+            float top = -INFINITY, sum = 0.f;
+            for (int64_t i = a; i < b; i++) {
+                float m = partial[ioff[i] + row * (dim + 2)];
+                top = m > top ? m : top;
+            }
+            float *o = out + (first * hq + row) * dim;
+            memset(o, 0, (size_t)dim * sizeof(float));
+            for (int64_t i = a; i < b; i++) {
+                const float *m = partial + ioff[i] + row * (dim + 2);
+                if (m[0] == -INFINITY) continue;
+                float w = exp_neg(m[0] - top);
+                sum += w * m[1];
+                for (int64_t e = 0; e < dim; e++) o[e] += w * m[2 + e];
+            }
+            for (int64_t e = 0; e < dim; e++) o[e] /= sum;
+        }
+        a = b;
+    }
+    free(partial);
+    free(ints);
+    return failed ? E_MEMORY : OK;
 }

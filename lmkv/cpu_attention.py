@@ -1,8 +1,8 @@
 """Paged attention on the CPU in C (attention.c, built on first use by lmkv.cc) for steps with
 a few queries per sequence: decode steps and short extends after a cached prefix (a warm
-request's last tokens over the KV lmkv loaded). It reads the pages in place, once, on the
-calling thread, where the torch reference first gathers every sequence's KV into a new
-tensor. ``attention`` answers None for
+request's last tokens over the KV lmkv loaded). It reads the pages in place, once, on
+torch's OpenMP threads, where the torch reference first gathers every sequence's KV into a
+new tensor. ``attention`` answers None for
 what it does not take (another device, dtype or layout, too many queries per sequence, no C
 compiler, LMKV_NATIVE_ATTENTION=0): the caller then runs the torch reference. Results equal
 the reference's up to float32 rounding (another summation order)."""
@@ -26,10 +26,11 @@ SOURCE = Path(__file__).with_name("attention.c")
 DISABLE_ENV = "LMKV_NATIVE_ATTENTION"
 MAX_ROWS, MAX_BLOCK, MAX_DIM = 128, 128, 256  # attention.c's limits
 # query rows (queries x heads sharing a KV head) per sequence up to which this is taken: a
-# decode step of a model with up to 4 query heads per KV head. Beyond, the reference's matrix
-# products on all of torch's threads win (benchmarks/cpu_attention.py on SmolLM2's shape:
-# 3 rows 1.34x faster than the reference, 6 rows 0.92x)
-ROWS = 4
+# decode step, or up to 5 new tokens of a model with 3 query heads per KV head. Beyond, the
+# reference's matrix products catch up (benchmarks/cpu_attention.py on SmolLM2's shape, 4096
+# keys: 12 rows 1.58x / 1.20x faster than the reference in float32 / bfloat16, 24 rows
+# 1.15x / 0.95x)
+ROWS = 16
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 E_MEMORY = -2  # attention.c's code
 # sums and maxima may be reordered (vectorized); infinities and NaNs keep their meaning
@@ -48,13 +49,33 @@ def library() -> ctypes.CDLL | None:
     try:
         if cc is None:
             raise OSError("no C compiler (cc, gcc or $CC)")
-        path = build(cc, SOURCE, cache_dir(), FLAGS, libs=("-lm",))
+        threads = _torch_openmp() is not None
+        path = build(cc, SOURCE, cache_dir(), build_flags(), libs=("-lm",))
         lib = load(path)
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("lmkv: no native CPU attention (%s); attention runs in torch", e)
         return None
-    log.info("lmkv: native CPU attention %s", path)
+    log.info("lmkv: native CPU attention %s (%s)", path,
+             "on torch's OpenMP threads" if threads else "one thread: torch does not run GNU OpenMP")
     return lib
+
+
+def build_flags() -> tuple[str, ...]:
+    """attention.c's compiler flags here: with -fopenmp where torch runs GNU OpenMP."""
+    return FLAGS + (("-fopenmp",) if _torch_openmp() is not None else ())
+
+
+def _torch_openmp() -> str | None:
+    """The GNU OpenMP runtime this process has loaded (torch's), or None. Built with
+    -fopenmp, attention.c binds to the runtime of that soname already loaded, so its
+    parallel spans run on torch's threads; with no such runtime loaded (another OpenMP, or
+    none), a second pool would contend with torch's, and it is built without."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    found = {line.split()[-1] for line in maps.splitlines() if "/libgomp" in line}
+    return next(iter(found)) if len(found) == 1 else None
 
 
 def load(path: Path) -> ctypes.CDLL:

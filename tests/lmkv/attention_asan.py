@@ -13,14 +13,16 @@ from lmkv import cc, cpu_attention, ops_torch
 
 
 def main(build_dir: str) -> None:
-    flags = (*cpu_attention.FLAGS, "-fsanitize=address", "-fno-omit-frame-pointer")
+    flags = (*cpu_attention.build_flags(), "-fsanitize=address", "-fno-omit-frame-pointer")
     lib = cpu_attention.load(cc.build("cc", cpu_attention.SOURCE, Path(build_dir), flags, libs=("-lm",)))
     cpu_attention.library = lambda: lib
     cpu_attention.ROWS = cpu_attention.MAX_ROWS  # every shape it can take
+    torch.set_num_threads(2)  # spans on two OpenMP threads, where it is built with OpenMP
     g = torch.Generator().manual_seed(0)
     for heads, kv_heads, dim, bs, dtype in ((9, 3, 64, 16, torch.float32), (2, 1, 7, 4, torch.bfloat16),
                                             (8, 8, 80, 128, torch.float16)):
-        for lens, queries in (([1], [1]), ([bs * 3], [1]), ([bs * 2 + 1, 5], [2, 1])):
+        for lens, queries in (([1], [1]), ([bs * 3], [1]), ([bs * 2 + 1, 5], [2, 1]),
+                              ([1100, 513, 3], [1, 2, 1])):  # several spans of 512
             blocks = sum(-(-n // bs) for n in lens)
             kv = torch.randn(2, blocks, bs, kv_heads, dim, generator=g).to(dtype)
             order = torch.randperm(blocks, generator=g).tolist()
