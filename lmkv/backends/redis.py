@@ -24,18 +24,23 @@ def _split_prefix(url: str) -> tuple[str, str]:
 class RedisBackend(StorageBackend):
     def __init__(self, url: str, timeout: float = 2.0, max_value_size: int = 1 << 30):
         import redis
+        from redis.exceptions import RedisClusterException
 
-        self._errors = (redis.RedisError, OSError)
+        # RedisClusterException (no node reachable, ...) is not a RedisError
+        self._errors = (redis.RedisError, RedisClusterException, OSError)
         url, self.prefix = _split_prefix(url)
         self.max_value_size = max_value_size
         scheme = urlparse(url).scheme
         try:
             if scheme == "redis-cluster":
+                from redis.backoff import NoBackoff
                 from redis.cluster import RedisCluster
+                from redis.retry import Retry
 
                 self.client = RedisCluster.from_url(
                     url.replace("redis-cluster://", "redis://", 1), socket_timeout=timeout,
                     socket_connect_timeout=timeout,
+                    retry=Retry(NoBackoff(), 0),  # a call is bounded by one timeout, not four
                 )
             else:
                 self.client = redis.Redis.from_url(

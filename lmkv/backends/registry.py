@@ -52,7 +52,12 @@ class LazyBackend(StorageBackend):
 
     def _connected(self) -> StorageBackend:
         if self._backend is None:
-            backend = self._factory()  # raises BackendError while the store is unreachable
+            try:
+                backend = self._factory()  # raises BackendError while the store is unreachable
+            except BackendError:
+                raise
+            except Exception as e:  # a client library's own error type: the tier fails, the engine does not
+                raise BackendError(f"cannot connect to {self._url}: {type(e).__name__}: {e}") from e
             for region in self._regions:
                 backend.register_memory(region)
             self._backend = backend

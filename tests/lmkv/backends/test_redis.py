@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 
 from lmkv.backends.base import BackendError
@@ -49,6 +52,33 @@ def test_redis_cluster(tmp_path):
         assert backend.get([k for k, _ in items]) == [v for _, v in items]
         assert backend.contains(["key-1", "nope"]) == [True, False]
         backend.close()
+    finally:
+        for s in servers:
+            s.kill()
+
+
+def test_an_unreachable_cluster_fails_the_tier_not_the_caller(tmp_path):
+    """redis-py's RedisClusterException is no RedisError: it must still become a
+    BackendError (a recompute, a log line, the breaker), and a stopped node costs one
+    timeout, not the cluster client's retries."""
+    from lmkv.backends.registry import create_backend
+    from lmkv.storage.tier import Tier
+    from lmkv_server.launcher import free_port
+
+    tier = Tier("remote", create_backend(f"redis-cluster://127.0.0.1:{free_port()}", timeout=0.3))
+    assert tier.contains(["a"]) is None  # no node up: nothing raised, the tier is off a while
+    assert not tier.available
+    servers = start_cluster(tmp_path)
+    try:
+        backend = RedisBackend(f"redis-cluster://127.0.0.1:{servers[0].port}", timeout=0.3)
+        assert backend.contains(["a"]) == [False]
+        servers[0].proc.send_signal(signal.SIGSTOP)
+        keys = [f"k{i}" for i in range(30)]  # some on the stopped node
+        start = time.monotonic()
+        with pytest.raises(BackendError):
+            backend.contains(keys)
+        assert time.monotonic() - start < 1.5
+        servers[0].proc.send_signal(signal.SIGCONT)
     finally:
         for s in servers:
             s.kill()
