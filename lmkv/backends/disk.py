@@ -15,6 +15,7 @@ this project's machines. Elsewhere, reads go through the page cache.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -78,11 +79,15 @@ class DiskBackend(StorageBackend):
     def _rebuild_index(self) -> None:
         entries = []
         for entry in os.scandir(self.root):
-            if entry.name.endswith(".tmp"):  # a write interrupted by a crash
-                os.unlink(entry.path)
-            elif entry.name.endswith(SUFFIX) and entry.is_file():
-                st = entry.stat()
-                entries.append((st.st_mtime, entry.name, st.st_size))
+            try:
+                if entry.name.endswith(".tmp"):
+                    if not _writer_alive(entry.name):  # a write interrupted by a crash
+                        os.unlink(entry.path)
+                elif entry.name.endswith(SUFFIX) and entry.is_file():
+                    st = entry.stat()
+                    entries.append((st.st_mtime, entry.name, st.st_size))
+            except FileNotFoundError:  # gone meanwhile (another process sharing the directory)
+                continue
         for _, name, size in sorted(entries):  # oldest first
             self._add(name, size)
         self._evict_to(self.capacity)
@@ -99,7 +104,9 @@ class DiskBackend(StorageBackend):
             if size > self.capacity:
                 raise BackendError(f"a {size}-byte entry exceeds the disk tier cap ({self.capacity})")
             name = self._name(key)
-            self._forget(name)
+            if name in self.index:  # replaced: its older value must not outlive a failed write
+                self._unlink(name)
+                self._forget(name)
             self._evict_to(self.capacity - size)
             tmp = self.root / f".{name}.{os.getpid()}.tmp"
             try:
@@ -107,7 +114,8 @@ class DiskBackend(StorageBackend):
                     f.write(value)
                 os.replace(tmp, self.root / name)
             except OSError as e:
-                tmp.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
                 raise BackendError(f"disk tier write failed: {e}") from e
             self._add(name, size)
 
@@ -276,8 +284,17 @@ class DiskBackend(StorageBackend):
     def remove(self, keys: Sequence[str]) -> None:
         for key in keys:
             name = self._name(key)
-            if self._forget(name):
-                (self.root / name).unlink(missing_ok=True)
+            if name in self.index:
+                self._unlink(name)
+                self._forget(name)
+
+    def _unlink(self, name: str) -> None:
+        """Delete a chunk's file (gone already is fine); BackendError if the file system
+        refuses (read-only, permissions): the file is then still counted."""
+        try:
+            (self.root / name).unlink(missing_ok=True)
+        except OSError as e:
+            raise BackendError(f"disk tier cannot delete {name}: {e}") from e
 
     def _forget(self, name: str) -> bool:
         size = self.index.pop(name, None)
@@ -291,9 +308,27 @@ class DiskBackend(StorageBackend):
         while self.used > limit and self.index:
             name = self.policy.victim(lambda _: True)  # no reader holds a file open across calls
             assert name is not None, "the policy lost track of the disk tier's files"
+            self._unlink(name)
             self._forget(name)
             self.num_evictions += 1
-            (self.root / name).unlink(missing_ok=True)
+
+
+def _writer_alive(tmp: str) -> bool:
+    """Whether the process that writes temporary file ``tmp`` (".<name>.<pid>.tmp") is alive
+    here: another engine sharing the directory, whose write must not be cut off."""
+    try:
+        pid = int(tmp.rsplit(".", 2)[-2])
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _cached(fd: int, size: int) -> bool:

@@ -112,7 +112,9 @@ class MooncakeBackend(StorageBackend):
             if size < 0:
                 raise BackendError(f"Mooncake get_size failed (code {size})")
             value = self.store.get(key)
-            out.append(value if len(value) == size else None)
+            if size and not value:  # the client's way of failing (a timeout): not a miss
+                raise BackendError(f"Mooncake get of a {size}-byte value returned nothing")
+            out.append(value if len(value) == size else None)  # else replaced meanwhile
         return out
 
     def get_into(self, key: str, out: memoryview) -> int | None:

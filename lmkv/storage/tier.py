@@ -93,6 +93,8 @@ class Tier:
         if not self.available:
             return None
         with self._lock:
+            if not self.available:  # the call it waited for failed: do not ask again now
+                return None
             try:
                 found = self.backend.contains(keys)
             except BackendError as e:

@@ -58,3 +58,23 @@ def test_dead_master_fails_fast():
 
     with pytest.raises(BackendError, match="unreachable"):
         MooncakeBackend("mooncakestore://127.0.0.1:1/", timeout=0.5)
+
+
+def test_a_get_that_returns_nothing_for_a_stored_value_is_a_failure_not_a_miss():
+    """Mooncake's client answers a failed transfer (a stopped storage process, after its own
+    timeout) with empty bytes: a BackendError, so the tier's breaker opens instead of every
+    read paying that timeout again."""
+    from lmkv.backends.mooncake import MooncakeBackend
+
+    class Store:
+        def get_size(self, key):
+            return 10
+
+        def get(self, key):
+            return b"" if key == "stuck" else b"0123456789"
+
+    backend = object.__new__(MooncakeBackend)  # no client library needed: only get() is exercised
+    backend.store = Store()
+    assert backend.get(["fine"]) == [b"0123456789"]
+    with pytest.raises(BackendError, match="returned nothing"):
+        backend.get(["fine", "stuck"])

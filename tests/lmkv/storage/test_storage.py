@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +18,7 @@ from lmkv.layout import KVLayout
 from lmkv.memory import MemoryPool
 from lmkv.policy import POLICIES
 from lmkv.storage.hot_cache import HotCache
+from lmkv.storage.tier import Tier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, chunk_size=4)
 
@@ -101,7 +107,7 @@ def test_disk_tier_survives_restart_and_respects_its_cap(tmp_path):
     disk.put([("c", b"z" * 150)])  # must evict b (LRU) to fit
     assert disk.contains(["a", "b", "c"]) == [True, False, True]
     assert disk.used <= 300
-    (tmp_path / ".junk.123.tmp").write_bytes(b"partial")  # a crashed write
+    (tmp_path / f".junk.{_dead_pid()}.tmp").write_bytes(b"partial")  # a crashed write
     again = DiskBackend(tmp_path, capacity_bytes=300)
     assert again.get(["a", "c"]) == [b"x" * 100, b"z" * 150]
     assert not list(tmp_path.glob("*.tmp"))
@@ -111,6 +117,65 @@ def test_disk_tier_survives_restart_and_respects_its_cap(tmp_path):
         again.put([("big", b"0" * 400)])
     smaller = DiskBackend(tmp_path, capacity_bytes=160)  # restart with a lower cap evicts
     assert smaller.used <= 160
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_disk_tier_keeps_the_temporaries_of_a_live_writer(tmp_path):
+    """Another process writing into the same directory (a second rank or engine) keeps its
+    in-flight temporaries at this one's start; a dead writer's are removed."""
+    live, dead = tmp_path / f".x.{os.getppid()}.tmp", tmp_path / f".y.{_dead_pid()}.tmp"
+    live.write_bytes(b"being written")
+    dead.write_bytes(b"partial")
+    DiskBackend(tmp_path, capacity_bytes=300)
+    assert live.exists() and not dead.exists()
+
+
+def test_a_disk_that_refuses_deletes_fails_the_tier_not_the_caller(tmp_path, monkeypatch):
+    """Read-only or unwritable (EROFS, EACCES): a write that must evict, or the removal of a
+    corrupt chunk, is a BackendError, so the tier logs, counts and backs off; the files it
+    could not delete stay counted."""
+    disk = DiskBackend(tmp_path, capacity_bytes=250)
+    tier = Tier("disk", disk)
+    assert tier.write("a", memoryview(b"x" * 100)) and tier.write("b", memoryview(b"y" * 100))
+    real = Path.unlink
+
+    def refuse(self, missing_ok=False):
+        if self.parent == tmp_path:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    assert not tier.write("c", memoryview(b"z" * 100))  # must evict: refused, not raised
+    assert tier.metrics.errors.labels("disk", "put")._value.get() == 1
+    assert disk.used == sum(f.stat().st_size for f in tmp_path.glob("*.kv")) == 200
+    with pytest.raises(BackendError, match="cannot delete"):
+        disk.remove(["a"])
+    assert disk.contains(["a", "b"]) == [True, True]
+
+
+def test_a_failed_overwrite_leaves_no_older_value(tmp_path, monkeypatch):
+    """A key rewritten with a new value that cannot be written (disk full) is gone, now and
+    after a restart, rather than left with its older value."""
+    disk = DiskBackend(tmp_path, capacity_bytes=1000)
+    disk.put([("a", b"old" * 10)])
+    real_open = open
+
+    def full(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", full)
+    with pytest.raises(BackendError, match="write failed"):
+        disk.put([("a", b"new" * 10)])
+    monkeypatch.undo()
+    assert disk.contains(["a"]) == [False] and disk.used == 0
+    assert DiskBackend(tmp_path, capacity_bytes=1000).get(["a"]) == [None]
 
 
 def test_disk_tier_batched_reads(tmp_path):
