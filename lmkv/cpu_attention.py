@@ -50,7 +50,14 @@ def library() -> ctypes.CDLL | None:
         if cc is None:
             raise OSError("no C compiler (cc, gcc or $CC)")
         threads = _torch_openmp() is not None
-        path = build(cc, SOURCE, cache_dir(), build_flags(), libs=("-lm",))
+        try:
+            path = build(cc, SOURCE, cache_dir(), build_flags(), libs=("-lm",))
+        except OSError as e:  # e.g. a compiler without OpenMP's library: one thread, then
+            if not threads:
+                raise
+            log.warning("lmkv: native CPU attention built without OpenMP (%s)", e)
+            threads = False
+            path = build(cc, SOURCE, cache_dir(), FLAGS, libs=("-lm",))
         lib = load(path)
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("lmkv: no native CPU attention (%s); attention runs in torch", e)

@@ -28,6 +28,8 @@ class StorageBackend(ABC):
     """
 
     num_evictions: int = 0  # entries it dropped to stay within its bounds (0: the store's own business)
+    # contains() may run beside any other call (the Tier then does not make lookups wait)
+    concurrent_contains: bool = False
 
     @abstractmethod
     def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:

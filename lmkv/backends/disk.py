@@ -56,6 +56,8 @@ _libc = _load_libc() if DIRECT else None
 
 
 class DiskBackend(StorageBackend):
+    concurrent_contains = True  # membership in a dict: lookups need not wait for a batch read
+
     def __init__(self, root: str | Path, capacity_bytes: int, policy: CachePolicy | str = "lru",
                  direct: bool = True):
         self.root = Path(root)
@@ -279,7 +281,7 @@ class DiskBackend(StorageBackend):
             self._pool = None
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
-        return [self._name(k) in self.index for k in keys]
+        return [self._name(k) in self.index for k in keys]  # reads the index only
 
     def remove(self, keys: Sequence[str]) -> None:
         for key in keys:

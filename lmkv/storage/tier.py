@@ -92,15 +92,20 @@ class Tier:
         """Which keys the tier holds; None if it could not be asked."""
         if not self.available:
             return None
+        if self.backend.concurrent_contains:
+            return self._contains(keys)
         with self._lock:
             if not self.available:  # the call it waited for failed: do not ask again now
                 return None
-            try:
-                found = self.backend.contains(keys)
-            except BackendError as e:
-                self._failed("contains", e)
-                return None
-            self.breaker.success()
+            return self._contains(keys)
+
+    def _contains(self, keys: list[str]) -> list[bool] | None:
+        try:
+            found = self.backend.contains(keys)
+        except BackendError as e:
+            self._failed("contains", e)
+            return None
+        self.breaker.success()
         return found
 
     def will_get(self, keys: list[str]) -> None:

@@ -119,3 +119,23 @@ def test_a_tier_never_overlaps_calls_into_its_backend():
     for t in threads:
         t.join()
     assert backend.calls == 600 and backend.overlaps == 0
+
+
+def test_disk_lookups_do_not_wait_for_the_tiers_call_in_progress(tmp_path):
+    """The disk tier answers contains from its index, so a lookup does not queue behind a
+    batch read or a write in progress; a backend that is not safe to ask meanwhile waits."""
+    from lmkv.backends.disk import DiskBackend
+
+    disk = Tier("disk", DiskBackend(tmp_path, capacity_bytes=1000))
+    disk.write("a", memoryview(b"x" * 10))
+    other = Tier("remote", OneAtATime(), "zstd")
+    answers: list[object] = []
+    for tier in (disk, other):
+        with tier._lock:  # a call in progress on the I/O worker
+            asking = threading.Thread(target=lambda t=tier: answers.append(t.contains(["a"])))
+            asking.start()
+            asking.join(timeout=0.5)
+            waited = asking.is_alive()
+        asking.join()
+        assert waited == (tier is other)
+    assert answers[0] == [True]
