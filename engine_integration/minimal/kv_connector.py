@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,8 @@ from .model_runner import ModelRunner
 from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 class StepResult(NamedTuple):
@@ -95,11 +98,18 @@ class KVConnector:
         hooks = _LayerHooks(self.worker) if self.worker.layerwise else None
         blended = [s.request for s in sched.scheduled if s.request.blend is not None]
         failed, blocks = [], set()
+        ran = False
         try:
             sampled = runner.execute(sched, hooks)
+            ran = True
         finally:
             failed, blocks = self._failed_requests(sched)
-            self.worker.wait_for_save(skip={r.request_id for r in failed})
+            try:  # a forward pass that failed wrote some pages only: nothing of it is stored
+                self.worker.wait_for_save(skip={r.request_id for r in failed}, store=ran)
+            except Exception as e:  # a save costs a later recompute, never this step's requests
+                log.warning("lmkv: saving this step's chunks failed (%s); they will be recomputed "
+                            "next time", e)
+                self.cache.count_error("connector", "save")
             for req in blended:
                 self.cache.metrics.blend_recomputed_tokens.inc(req.num_blend_recomputed)
         for req in failed:

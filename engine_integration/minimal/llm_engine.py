@@ -194,7 +194,7 @@ class LLMEngine:
         else:
             sampled, failed, blocks = self.kv_connector.execute(self.runner, sched)
             if failed:  # they ran over pages lmkv failed to fill: recompute them from scratch
-                self.block_manager.forget(blocks)
+                self.block_manager.forget(_downstream(failed, blocks))
                 for req in reversed(failed):
                     self.scheduler.requeue(req)
                     self.kv_connector.recompute(req)
@@ -291,3 +291,16 @@ class LLMEngine:
     def is_running(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
         return req is not None and req.status is RequestStatus.RUNNING
+
+
+def _downstream(failed, blocks: set[int]) -> set[int]:
+    """The blocks whose prefix-cache entries a failed load spoils: the blocks it was writing,
+    and every later block of each request that ran over them (computed over unfilled pages
+    this step, though registered in the prefix cache when they were allocated)."""
+    out = set(blocks)
+    for req in failed:
+        ids = list(req.block_ids)
+        first = next((i for i, b in enumerate(ids) if b in blocks), None)
+        if first is not None:
+            out.update(ids[first:])
+    return out

@@ -203,15 +203,19 @@ class LMKVConnector(KVConnectorBase_V1):
             self._save_failed = True
 
     def wait_for_save(self) -> None:
-        # vLLM recomputes the blocks reported by get_block_ids_with_load_errors; chunks that
-        # those requests computed this step over unloaded pages are not stored
+        # vLLM recomputes the blocks reported by get_block_ids_with_load_errors, and every
+        # request that reached them through its prefix cache this step: none of this step's
+        # chunks is stored then (which requests shared the pages is vLLM's to know)
         failed = self.worker.failed_loads()
         for spec in failed:
             self._load_errors.update(spec.blocks(self.block_size))
         try:
+            if failed:
+                log.warning("lmkv: a load failed; this step's new chunks are not stored")
+            # after a failed layer save this waits for the gathers and returns the buffers
+            self.worker.wait_for_save(store=not (failed or self._save_failed))
             if self._save_failed:
                 raise RuntimeError("a layer failed to save")
-            self.worker.wait_for_save(skip={spec.request_id for spec in failed})
         except Exception as e:
             log.warning("lmkv: saving KV failed (%s); those chunks will be recomputed next time", e)
             self.cache.count_error("connector", "save")

@@ -22,7 +22,16 @@ class RequestView:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.request.prompt_token_ids or []  # None for prompt embeddings: nothing cached
+        """The prompt lmkv keys chunks by; empty (nothing looked up or stored) for a request
+        whose KV depends on more than its tokens, which lmkv's keys do not name: prompt
+        embeddings, a LoRA adapter, multimodal inputs (their placeholder tokens are the same
+        for any image), a per-request cache_salt."""
+        r = self.request
+        if r.prompt_token_ids is None or getattr(r, "lora_request", None) is not None:
+            return []
+        if getattr(r, "mm_features", None) or getattr(r, "cache_salt", None):
+            return []
+        return r.prompt_token_ids
 
     @property
     def all_token_ids(self) -> list[int]:

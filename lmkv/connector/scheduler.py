@@ -163,8 +163,8 @@ class SchedulerConnector:
                 if keys:
                     meta.loads.append(LoadSpec(request.request_id, keys, slots, skips))
                 st.pinned = []
-            if st.blended or not self.saves:
-                continue
+            if st.blended or not self.saves or not request.prompt_token_ids:
+                continue  # (no prompt: a request whose KV lmkv cannot key, decode chunks included)
             done = request.num_computed_tokens + num_new
             if not self.save_decode_cache:
                 done = min(done, len(request.prompt_token_ids))

@@ -45,6 +45,7 @@ class WorkerConnector:
         self._saves: CopyStream = CopyStream()
         self._save_bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
         self._save_jobs: list[Future] = []
+        self._save_layers = 0  # layers gathered this step (layer-wise)
         self.load_job: Future | None = None  # the running layer-wise load (layer-wise mode)
         self._load_error: BaseException | None = None  # the whole-request load's failure
 
@@ -195,8 +196,14 @@ class WorkerConnector:
         if not self.layerwise or not self.meta.saves:
             return
         if layer == 0:
+            if self._save_bufs:  # a step whose saves were never waited for: give them back
+                wait(self._save_jobs)
+                self._saves.synchronize()
+                self._release([[buf for _, buf, _ in self._save_bufs]])
             self._save_bufs = self._allocate_saves()
             self._save_jobs = []
+            self._save_layers = 0
+        self._save_layers += 1
         if self._save_bufs:  # the gather reads the layer's pages after the engine wrote them
             self._save_jobs.append(self._executor.submit(
                 self._gather, self._save_bufs, self._saves.engine_mark(), layer))
@@ -208,10 +215,12 @@ class WorkerConnector:
             for _, buf, slots in bufs:
                 self.paged.save(slots, buf.kv, 0, layer)
 
-    def wait_for_save(self, skip: set[str] | frozenset[str] = frozenset()) -> None:
+    def wait_for_save(self, skip: set[str] | frozenset[str] = frozenset(), store: bool = True) -> None:
         """End of the step: new chunks go to the hot cache; lower tiers are written in the
         background and never waited for here. Chunks of the requests in ``skip`` (computed
-        over pages whose load failed) are not stored."""
+        over pages whose load failed) are not stored; with ``store`` False (the forward
+        pass failed, or pages it read were never loaded) none are, and in layer-wise mode
+        none are unless every layer was gathered. The chunk buffers are returned either way."""
         if not self.meta.saves:
             return
         bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
@@ -225,18 +234,21 @@ class WorkerConnector:
                     wait(jobs)  # all gathers have stopped touching the buffers before any raises
                     for job in jobs:
                         job.result()
-                else:
+                    if self._save_layers != self.cache.layout.num_layers:  # the forward stopped early
+                        store = False
+                elif store:
                     bufs = self._allocate_saves()
                     self._gather(bufs, self._saves.engine_mark())
             finally:  # the chunks hold the pages' KV (or a failed gather's copies are done)
                 self._saves.synchronize()
             parents = {self._key(k): None if p is None else self._key(p)
                        for spec in self.meta.saves for k, p in spec.parents().items()}
-            for key, buf, _ in bufs:
+            for key, buf, _ in bufs if store else ():
                 if key not in skip_keys:
                     self.cache.store(key, buf, parents.get(key))
         finally:  # a failed gather stores nothing and still returns its buffers
             self.meta = ConnectorMetadata()
+            self._save_layers = 0
             self._release([[buf for _, buf, _ in bufs]])
 
     def _allocate_saves(self) -> list[tuple[str, ChunkBuffer, torch.Tensor]]:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmkv_engines.minimal.llm import LLM
 
@@ -287,6 +288,86 @@ def test_a_failed_load_is_recomputed_never_attended(tiny_model_dir, reference, l
         again = llm.generate(ps, GREEDY)
         assert [o.output_token_ids for o in again] == reference()
         assert [o.num_external_tokens for o in again] == [_full_chunks(p) for p in ps]
+
+
+def _alone(model_dir, ps: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy tokens without lmkv, one at a time."""
+    llm = LLM(str(model_dir), enable_prefix_caching=False, kv_cache_memory=64 << 20)
+    return [llm.generate([p], GREEDY)[0].output_token_ids for p in ps]
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_failed_load_leaves_nothing_stale_in_the_engines_prefix_cache(tiny_model_dir, layerwise):
+    """The blocks a request computed in the step whose load failed (over unfilled pages)
+    were registered in the engine's prefix cache at allocation: they are dropped with the
+    load's own, so the same prompt again (the engine's prefix cache on, not reset) gives the
+    tokens of a run without lmkv."""
+    p = prompts(n=1, length=200, seed=3)[0]
+    g = torch.Generator().manual_seed(99)
+    a = p[: 6 * CHUNK] + torch.randint(5, 4096, (120,), generator=g).tolist()  # 6 chunks + 120 new
+    want = _alone(tiny_model_dir, [a])[0]
+    with lmkv_llm(tiny_model_dir, use_layerwise=layerwise, prefix_caching=True) as llm:
+        llm.generate([p], GREEDY)  # lmkv stores p's chunks
+        llm.engine.block_manager.reset_prefix_cache()  # lmkv, not the engine, serves them
+        worker = llm.engine.kv_connector.worker
+        real_load, failures = worker.paged.load, []
+
+        def broken(kv, slots, skip, layer=None):
+            failures.append(layer)
+            raise OSError("injected load failure")
+
+        worker.paged.load = broken
+        assert llm.generate([a], GREEDY)[0].output_token_ids == want  # recomputed
+        worker.paged.load = real_load
+        assert failures
+        again = llm.generate([a], GREEDY)[0]  # through the engine's prefix cache as it is
+        assert again.num_cached_tokens > 0
+        assert again.output_token_ids == want
+        llm.engine.block_manager.check_integrity()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_forward_pass_that_fails_stores_nothing(tiny_model_dir, layerwise):
+    """A forward pass that raises halfway (an OOM, say) wrote some pages only: none of the
+    step's chunks is stored (they would be loaded by every later request with that prefix),
+    and the pool gets its buffers back."""
+    p = prompts(n=1, length=200, seed=7)[0]
+    want = _alone(tiny_model_dir, [p])[0]
+    with lmkv_llm(tiny_model_dir, use_layerwise=layerwise) as llm:
+        attn = llm.engine.model.model.layers[1].self_attn
+        real = attn.forward
+
+        def boom(*a, **k):
+            attn.forward = real
+            raise RuntimeError("injected forward failure at layer 1")
+
+        attn.forward = boom
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.generate([p], GREEDY)
+        for rid in list(llm.engine.requests):  # what the API server does with a failed step
+            llm.engine.abort_request(rid)
+        assert metric(llm, "lmkv_stored_chunks_total") == 0
+        llm.engine.kv_connector.cache.pool.check_integrity()
+        out = llm.generate([p], GREEDY)[0]
+        assert out.output_token_ids == want and out.num_external_tokens == 0
+
+
+def test_a_failed_save_costs_a_later_recompute_not_the_request(tiny_model_dir):
+    """Gathering the new chunks fails: the request still gets its tokens; lmkv counts the
+    error and stores nothing."""
+    p = prompts(n=1, length=200, seed=5)[0]
+    want = _alone(tiny_model_dir, [p])[0]
+    with lmkv_llm(tiny_model_dir) as llm:
+        worker = llm.engine.kv_connector.worker
+
+        def broken(slots, chunk, skip=0, layer=None):
+            raise OSError("injected save failure")
+
+        worker.paged.save = broken
+        assert llm.generate([p], GREEDY)[0].output_token_ids == want
+        assert metric(llm, "lmkv_errors_total", tier="connector", kind="save") >= 1
+        assert metric(llm, "lmkv_stored_chunks_total") == 0
+        llm.engine.kv_connector.cache.pool.check_integrity()
 
 
 def test_hits_of_the_engines_own_prefix_cache_are_not_counted_as_lmkvs(tiny_model_dir):

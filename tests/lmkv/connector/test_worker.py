@@ -139,6 +139,63 @@ def test_saves_go_to_the_hot_cache_except_for_skipped_requests(layerwise):
     engine.close()
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_step_told_not_to_store_stores_nothing_and_returns_its_buffers(layerwise):
+    """store=False (the forward pass failed, or a load of pages someone read failed): no
+    chunk of the step reaches lmkv, and the pool gets every buffer back."""
+    engine, worker, kv_cache = _setup(layerwise)
+    kv_cache.normal_()
+    free = engine.pool.num_free
+    worker.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r", ["k1"], [torch.arange(16, 24)])]))
+    worker.start_load_kv()
+    for layer in range(LAYERS):
+        worker.save_kv_layer(layer)
+    worker.wait_for_save(store=False)
+    assert not engine.storage.hot.contains("k1") and engine.pool.num_free == free
+    engine.pool.check_integrity()
+    worker.close()
+    engine.close()
+
+
+def test_layerwise_chunks_of_a_forward_that_stopped_early_are_not_stored():
+    """Only some layers were gathered (the forward pass raised at layer 1): the chunks'
+    later layers hold a slot's old contents, so none is stored."""
+    engine, worker, kv_cache = _setup(True)
+    kv_cache.normal_()
+    worker.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r", ["k1"], [torch.arange(16, 24)])]))
+    worker.start_load_kv()
+    worker.save_kv_layer(0)
+    worker.wait_for_save()
+    assert not engine.storage.hot.contains("k1")
+    engine.pool.check_integrity()
+    worker.close()
+    engine.close()
+
+
+def test_layerwise_buffers_of_a_step_never_waited_for_go_back_to_the_pool():
+    """A step whose saves were abandoned (a layer's save failed and the adapter stopped
+    calling in): the next step's first layer returns their buffers, so failures do not
+    drain the pool."""
+    engine, worker, kv_cache = _setup(True)
+    free = engine.pool.num_free
+    for step in range(3):
+        worker.bind_connector_metadata(
+            ConnectorMetadata(saves=[SaveSpec(f"r{step}", [f"k{step}"], [torch.arange(16, 24)])]))
+        worker.start_load_kv()
+        worker.save_kv_layer(0)  # and nothing after it
+    last = SaveSpec("last", ["k9"], [torch.arange(16, 24)])
+    worker.bind_connector_metadata(ConnectorMetadata(saves=[last]))
+    worker.start_load_kv()
+    for layer in range(LAYERS):
+        worker.save_kv_layer(layer)
+    worker.wait_for_save()
+    assert engine.storage.hot.contains("k9")
+    assert engine.pool.num_free == free - 1  # k9's slot, held by the hot cache
+    engine.pool.check_integrity()
+    worker.close()
+    engine.close()
+
+
 class _Recorder(CopyStream):
     """A copy stream that writes what the worker asks of it, in order, into ``log``: the
     events a CUDA stream would be ordered by, checked here without a GPU."""
