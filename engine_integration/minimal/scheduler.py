@@ -9,6 +9,7 @@ recomputed later (its prefix-cached blocks usually survive, so that is cheap).
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,6 +19,8 @@ from .request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
     from lmkv.connector import SchedulerConnector
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -101,7 +104,7 @@ class Scheduler:
                             else ComputedBlocks([], 0))
                 external = 0  # tokens after the local hit that lmkv loads
                 if connector is not None:
-                    external, _ = connector.get_num_new_matched_tokens(req, computed.num_tokens)
+                    external = _matched(connector, req, computed.num_tokens)
                 num_new = req.num_tokens - computed.num_tokens - external
                 if num_new > budget and not chunked:
                     break
@@ -150,3 +153,14 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+
+def _matched(connector, req, num_computed: int) -> int:
+    """Tokens lmkv will load for ``req`` after its local hit; 0 (it is computed) if the
+    lookup raises: one request's lookup never fails the step."""
+    try:
+        return connector.get_num_new_matched_tokens(req, num_computed)[0]
+    except Exception:
+        log.exception("lmkv: lookup for request %s failed; computing it", req.request_id)
+        connector.cache.count_error("connector", "lookup")
+        return 0

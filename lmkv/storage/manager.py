@@ -121,7 +121,12 @@ class StorageManager:
             out.append(buf)
         rest = keys[len(out):]
         if rest and self.tiers:
-            out += self.io.submit(lambda: self._load_run(rest), urgent=True).result()
+            try:
+                out += self.io.submit(lambda: self._load_run(rest), urgent=True).result()
+            except BaseException:  # the chunks retained here go back before the error does
+                for buf in out:
+                    buf.release()
+                raise
         return out
 
     def _load_run(self, keys: list[str]) -> list[ChunkBuffer]:
@@ -200,7 +205,13 @@ class StorageManager:
                 break
             bufs.append(buf)
         batch, missing = keys[: len(bufs)], keys[len(bufs) :]
-        for key, buf, ok in zip(batch, bufs, tier.read(batch, bufs), strict=True):
+        try:
+            results = tier.read(batch, bufs)
+        except BaseException:  # (a decoder's bug, not a bad frame: those are misses)
+            for buf in bufs:
+                buf.release()
+            raise
+        for key, buf, ok in zip(batch, bufs, results, strict=True):
             if not ok:
                 buf.release()
                 missing.append(key)

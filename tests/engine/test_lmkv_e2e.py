@@ -370,6 +370,27 @@ def test_a_failed_save_costs_a_later_recompute_not_the_request(tiny_model_dir):
         llm.engine.kv_connector.cache.pool.check_integrity()
 
 
+def test_a_lookup_that_raises_costs_that_request_a_recompute(tiny_model_dir, reference):
+    """lmkv's lookup raising (a bug, not a failed tier: those are misses) is that request's
+    miss, counted; the step and the other requests go on."""
+    ps = prompts()
+    with lmkv_llm(tiny_model_dir) as llm:
+        llm.generate(ps, GREEDY)
+        sched = llm.engine.kv_connector.scheduler
+        real = sched.get_num_new_matched_tokens
+
+        def broken(req, num_computed):
+            if req.prompt_token_ids == ps[0]:
+                raise RuntimeError("injected lookup bug")
+            return real(req, num_computed)
+
+        sched.get_num_new_matched_tokens = broken
+        outs = llm.generate(ps, GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        assert outs[0].num_external_tokens == 0 and outs[1].num_external_tokens > 0
+        assert metric(llm, "lmkv_errors_total", tier="connector", kind="lookup") == 1
+
+
 def test_hits_of_the_engines_own_prefix_cache_are_not_counted_as_lmkvs(tiny_model_dir):
     """A repeated prompt served by the engine's prefix cache loads nothing from lmkv: it
     counts under lmkv_engine_cached_tokens, not lmkv_hit_tokens."""

@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import torch
 
 from lmkv.backends.base import StorageBackend
@@ -139,3 +140,35 @@ def test_disk_lookups_do_not_wait_for_the_tiers_call_in_progress(tmp_path):
         asking.join()
         assert waited == (tier is other)
     assert answers[0] == [True]
+
+
+def test_a_read_that_raises_returns_every_chunk_it_held(tmp_path):
+    """A tier read raising something other than a failed or corrupt read (a decoder's bug)
+    reaches the caller, but the hot chunks already taken for it and the slots allocated for
+    the batch go back to the pool first."""
+    cfg = load_config(env={}, chunk_size=8, max_local_cpu_size=0.001, local_disk=str(tmp_path),
+                      max_local_disk_size=0.01)
+    cache = LMKVCache(cfg, KVLayout(2, 2, 4, torch.float32, 8), "model")
+    try:
+        keys = cache.keys(list(range(40)))  # 5 chunks
+        for key in keys:
+            buf = cache.allocate()
+            buf.kv.normal_()
+            cache.store(key, buf)
+            buf.release()
+        cache.drain()
+        for key in keys[2:]:  # only on disk now
+            cache.storage.hot.entries.pop(key).release()
+            cache.storage.hot.policy.removed(key)
+        free = cache.pool.num_free
+
+        def broken(keys, bufs):
+            raise ValueError("a decoder's bug")
+
+        cache.storage.tiers[0].read = broken
+        with pytest.raises(ValueError, match="decoder"):
+            cache.storage.fetch(keys)
+        assert cache.pool.num_free == free
+        cache.pool.check_integrity()
+    finally:
+        cache.close()
