@@ -16,7 +16,9 @@ def sample(
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        row = logits[i] / p.temperature
+        # shifted so the largest logit is 0: a tiny temperature makes the others -inf, never
+        # inf - inf (NaN) in the softmax; its limit, the greedy token, keeps probability 1
+        row = (logits[i] - logits[i].max()) / p.temperature
         if 0 < p.top_k < row.shape[0]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -25,6 +27,7 @@ def sample(
             probs = sorted_logits.softmax(-1)
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
             drop = probs.cumsum(-1) - probs >= p.top_p
+            drop[0] = False  # a top_p below float32's smallest value would drop every token
             row = row.scatter(0, order[drop], float("-inf"))
         probs = row.softmax(-1)
         out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())

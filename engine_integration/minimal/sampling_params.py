@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# each generated piece of text is matched against every stop string (and the stream holds back
+# what could still become one), so their number and length are bounded; OpenAI's API takes 4
+MAX_STOPS, MAX_STOP_CHARS = 16, 1024
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,6 +31,8 @@ class SamplingParams:
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]")
         _check(self.seed is None or isinstance(self.seed, int), "seed", "an integer")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
+        _check(len(self.stop) <= MAX_STOPS and all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+               f"at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
 
     @property
     def greedy(self) -> bool:

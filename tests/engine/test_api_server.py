@@ -255,6 +255,8 @@ BAD_REQUESTS = {
     "wrong type": ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     "several prompts": ({"prompt": ["a", "b"]}, 400, "one per request"),
     "unknown model": ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
+    "too many stop strings": ({"prompt": "hi", "stop": ["x"] * 17}, 400, "stop"),
+    "a stop string too long": ({"prompt": "hi", "stop": ["x" * 1025]}, 400, "stop"),
 }
 
 

@@ -120,6 +120,19 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [dict(temperature=1e-40), dict(temperature=0.7, top_p=1e-46),
+                                    dict(temperature=1e-40, top_p=1e-300, top_k=3)])
+def test_extreme_but_valid_sampling_parameters_sample_the_likeliest_token(kwargs):
+    """A temperature or top_p so small that float32 cannot tell it from 0 leaves the likeliest
+    token (its limit), never NaN probabilities: torch.multinomial raised on those and failed
+    the step of every request batched with it."""
+    from lmkv_engines.minimal.sampler import sample
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 20
+    params = [SamplingParams(**kwargs)] * 3
+    assert sample(logits, params, [None] * 3) == logits.argmax(-1).tolist()
+
+
 def test_bad_requests_are_clear_errors(tiny_model_dir, tmp_path):
     llm = LLM(str(tiny_model_dir), kv_cache_memory=32 << 20, max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len"):
