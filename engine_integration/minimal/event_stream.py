@@ -23,7 +23,11 @@ class EventStream(StreamingResponse):
 
 
 def hold_back(text: str, stops: tuple[str, ...]) -> str:
-    """``text`` without its longest tail that is a proper prefix of a stop string."""
+    """``text`` without what may still change or vanish: a trailing U+FFFD (the decoded text
+    of a character whose bytes span tokens, until its last byte arrives; sent as it was, the
+    text that follows would no longer continue what was sent) and its longest tail that is a
+    proper prefix of a stop string."""
+    text = text.rstrip("\ufffd")
     keep = len(text)
     for stop in stops:
         for k in range(min(len(stop) - 1, len(text)), 0, -1):

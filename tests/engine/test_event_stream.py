@@ -20,6 +20,9 @@ from lmkv_engines.minimal.event_stream import hold_back
         ("abab", ("abc",), "ab"),  # the longest tail that is a prefix: "ab"
         ("end.", (".",), "end."),  # a complete stop is the engine's to cut, not held
         ("", ("x",), ""),
+        ("caf\ufffd", (), "caf"),  # "é" half decoded: held until its second byte arrives
+        ("a\ufffd\ufffd", ("b",), "a"),
+        ("\ufffdx", (), "\ufffdx"),  # an invalid byte inside the text stays as decoded
     ],
 )
 def test_hold_back_keeps_only_text_that_cannot_start_a_stop(text, stops, want):
@@ -35,3 +38,33 @@ def test_parse_size():
     for bad in ("", "lots", "2 parsecs", "-1GiB"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_size(bad)
+
+
+def test_a_stream_sends_every_character_when_one_spans_tokens():
+    """Decoded text ends in U+FFFD while a character's bytes span tokens ("東" of SmolLM2's
+    byte-level BPE, for one): the stream holds it back, so the later text still continues
+    what was sent and the deltas add up to the whole text (they used to stop at the first
+    such character)."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from lmkv_engines.minimal.api_server import APIServer
+    from lmkv_engines.minimal.outputs import RequestOutput
+
+    texts = ["Paris é", "Paris é 😀 \ufffd", "Paris é 😀 東", "Paris é 😀 東\ufffd", "Paris é 😀 東京"]
+    outs = [RequestOutput("r", [1], list(range(i + 1)), t, i == len(texts) - 1,
+                          "stop" if i == len(texts) - 1 else None) for i, t in enumerate(texts)]
+
+    async def rest():
+        for out in outs[1:]:
+            yield out
+
+    async def collect():
+        server = SimpleNamespace(model_name="m")
+        body = SimpleNamespace(return_token_ids=False, include_usage=False)
+        return [e async for e in APIServer._events(server, "r", 0, body, (), outs[0], rest(), False)]
+
+    events = [e for e in asyncio.run(collect()) if e.strip() != "data: [DONE]"]
+    deltas = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events]
+    assert "".join(deltas) == texts[-1] and not any("\ufffd" in d for d in deltas)
