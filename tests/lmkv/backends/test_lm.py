@@ -203,6 +203,10 @@ def test_frozen_server_times_out_then_recovers(spawn_server):
     server = spawn_server("--max-memory", "8MiB")
     backend = LMBackend(server.url, timeout=1)
     backend.put([("f@1", b"v")])
+    # a reply on the connection proves the PUT before it applied (PUT has no reply of its
+    # own): without it the PUT could still be unread at SIGSTOP and race the GET of the new
+    # connection after SIGCONT
+    assert backend.contains(["f@1"]) == [True]
     server.proc.send_signal(signal.SIGSTOP)  # alive but not answering
     while _state(server.proc.pid) != "T":
         time.sleep(0.01)
