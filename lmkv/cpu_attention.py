@@ -49,9 +49,10 @@ def library() -> ctypes.CDLL | None:
     try:
         if cc is None:
             raise OSError("no C compiler (cc, gcc or $CC)")
-        threads = _torch_openmp() is not None
+        flags = build_flags()
+        threads = "-fopenmp" in flags
         try:
-            path = build(cc, SOURCE, cache_dir(), build_flags(), libs=("-lm",))
+            path = build(cc, SOURCE, cache_dir(), flags, libs=("-lm",))
         except OSError as e:  # e.g. a compiler without OpenMP's library: one thread, then
             if not threads:
                 raise
@@ -63,7 +64,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("lmkv: no native CPU attention (%s); attention runs in torch", e)
         return None
     log.info("lmkv: native CPU attention %s (%s)", path,
-             "on torch's OpenMP threads" if threads else "one thread: torch does not run GNU OpenMP")
+             "on torch's OpenMP threads" if threads else "one thread")
     return lib
 
 
