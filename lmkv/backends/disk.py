@@ -110,16 +110,39 @@ class DiskBackend(StorageBackend):
                 self._unlink(name)
                 self._forget(name)
             self._evict_to(self.capacity - size)
-            tmp = self.root / f".{name}.{os.getpid()}.tmp"
             try:
-                with open(tmp, "wb") as f:
-                    f.write(value)
-                os.replace(tmp, self.root / name)
-            except OSError as e:
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
-                raise BackendError(f"disk tier write failed: {e}") from e
+                self._write(name, value)
+            except FileNotFoundError:  # the directory was removed under us: start it afresh
+                self._recreate()
+                self._write(name, value)
             self._add(name, size)
+
+    def _write(self, name: str, value: bytes | memoryview) -> None:
+        """``value`` into file ``name`` through a temporary file renamed into place;
+        FileNotFoundError where the directory is gone, BackendError for other failures."""
+        tmp = self.root / f".{name}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(value)
+            os.replace(tmp, self.root / name)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            if isinstance(e, FileNotFoundError) and not self.root.is_dir():
+                raise
+            raise BackendError(f"disk tier write failed: {e}") from e
+
+    def _recreate(self) -> None:
+        """The tier's directory is gone (removed by hand, a cleanup job): whatever the index
+        counted went with it, so the index restarts empty in a new directory."""
+        log.warning("disk tier %s: the directory was removed; recreating it (%d entries lost)",
+                    self.root, len(self.index))
+        for name in list(self.index):
+            self._forget(name)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BackendError(f"cannot recreate the disk tier directory {self.root}: {e}") from e
 
     def _add(self, name: str, size: int) -> None:
         self.index[name] = size

@@ -178,6 +178,24 @@ def test_a_failed_overwrite_leaves_no_older_value(tmp_path, monkeypatch):
     assert DiskBackend(tmp_path, capacity_bytes=1000).get(["a"]) == [None]
 
 
+def test_a_removed_disk_directory_is_recreated(tmp_path, caplog):
+    """The tier's directory removed under a running engine (by hand, a cleanup job): the
+    chunks in it are misses, and the next write recreates the directory and starts the
+    index afresh, instead of every later save failing."""
+    import shutil
+
+    root = tmp_path / "kv"
+    disk = DiskBackend(root, capacity_bytes=1000)
+    disk.put([("a", b"x" * 100), ("b", b"y" * 100)])
+    shutil.rmtree(root)
+    assert disk.get(["a"]) == [None]
+    disk.put([("c", b"z" * 100)])
+    assert "directory was removed" in caplog.text
+    assert root.is_dir() and disk.used == 100 and disk.contains(["b", "c"]) == [False, True]
+    assert disk.get(["c"]) == [b"z" * 100]
+    assert DiskBackend(root, capacity_bytes=1000).get(["c"]) == [b"z" * 100]
+
+
 def test_disk_tier_batched_reads(tmp_path):
     """The disk tier's batch read (which first asks the kernel to read ahead every file of
     the batch) returns what get_into does, misses included; a file removed behind the
