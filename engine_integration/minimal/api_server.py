@@ -281,7 +281,11 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
-    return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
+    message = str(exc.detail)
+    if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+        bad = exc.__cause__
+        message = f"the request body is not UTF-8: byte 0x{bad.object[bad.start]:02x} at offset {bad.start}"
+    return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code,
                         headers=exc.headers)
 
 

@@ -274,6 +274,10 @@ def test_malformed_bodies_and_chat_errors(server):
     r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "hi",',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "h\xffi"}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "the request body is not UTF-8: byte 0xff at offset 13")
     r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "hi"}')
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
     r = httpx.post(f"{server}/v1/chat/completions", json={"messages": []})
