@@ -143,6 +143,9 @@ class LMKVCache:
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:
         self.metrics.record_lookup(prompt_tokens, hit_tokens, engine_tokens)
 
+    def record_blend(self, prompt_tokens: int, hit_tokens: int) -> None:
+        self.metrics.record_blend(prompt_tokens, hit_tokens)
+
     def count_error(self, where: str, kind: str) -> None:
         self.metrics.errors.labels(where, kind).inc()
 
@@ -190,17 +193,22 @@ class LMKVCache:
         plan = BlendPlan(recompute_ratio=self.config.blend_recompute_ratio,
                          check_layer=self.config.blend_check_layer,
                          pre_rope=self.config.blend_store_pre_rope)
-        for seg in split_segments(tokens, separator)[:-1]:
-            if seg.length == 0:
-                continue
-            keys = self.content_keys(tokens[seg.start : seg.end])
-            pieces = self.fetch(keys)
-            if len(pieces) < len(keys):
-                for buf in pieces:
-                    buf.release()
-                continue
-            plan.segments.append(CachedSegment(seg.start, seg.length, pieces))
-        self.metrics.record_blend(len(tokens), plan.num_cached_tokens)
+        try:
+            for seg in split_segments(tokens, separator)[:-1]:
+                if seg.length == 0:
+                    continue
+                keys = self.content_keys(tokens[seg.start : seg.end])
+                pieces = self.fetch(keys)
+                if len(pieces) < len(keys):
+                    for buf in pieces:
+                        buf.release()
+                    continue
+                plan.segments.append(CachedSegment(seg.start, seg.length, pieces))
+        except Exception:  # a tier's read raised (failed and corrupt reads are misses)
+            log.exception("lmkv: fetching a prompt's RAG chunks failed; computing it whole")
+            self.count_error("connector", "blend")
+            plan.release()
+            return None
         return plan if plan.segments else None
 
     def _serve_metrics(self):

@@ -285,7 +285,7 @@ def _precompute(config: EngineConfig, files: list[str], split_on: str | None,
         chunks = []
         for name in files:
             with open(name, encoding="utf-8") as f:
-                text = f.read()
+                text = f.read().removesuffix("\n")  # the file's last line end, not its text
             parts = text.split(split_on) if split_on else [text]
             chunks += [p for p in parts if p.strip()]
         with LLM(lmkv_config=lmkv_config, **asdict(config)) as llm:

@@ -43,18 +43,23 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        order = []
-        for prompt, p in zip(prompts, params, strict=True):
-            rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p)
-            order.append(rid)
+        order: list[str] = []
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(order):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        while self.engine.has_unfinished_requests():  # lmkv quality-gate re-runs (no output)
-            self.engine.step()
+        try:  # a bad prompt or a failed step leaves none of these requests behind
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p)
+                order.append(rid)
+            while len(done) < len(order):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        done[out.request_id] = out
+            while self.engine.has_unfinished_requests():  # lmkv quality-gate re-runs (no output)
+                self.engine.step()
+        except BaseException:
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
         return [done[r] for r in order]
 
     def precompute(self, documents, batch_size: int = 8, progress: bool = True):

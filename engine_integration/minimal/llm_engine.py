@@ -156,12 +156,18 @@ class LLMEngine:
         """KV of each token list computed alone at positions [0, n): [2, L, n, Hkv, D] each,
         with ``pre_rope`` the keys before RoPE (lmkv.blend.precompute's KVComputer)."""
         reqs = []
-        for i, ids in enumerate(token_lists):
-            req = self.add_request(f"kv-{id(token_lists)}-{i}", ids, SamplingParams(max_tokens=1))
-            req.capture_kv = True
-            reqs.append(req)
-        while any(not r.is_finished for r in reqs):
-            self.step()
+        try:  # a rejected list (or a failed step) leaves none of these requests behind
+            for i, ids in enumerate(token_lists):
+                req = self.add_request(f"kv-{id(token_lists)}-{i}", ids, SamplingParams(max_tokens=1))
+                # computed alone: no cached KV loaded or blended, none stored as prefix chunks
+                req.capture_kv, req.use_cache = True, False
+                reqs.append(req)
+            while any(not r.is_finished for r in reqs):
+                self.step()
+        except BaseException:
+            for req in reqs:
+                self.abort_request(req.request_id)
+            raise
         kvs = [r.captured_kv for r in reqs]
         if pre_rope:  # rotated back from [0, n) in fp32: exact up to one rounding to the dtype
             rope = self.model.model.rope

@@ -37,7 +37,13 @@ class ModelRunner:
         # decodes (one query token) first: the attention metadata expects that order
         batch = sorted((s for s in sched.scheduled if s.request.blend is None),
                        key=lambda s: s.num_new_tokens != 1)
-        sampled = {req.request_id: self._blend(req) for req in blended}
+        try:
+            sampled = {req.request_id: self._blend(req) for req in blended}
+        finally:  # one failed: the plans of those after it are given back too
+            for req in blended:
+                if req.blend is not None:
+                    req.blend.release()
+                    req.blend = None
         if not batch:
             return sampled
         input_ids, positions, meta, sample_rows = self._prepare(batch)

@@ -94,7 +94,7 @@ class Scheduler:
             blend = None
             connector = self.connector if req.use_cache else None
             if connector is not None and not req.output_token_ids:
-                blend = connector.get_blend_plan(req)
+                blend = _blend_plan(connector, req)
             if blend is not None:
                 # a blended prefill runs the whole prompt in one step, whatever the budget
                 req.cacheable = False
@@ -133,6 +133,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        _drop_blend(request)
         self.blocks.free(request)
         if self.connector is not None:
             self.connector.request_finished(request)
@@ -141,18 +142,38 @@ class Scheduler:
         """Put a running request back at the front of the queue, to be computed again from
         its first token (its pages held KV that cannot be trusted)."""
         self.running.remove(request)
+        _drop_blend(request)
         self.blocks.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
 
     def _preempt(self, request: Request) -> None:
+        _drop_blend(request)
         self.blocks.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+
+def _drop_blend(req: Request) -> None:
+    """Give back the stored chunks of a blended prefill that will not run (or not finish)."""
+    if req.blend is not None:
+        req.blend.release()
+        req.blend = None
+
+
+def _blend_plan(connector, req):
+    """The request's blend plan, or None (it takes the prefix path) if there is none or
+    finding it raises: one request's lookup never fails the step."""
+    try:
+        return connector.get_blend_plan(req)
+    except Exception:
+        log.exception("lmkv: RAG chunk lookup for request %s failed; computing it", req.request_id)
+        connector.cache.count_error("connector", "blend")
+        return None
 
 
 def _matched(connector, req, num_computed: int) -> int:

@@ -36,6 +36,7 @@ class ChunkIndex(Protocol):
     def unpin(self, keys: list[str]) -> None: ...
     def prefetch(self, keys: list[str]) -> None: ...
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None: ...
+    def record_blend(self, prompt_tokens: int, hit_tokens: int) -> None: ...
     def drain(self) -> None: ...
 
 
@@ -50,6 +51,9 @@ class _RequestState:
     plan: BlendPlan | None = None  # found by get_blend_plan, until the engine takes it
     blended: bool = False  # its KV is approximate: never saved as prefix chunks
     lossy: bool = False  # some loaded chunk was decoded from a lossy codec
+    # a lookup not counted yet: (prompt tokens, the engine's own hit); counted once, when the
+    # engine allocates (a request that waits for blocks is looked up again every step)
+    looked_up: tuple[int, int] | None = None
     no_loads: bool = False  # a load into its pages failed: it is recomputed without lmkv
 
 
@@ -106,9 +110,7 @@ class SchedulerConnector:
         st.saved_chunks = max(st.saved_chunks, found)  # not saved again
         st.lossy = st.lossy or any(lossy)
         hit = min((first + len(lossy)) * c, len(request.prompt_token_ids) - 1)
-        # lmkv's hit is what it can load beyond the engine's own prefix cache
-        self.cache.record_lookup(len(request.prompt_token_ids), max(0, hit - num_computed_tokens),
-                                  num_computed_tokens)
+        st.looked_up = (len(request.prompt_token_ids), num_computed_tokens)
         if hit <= num_computed_tokens:
             self._unpin(st)
             return 0, False
@@ -132,7 +134,11 @@ class SchedulerConnector:
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         st = self._state(request)
-        st.plan = None  # handed to the engine with the allocation
+        if st.plan is not None:
+            self.cache.record_blend(len(request.prompt_token_ids), st.plan.num_cached_tokens)
+        elif st.looked_up is not None:  # lmkv's hit: what it loads beyond the engine's own
+            self.cache.record_lookup(st.looked_up[0], num_external_tokens, st.looked_up[1])
+        st.plan, st.looked_up = None, None  # the plan is the engine's now
         if num_external_tokens == 0:
             self._unpin(st)
             return

@@ -36,8 +36,15 @@ def plain(tiny_model_dir):
 
 
 def _prompt_kv(llm, prompt):
-    """Run a 1-token generation and return the prompt's KV from paged memory [2, L, n, H, D]."""
-    return llm.engine.compute_kv([prompt])[0]
+    """Run a 1-token request (blended where lmkv holds its chunks) and return the prompt's KV
+    from paged memory [2, L, n, H, D]."""
+    eng = llm.engine
+    req = eng.add_request(f"kv-{len(prompt)}-{eng.runner.num_forward_tokens}", prompt,
+                          SamplingParams(max_tokens=1))
+    req.capture_kv = True
+    while not req.is_finished:
+        eng.step()
+    return req.captured_kv
 
 
 def test_ratio_one_reproduces_full_prefill(tiny_model_dir, plain):
@@ -189,7 +196,7 @@ def test_rag_request_through_engine_serve_after_cli_precompute(tiny_model_dir, t
                       "max_local_disk_size: 0.1\nenable_blending: true\n")
     docs = ["The river Tal flows through Zorvia and feeds its capital. " * 4,
             "Melk is the capital of Zorvia, famous for its old bridges. " * 4]
-    (tmp_path / "docs.txt").write_text("\n\n".join(docs))
+    (tmp_path / "docs.txt").write_text("\n\n".join(docs) + "\n")  # as editors end a file
     env = {**os.environ, "LMKV_CONFIG_FILE": str(config)}
     common = ["--model", str(tiny_model_dir), "--kv-cache-memory", "32MiB"]
     out = subprocess.run(engine_command("precompute", *common, str(tmp_path / "docs.txt"),
@@ -220,7 +227,11 @@ def test_rag_request_through_engine_serve_after_cli_precompute(tiny_model_dir, t
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"]
         m = metrics(url)
-        assert m["lmkv_blend_hit_tokens_total"] > 0
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+        both = sum(len(tok.encode(d, add_special_tokens=False).ids) for d in docs)
+        assert m["lmkv_blend_hit_tokens_total"] == both  # the file's last chunk too
         assert m["lmkv_tier_hits_total{tier=disk}"] > 0  # served from the disk tier
         assert m["lmkv_blend_recomputed_tokens_total"] > 0
     finally:
@@ -258,3 +269,129 @@ def test_the_selection_function_picks_the_recomputed_tokens(tiny_model_dir, plai
         torch.testing.assert_close(kv, _prompt_kv(plain, prompt), atol=1e-5, rtol=1e-5)
         _, recomputed = run(lambda *a: asked.append(a[2]) or select_recompute(*a))
         assert asked == [0.15] and recomputed == round(0.15 * 210)
+
+
+def _refs(cache, keys):
+    return [cache.storage.hot.entries[k].ref_count for k in keys]
+
+
+def test_a_blend_lookup_that_raises_costs_a_recompute_not_the_step(tiny_model_dir, plain, tmp_path):
+    """A tier read that raises while a blended prompt's chunks are fetched (a decoder's bug):
+    that prompt is computed whole (the same tokens as without lmkv), the request beside it
+    finishes, the chunks already fetched for earlier segments are given back, and the error
+    is counted."""
+    docs, query = _docs(4)
+    with _blend_llm(tiny_model_dir, 0.15, local_disk=str(tmp_path), max_local_disk_size=0.05) as llm:
+        eng, cache = llm.engine, llm.engine.kv_connector.cache
+        llm.precompute(docs, progress=False)
+        for key in cache.content_keys(docs[1]):  # docs[1] only on disk
+            cache.storage.hot.entries.pop(key).release()
+            cache.storage.hot.policy.removed(key)
+
+        def broken(keys, bufs):
+            raise ValueError("a decoder's bug")
+
+        cache.storage.tiers[0].read = broken
+        prompt = join_segments([docs[0], docs[1], query], eng.blend_separator)
+        bystander = list(range(10, 60))
+        outs = llm.generate([prompt, bystander], GREEDY)
+        want = plain.generate([prompt, bystander], GREEDY)
+        assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in want]
+        assert _refs(cache, cache.content_keys(docs[0])) == [1, 1, 1]
+        reg = eng.metrics.registry
+        assert reg.get_sample_value("lmkv_errors_total", {"tier": "connector", "kind": "blend"}) == 1
+        assert not eng.has_unfinished_requests()
+
+
+def test_a_failed_blended_step_gives_back_every_plan(tiny_model_dir, monkeypatch):
+    """Two blended prefills in one step, the first raising (a device out of memory): the
+    step fails, and once its requests are aborted (as the server does) no stored chunk is
+    still held for them."""
+    import lmkv_engines.minimal.model_runner as model_runner
+
+    docs, query = _docs(5)
+    with _blend_llm(tiny_model_dir, 0.15) as llm:
+        eng, cache = llm.engine, llm.engine.kv_connector.cache
+        llm.precompute(docs, progress=False)
+        keys = [k for d in docs for k in cache.content_keys(d)]
+        real, calls = model_runner.blend_prefill, []
+
+        def flaky(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("out of memory (injected)")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(model_runner, "blend_prefill", flaky)
+        eng.add_request("a", join_segments([docs[0], query], eng.blend_separator), GREEDY)
+        eng.add_request("b", join_segments([docs[1], docs[2], query], eng.blend_separator), GREEDY)
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.step()
+        for rid in list(eng.requests):
+            eng.abort_request(rid)
+        assert _refs(cache, keys) == [1] * len(keys)
+        cache.pool.check_integrity()
+
+
+def test_blend_metrics_count_a_prompt_once_while_it_waits_for_blocks(tiny_model_dir):
+    """A blended prompt that waits steps for KV blocks is counted once, when it runs."""
+    docs, query = _docs(6)
+    cfg = load_config(env={}, chunk_size=32, max_local_cpu_size=0.05, enable_blending=True)
+    with LLM(str(tiny_model_dir), lmkv_config=cfg, num_kv_blocks=20, enable_prefix_caching=False) as llm:
+        llm.precompute(docs, progress=False)
+        prompt = join_segments([docs[2], docs[0], query], llm.engine.blend_separator)
+        long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        outs = llm.generate([list(range(10, 200)), prompt], [long, GREEDY])
+        assert outs[1].num_external_tokens == 170
+        reg = llm.engine.metrics.registry
+        assert reg.get_sample_value("lmkv_blend_requests_total") == 1
+        assert reg.get_sample_value("lmkv_blend_hit_tokens_total") == 170
+        # the prefix path's lookups too: the first prompt once, not once per step
+        assert reg.get_sample_value("lmkv_lookups_total") == 1
+
+
+def test_precompute_tokenizes_chunks_as_prompts_hold_them(tiny_model_dir, tmp_path):
+    """With a tokenizer that adds BOS, a precomputed text chunk is still found inside a
+    prompt (where it has no BOS of its own); it is computed alone, with nothing stored as
+    prefix chunks."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    model = tmp_path / "bos-model"
+    shutil.copytree(tiny_model_dir, model)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    bos = tok.token_to_id("<|bos|>")
+    tok.post_processor = TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos)])
+    tok.save(str(model / "tokenizer.json"))
+    texts = ["def parse(config): return config.items() " * 8, "The exception is raised when " * 10]
+    with _blend_llm(model, 0.15) as llm:
+        assert llm.engine.tokenize(texts[0])[0] == bos  # prompts do get a BOS
+        report = llm.precompute(texts, progress=False)
+        assert (report.stored, report.skipped) == (2, 0)
+        reg = llm.engine.metrics.registry
+        pieces = sum(len(llm.engine.kv_connector.cache.content_keys(
+            llm.engine.tokenize(t, add_special_tokens=False))) for t in texts)
+        assert reg.get_sample_value("lmkv_stored_chunks_total") == pieces  # no prefix chunks
+        prompt = " # # ".join(["You answer questions.", texts[1], texts[0], "What is raised?"])
+        out = llm.generate([prompt], GREEDY)[0]
+        want = sum(len(llm.engine.tokenize(t, add_special_tokens=False)) for t in texts)
+        assert out.num_external_tokens == want
+
+
+def test_precompute_counts_what_it_could_not_store_and_leaves_nothing_behind(tiny_model_dir):
+    """A document the engine refuses is counted failed (the others are stored) and leaves
+    no request behind; a write that no tier below the hot cache took counts as failed;
+    repeats and empty documents are not computed; bad arguments are refused by name."""
+    docs, query = _docs(7)
+    with _blend_llm(tiny_model_dir, 0.15) as llm:
+        report = llm.precompute([docs[0], [1, 2, 99999], docs[1], docs[0], []], progress=False)
+        assert (report.stored, report.skipped, report.failed) == (2, 1, 1)
+        assert not llm.engine.has_unfinished_requests()
+        assert len(llm.generate([query], GREEDY)[0].output_token_ids) == 8
+        with pytest.raises(ValueError, match="batch_size"):
+            llm.precompute([docs[2]], batch_size=0)
+        with pytest.raises(TypeError, match="list of texts"):
+            llm.precompute("one text", progress=False)
+    with _blend_llm(tiny_model_dir, 0.15, remote_url="lm://127.0.0.1:9") as llm:  # nobody there
+        report = llm.precompute(docs, progress=False)
+        assert (report.stored, report.failed) == (0, 3)
