@@ -38,6 +38,11 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     if config.enable_blending:
         raise ConfigError("lmkv config key enable_blending is not supported inside vLLM (CacheBlend needs "
                           "the bundled engine's blended prefill); lmkv reuses prefixes here")
+    if config.quality_check_every:
+        raise ConfigError(
+            "a lossy codec (cachegen) inside vLLM runs without lmkv's quality gate, which re-runs "
+            "requests only in the bundled engine: set lmkv config key codec_check_every: 0 to serve "
+            "lossy KV ungated, or keep the tiers lossless (local_disk_codec / remote_serde)")
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     pp = getattr(pc, "pipeline_parallel_size", 1)
     if pp > 1:

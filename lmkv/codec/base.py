@@ -65,16 +65,26 @@ class Zstd(Codec):
         return zstandard.ZstdCompressor(level=1).compress(_bytes_of(kv))
 
     def decode_into(self, payload, kv, table):
-        import zstandard
-
         out = _bytes_of(kv)
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=len(out))
-        except zstandard.ZstdError as e:
-            raise ValueError(f"zstd payload does not decode: {e}") from e
-        if len(raw) != len(out):
-            raise ValueError(f"zstd payload decodes to {len(raw)} bytes, chunk needs {len(out)}")
-        out[:] = raw
+        out[:] = zstd_exact(payload, len(out), "zstd payload")
+
+
+def zstd_exact(blob, size: int, what: str) -> bytes:
+    """The ``size`` bytes a zstd frame decodes to; ValueError for anything else. A frame
+    that announces another size is refused before it is decoded: zstandard would allocate
+    and fill what it announces (32 KiB can announce a GiB), whatever the output bound."""
+    import zstandard
+
+    try:
+        announced = zstandard.frame_content_size(blob)
+        if announced not in (-1, size):
+            raise ValueError(f"{what} announces {announced} bytes, expected {size}")
+        raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=size)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"{what} does not decode: {e}") from e
+    if len(raw) != size:
+        raise ValueError(f"{what} decodes to {len(raw)} bytes, expected {size}")
+    return raw
 
 
 class CacheGen(Codec):

@@ -45,6 +45,7 @@ import torch
 from .. import ops
 from ..memory import NO_POSITION
 from . import native, rans
+from .base import zstd_exact
 from .calibration import QMAX, CacheGenTable
 
 _HEAD = struct.Struct("<4sQHBBI")
@@ -121,6 +122,8 @@ def encode(kv: torch.Tensor, table: CacheGenTable, coder: str = "zstd",
         x = (x.float().reshape(two, layers, t, h * d) @ table.basis.to(dev)).view(kv.shape)
     symbols = ops.cachegen_quantize(x, table.step.to(dev), table.mean.to(dev),
                                     table.delta.to(dev), table.group_size).cpu()
+    if not bool(torch.isfinite(kv).all()):  # NaN would quantize to some finite symbol
+        raise OutOfRange("the chunk holds a NaN or an infinity")
     if (worst := _largest_symbol(symbols, table)) >= QMAX:
         raise OutOfRange(f"a value {worst} steps from the table's mean (at most {QMAX - 1} can be "
                          f"coded): the chunk is outside what calibration measured")
@@ -226,14 +229,11 @@ def _read_streams(view: memoryview, coder: int, sizes: list[int], start: int
                   ) -> list[np.ndarray]:
     """The symbol arrays (int8 or int16) of the streams whose descriptors begin at
     ``start``; ``sizes`` says how many symbols each must hold."""
-    import zstandard
-
     count = len(sizes)
     off = start + count * _STREAM.size
     if len(view) < off:
         raise PayloadError("truncated cachegen payload")
     parts: list[np.ndarray] = []
-    dz = zstandard.ZstdDecompressor()
     for i, n in enumerate(sizes):
         width, length = _STREAM.unpack_from(view, start + i * _STREAM.size)
         blob = view[off : off + length]
@@ -254,11 +254,9 @@ def _read_streams(view: memoryview, coder: int, sizes: list[int], start: int
             if width == 1 and coder == CODERS["rans"]:
                 parts.append(rans.decode(blob, n))
                 continue
-            raw = dz.decompress(blob, max_output_size=n * width)
-        except (zstandard.ZstdError, rans.RansError) as e:
+            raw = zstd_exact(blob, n * width, f"stream {i}")
+        except (ValueError, rans.RansError) as e:
             raise PayloadError(f"stream {i} does not decode: {e}") from e
-        if len(raw) != n * width:
-            raise PayloadError(f"stream {i} decodes to {len(raw)} bytes, expected {n * width}")
         parts.append(np.frombuffer(raw, np.int8 if width == 1 else "<i2"))
     if off != len(view):
         raise PayloadError(f"{len(view) - off} stray bytes after the last stream")

@@ -137,16 +137,22 @@ class CacheGenTable:
         try:
             tensors = load(data)
             meta = json.loads(_metadata(data).get("lmkv", "{}"))
-        except Exception as e:  # safetensors raises its own error types
-            raise ValueError(f"not a cachegen calibration table: {e}") from e
+            if not isinstance(meta, dict):
+                raise ValueError("its lmkv metadata is not a JSON object")
+            step, mean = tensors["step"].float(), tensors["mean"].float()
+            delta, target = tensors["delta"].bool(), tensors["target"].float()
+            group_size = meta.get("group_size")
+        except Exception as e:  # safetensors raises its own error types; a tensor may be missing
+            raise ValueError(f"not a cachegen calibration table: {e!r}") from e
         if meta.get("format") not in FORMATS:
             raise ValueError(f"calibration table format {meta.get('format')!r}, expected one "
                              f"of {FORMATS}")
-        step, mean = tensors["step"].float(), tensors["mean"].float()
-        delta, target = tensors["delta"].bool(), tensors["target"].float()
+        if not isinstance(group_size, int) or not 1 <= group_size <= 1024:
+            raise ValueError(f"calibration table group_size {group_size!r} outside [1, 1024]")
         if (step.dim() != 4 or step.shape[0] != 2 or mean.shape != step.shape
                 or delta.shape != step.shape[:2] or target.shape != step.shape[:2]
-                or not bool((step > 0).all()) or not bool(torch.isfinite(mean).all())):
+                or not bool(((step > 0) & torch.isfinite(step)).all())
+                or not bool(torch.isfinite(mean).all()) or not bool(torch.isfinite(target).all())):
             raise ValueError("calibration table has inconsistent tensors")
         basis, bands = tensors.get("basis"), tensors.get("bands")
         if (basis is None) != (bands is None):
@@ -159,6 +165,8 @@ class CacheGenTable:
                     or not bool(torch.isfinite(basis).all()) or bool((bands[..., 0] != 0).any())
                     or bool((bands.diff(dim=2) < 0).any()) or bool((bands[..., -1] > c).any())):
                 raise ValueError("calibration table has an inconsistent transform")
+            if bool(delta.any()):  # transform payloads code no anchor deltas
+                raise ValueError("calibration table has a transform and anchor deltas")
         rope = tensors.get("rope_inv_freq")
         if (rope is not None) != (meta.get("format") == FORMAT):
             raise ValueError(f"calibration table of format {meta.get('format')} "
@@ -169,7 +177,7 @@ class CacheGenTable:
                     or not bool(torch.isfinite(rope).all())):
                 raise ValueError(f"calibration table has rotary frequencies of shape "
                                  f"{tuple(rope.shape)} for head_dim {step.shape[3]}")
-        return cls(step, mean, delta, target, int(meta["group_size"]),
+        return cls(step, mean, delta, target, group_size,
                    xxhash.xxh3_64_intdigest(data), basis, bands, rope)
 
     @classmethod

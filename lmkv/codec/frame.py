@@ -35,10 +35,12 @@ def encode(buf: ChunkBuffer, key: str, codec: Codec | str, table: CacheGenTable 
     """The frame of ``buf``'s chunk. A whole chunk in the raw codec is framed in place, in
     the slot's header area, and the returned view aliases the slot (valid while the caller
     holds a reference). A chunk holding fewer tokens than chunk_size (``buf.num_tokens``)
-    is framed at that size by the codecs that can (``Codec.partial``)."""
+    is framed at that size: by zstd where the codec cannot (``Codec.partial``)."""
     codec = get_codec(codec) if isinstance(codec, str) else codec
     kv = buf.kv
-    whole = buf.num_tokens == kv.shape[2] or not codec.partial
+    whole = buf.num_tokens == kv.shape[2]
+    if not whole and not codec.partial:  # cachegen codes whole chunks: a tail goes lossless
+        codec = get_codec("zstd")
     if not whole:
         kv = kv[:, :, : buf.num_tokens].contiguous()
     payload = memoryview(codec.encode(kv, table, buf.position))
@@ -97,8 +99,9 @@ def decode_into(data: bytes | memoryview, buf: ChunkBuffer, key: str,
             kv[:, :, got[2] :].zero_()
         else:
             codec.decode_into(payload, kv, table)
-    except ValueError as e:
-        raise FrameError(f"{codec.name} payload: {e}") from e
+    except (ValueError, MemoryError, OverflowError) as e:  # what bytes from outside can cause
+        detail = e if isinstance(e, ValueError) else f"{type(e).__name__} {e}"
+        raise FrameError(f"{codec.name} payload: {detail}") from e
     buf.num_tokens = got[2]
     buf.lossy = codec.lossy
     return codec

@@ -84,6 +84,8 @@ def decode(data: bytes | memoryview, n: int) -> np.ndarray:
         words = np.frombuffer(view, "<u2", nwords, off).astype(np.int64)
     except (struct.error, ValueError) as e:
         raise RansError(f"truncated rANS stream: {e}") from e
+    if lanes != max(1, n // SYMBOLS_PER_LANE):  # what encode writes: fewer is a slow loop
+        raise RansError(f"{lanes} lanes for {n} symbols")
     if off + 2 * nwords != len(view) or int(freq.sum()) != _M or lanes < 1 or k < 1:
         raise RansError("malformed rANS stream header")
     if lo < -128 or lo + k > 128:

@@ -36,6 +36,7 @@ class StorageManager:
         # keep_hot False (LMCache's local_cpu: false): the pool only stages loads and saves;
         # no chunk stays in it, and the tiers below serve every hit
         self.keep_hot = keep_hot
+        self.lossless_only = False  # the quality gate tripped: lossy chunks are never served
         self.tiers = tiers
         self.metrics = metrics
         self.io = IOWorker(io_queue_size)
@@ -212,7 +213,7 @@ class StorageManager:
                 buf.release()
             raise
         for key, buf, ok in zip(batch, bufs, results, strict=True):
-            if not ok:
+            if not ok or (buf.lossy and self.lossless_only):  # (decoded as the gate tripped)
                 buf.release()
                 missing.append(key)
                 continue
@@ -229,6 +230,7 @@ class StorageManager:
         what they stored lossy (such chunks are then rejected, dropped and recomputed), and
         the hot cache drops the chunks it holds decoded from lossy frames. Returns the names
         of the tiers changed."""
+        self.lossless_only = True
         changed = []
         for tier in self.tiers:
             if tier.lossy:

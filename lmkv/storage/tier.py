@@ -58,8 +58,11 @@ class Tier:
         """``buf``'s frame in this tier's codec (a raw frame aliases the slot). A chunk that
         the lossy codec cannot hold within its error bound (values beyond its table's range)
         is framed lossless (zstd) instead, counted, and logged the first time."""
+        codec, table = self.codec, self.table
+        if codec.lossy and table is None:  # make_lossless ran between the two reads
+            codec = get_codec("zstd")
         try:
-            return encode(buf, key, self.codec, self.table)
+            return encode(buf, key, codec, table)
         except OutOfRange as e:
             self.metrics.lossless_chunks.labels(self.name).inc()
             if not self._warned_range:

@@ -55,11 +55,22 @@ def test_hub_names_are_keyed_by_name_and_revision():
     ({}, {"cache_dtype": "fp8"}, "kv_cache_dtype fp8"),
     ({"enable_blending": True}, {}, "enable_blending"),
     ({"remote_url": "nope://x"}, {}, "remote_url"),
+    ({"local_disk": "/tmp/x", "max_local_disk_size": 1, "local_disk_codec": "cachegen"}, {},
+     "codec_check_every: 0"),
 ])
 def test_bad_settings_fail_naming_the_key(monkeypatch, extra, vllm, message):
     monkeypatch.delenv("LMKV_CONFIG_FILE", raising=False)
     with pytest.raises(ConfigError, match=message):
         engine_spec(_vllm_config("org/model", **vllm), extra)
+
+
+def test_a_lossy_codec_runs_ungated_only_when_asked(monkeypatch):
+    """The quality gate re-runs requests in the bundled engine only: inside vLLM a lossy
+    codec needs codec_check_every: 0 said explicitly."""
+    monkeypatch.delenv("LMKV_CONFIG_FILE", raising=False)
+    extra = {"local_disk": "/tmp/x", "max_local_disk_size": 1, "local_disk_codec": "cachegen",
+             "codec_check_every": 0}
+    assert engine_spec(_vllm_config("org/model"), extra).config.uses_cachegen
 
 
 def test_tensor_parallel_ranks_are_accepted_each_with_its_shard(monkeypatch):

@@ -481,3 +481,153 @@ def test_calibration_raises_a_target_finer_than_the_kvs_range_allows(transform, 
     with caplog.at_level(logging.WARNING, logger="lmkv.codec.calibration"):
         calibrate(chunks, CalibrationSettings(transform=transform))  # the default target: in range
     assert "finer" not in caplog.text
+
+
+def _zstd_rle(size: int, real: bool = True) -> bytes:
+    """A zstd frame announcing ``size`` bytes, made of RLE blocks (a few bytes per 128 KiB;
+    with ``real`` False it holds only 2 KiB of them)."""
+    import struct
+
+    head = b"\x28\xb5\x2f\xfd" + bytes([3 << 6, 10 << 3]) + struct.pack("<Q", size)
+    blocks, left = [], size if real else 2048
+    while left:
+        n = min(left, 1 << 17)
+        left -= n
+        blocks.append((int(left == 0) | (1 << 1) | (n << 3)).to_bytes(3, "little") + b"\0")
+    return head + b"".join(blocks)
+
+
+def _framed(key: str, payload: bytes, codec_id: int = 1) -> bytes:
+    import xxhash
+
+    from lmkv.codec.frame import _DTYPES, _HEADER, MAGIC, VERSION
+    from lmkv.memory import HEADER_BYTES
+
+    return _HEADER.pack(MAGIC, VERSION, codec_id, _DTYPES[LAYOUT.dtype], 5, *LAYOUT.chunk_shape,
+                        len(payload), xxhash.xxh3_64_intdigest(payload),
+                        xxhash.xxh3_64_intdigest(key.encode())).ljust(HEADER_BYTES, b"\0") + payload
+
+
+def test_zstd_payloads_announcing_another_size_are_refused_before_decoding(table):
+    """A checksummed frame whose zstd payload announces more than the chunk (32 KiB can
+    announce 1 GiB: zstandard would allocate and fill it) is refused without decoding: a
+    FrameError (a miss), never gigabytes of memory or a MemoryError past the tier."""
+    import resource
+
+    pool = MemoryPool(LAYOUT, 2 * (64 + LAYOUT.chunk_bytes))
+    buf = pool.allocate()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for size, real in ((1 << 30, True), (1 << 44, False)):
+        with pytest.raises(FrameError, match="announces"):
+            decode_into(_framed("k", _zstd_rle(size, real)), buf, "k")
+    per_channel = calibrate([kv_like(s) for s in range(2)], CalibrationSettings(transform=False))
+    payload = bytearray(cachegen.encode(kv_like(3), per_channel))
+    head = cachegen._HEAD.size
+    bomb = _zstd_rle(1 << 30)  # in place of stream 0
+    width, length = cachegen._STREAM.unpack_from(payload, head)
+    off = head + len(per_channel.delta.reshape(-1)) * cachegen._STREAM.size
+    cachegen._STREAM.pack_into(payload, head, 1, len(bomb))
+    payload[off : off + length] = bomb
+    with pytest.raises(cachegen.PayloadError, match="announces"):
+        cachegen.decode_into(bytes(payload), buf.kv, per_channel)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10  # KiB
+
+
+def test_rans_streams_must_have_the_lanes_encode_writes():
+    """A stream claiming one lane would make the decoder loop once per symbol."""
+    import struct
+
+    n = 256 * 3 * 64
+    one_lane = (struct.pack("<hH", 0, 1) + struct.pack("<H", 4096) + struct.pack("<II", 1, 0)
+                + struct.pack("<I", 1 << 16))
+    with pytest.raises(rans.RansError, match="lanes"):
+        rans.decode(one_lane, n)
+
+
+def test_calibration_files_are_checked_before_use(table):
+    """A table file that lmkv did not write as it should is refused with a ValueError
+    naming the problem (a missing tensor, bad metadata, a group size, an infinite step, a
+    transform with anchor deltas): never an engine that starts and then fails every save
+    or decodes NaN."""
+    from safetensors.torch import load, save
+
+    from lmkv.codec.calibration import _metadata
+
+    data = table.to_bytes()
+    tensors, meta = load(data), _metadata(data)
+
+    def variant(drop=None, meta_json=None, **changed):
+        t = {k: v for k, v in tensors.items() if k != drop} | changed
+        return save(t, metadata={"lmkv": meta_json} if meta_json else meta)
+
+    import json
+
+    fmt = json.loads(meta["lmkv"])["format"]
+    cases = [
+        (variant(drop="step"), "not a cachegen calibration table"),
+        (variant(meta_json="[1, 2]"), "not a JSON object"),
+        (variant(meta_json=json.dumps({"format": fmt})), "group_size None"),
+        (variant(meta_json=json.dumps({"format": fmt, "group_size": 0})), "group_size 0"),
+        (variant(step=torch.full_like(tensors["step"], math.inf)), "inconsistent tensors"),
+    ]
+    for data_, message in cases:
+        with pytest.raises(ValueError, match=message):
+            CacheGenTable.from_bytes(data_)
+    correlated = calibrate([kv_correlated(s, KVLayout(3, 2, 32, torch.float32, 128)) for s in range(4)])
+    assert correlated.basis is not None
+    from lmkv.codec.calibration import build_table
+
+    with pytest.raises(ValueError, match="anchor deltas"):
+        build_table(correlated.step, correlated.mean, torch.ones_like(correlated.delta),
+                    correlated.target, 16, correlated.basis, correlated.bands)
+
+
+def test_a_chunk_with_nan_is_not_coded_lossy(table):
+    x = kv_like(4)
+    x[0, 1, 2, 0, 3] = math.nan
+    with pytest.raises(cachegen.OutOfRange, match="NaN"):
+        cachegen.encode(x, table)
+
+
+def test_a_tail_chunk_in_a_lossy_tier_is_stored_lossless_at_its_size(table):
+    """cachegen codes whole chunks: a chunk of fewer tokens (a RAG document's tail) is
+    framed by zstd at its own size, and comes back with its token count."""
+    pool = MemoryPool(LAYOUT, 2 * (64 + LAYOUT.chunk_bytes))
+    src, dst = pool.allocate(), pool.allocate()
+    src.kv.copy_(kv_like(6))
+    src.kv[:, :, 5:].zero_()
+    src.num_tokens = 5
+    frame = encode(src, "k", "cachegen", table)
+    assert decode_into(frame, dst, "k", table).name == "zstd"
+    assert dst.num_tokens == 5 and torch.equal(dst.kv, src.kv)
+
+
+def test_a_gate_trip_during_a_lossy_read_keeps_that_chunk_out(table, tmp_path):
+    """The quality gate trips while a lossy chunk is being decoded: the chunk read is not
+    served nor kept in the hot cache (before, it re-entered the hot cache after the trip
+    had emptied it of lossy chunks)."""
+    from lmkv.backends.disk import DiskBackend
+    from lmkv.storage.manager import StorageManager
+    from lmkv.storage.tier import Tier
+
+    metrics = LMKVMetrics()
+    pool = MemoryPool(LAYOUT, 4 * (64 + LAYOUT.chunk_bytes))
+    tier = Tier("disk", DiskBackend(tmp_path, 1 << 30), "cachegen", table, metrics)
+    manager = StorageManager(pool, [tier], metrics)
+    try:
+        buf = pool.allocate()
+        buf.kv.copy_(kv_like(7))
+        tier.write("k", tier.encode("k", buf))
+        buf.release()
+        real = tier.read
+
+        def read_then_trip(keys, bufs):
+            out = real(keys, bufs)
+            manager.make_lossless()  # the gate trips while this read was in flight
+            return out
+
+        tier.read = read_then_trip
+        assert manager.fetch(["k"]) == []
+        assert not manager.hot.contains("k")
+    finally:
+        manager.close()
