@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context length (default: the model's, capped by the KV memory)")
     g.add_argument("--max-num-seqs", type=int, default=64,
                    help="requests run at once (default 64)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="tokens computed per step (default 2048)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens computed per step (default 2048; without chunked prefill, "
+                        "max_model_len)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV of shared prompt prefixes (default on)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,

@@ -21,7 +21,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
     max_model_len: int | None = None  # default: the model's max positions, capped by KV memory
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # tokens per step; None: 2048 with chunked prefill, max_model_len without (a prompt
+    # must fit one step then)
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
@@ -33,7 +35,8 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "> 0")
         _check(self.max_model_len is None or self.max_model_len > 1, "max_model_len", "> 1")
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
-        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
+        _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+               "max_num_batched_tokens", ">= 1")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1")
         _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "float32, bfloat16 or float16")
         _check(check_device(self.device), "device", "auto, cpu, cuda, cuda:N or emulate")

@@ -85,6 +85,10 @@ class KVConnector:
         self._checks[rerun.request_id] = list(req.output_token_ids)
         return rerun
 
+    def aborted(self, req: Request) -> None:
+        """``req`` was aborted: a quality-gate re-run that will not finish is forgotten."""
+        self._checks.pop(req.request_id, None)
+
     def execute(self, runner: ModelRunner, sched: SchedulerOutput) -> StepResult:
         """One step with lmkv: load what was matched, run the model, save new chunks. If a
         load failed, the requests whose pages it was writing ran over stale KV: they are

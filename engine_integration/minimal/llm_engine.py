@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from lmkv.config import LMKVConfig
 
 log = logging.getLogger(__name__)
+DEFAULT_BATCHED_TOKENS = 2048  # tokens per step with chunked prefill, unless configured
 
 
 class LLMEngine:
@@ -68,6 +69,13 @@ class LLMEngine:
                 f"max_model_len {max_len} does not fit the KV memory ({num_blocks} blocks of "
                 f"{config.block_size} tokens = {capacity} tokens); raise kv_cache_memory"
             )
+        budget = config.max_num_batched_tokens or (
+            DEFAULT_BATCHED_TOKENS if config.enable_chunked_prefill else max_len)
+        if not config.enable_chunked_prefill and budget < max_len:
+            raise ValueError(  # a longer prompt (or a recompute) would never be scheduled
+                f"without chunked prefill, max_num_batched_tokens ({budget}) must be at least "
+                f"max_model_len ({max_len})"
+            )
         self.max_model_len = max_len
 
         self.device = device = resolve_device(config.device)
@@ -94,7 +102,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=budget,
                 max_model_len=max_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
             ),
@@ -181,7 +189,10 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, FinishReason.ABORT)
-            self.metrics.requests_finished.labels("abort").inc()
+            if self.kv_connector is not None:
+                self.kv_connector.aborted(req)
+            if not req.internal:
+                self.metrics.requests_finished.labels("abort").inc()
             self._update_gauges()  # no step may follow to do it
 
     def has_unfinished_requests(self) -> bool:
@@ -195,16 +206,27 @@ class LLMEngine:
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
         if not sched.scheduled:
             return []
-        if self.kv_connector is None:
-            sampled = self.runner.execute(sched)
-        else:
-            sampled, failed, blocks = self.kv_connector.execute(self.runner, sched)
-            if failed:  # they ran over pages lmkv failed to fill: recompute them from scratch
-                self.block_manager.forget(_downstream(failed, blocks))
-                for req in reversed(failed):
-                    self.scheduler.requeue(req)
-                    self.kv_connector.recompute(req)
-                sched.scheduled = [s for s in sched.scheduled if s.request not in failed]
+        # sampling advances seeded generators: a request computed again must not see that
+        seeded = {s.request.request_id: s.request.generator.get_state()
+                  for s in sched.scheduled if s.request.generator is not None}
+        try:
+            if self.kv_connector is None:
+                sampled = self.runner.execute(sched)
+            else:
+                sampled, failed, blocks = self.kv_connector.execute(self.runner, sched)
+                if failed:  # they ran over pages lmkv failed to fill: recompute them from scratch
+                    self.block_manager.forget(_downstream(failed, blocks))
+                    for req in reversed(failed):
+                        self.scheduler.requeue(req)
+                        self.kv_connector.recompute(req)
+                        if req.request_id in seeded:
+                            req.generator.set_state(seeded[req.request_id])
+                    sched.scheduled = [s for s in sched.scheduled if s.request not in failed]
+        except BaseException:
+            # the pages this step was writing hold partial KV, though their hashes sit in the
+            # prefix cache since allocation: no later prompt may hit them
+            self.block_manager.forget({b for s in sched.scheduled for b in s.request.block_ids})
+            raise
         outputs = self._postprocess(sched, sampled)
         self.metrics.computed_tokens.inc(sched.num_tokens)
         self._update_gauges()
@@ -220,15 +242,16 @@ class LLMEngine:
         outputs = []
         for s in sched.scheduled:
             req = s.request
+            first = req.num_cached_tokens + req.num_external_tokens  # the prompt's first step
             req.num_computed_tokens += s.num_new_tokens
-            if req.num_computed_tokens == req.num_cached_tokens + s.num_new_tokens and (
+            if req.num_computed_tokens == first + s.num_new_tokens and (
                 req.num_preemptions == 0 and not req.output_token_ids
             ):
                 self.metrics.prefix_cache_hit_tokens.inc(req.num_cached_tokens)
             token = sampled.get(req.request_id)
             if token is None:
                 continue  # a prefill chunk: nothing sampled yet
-            if not req.output_token_ids:
+            if not req.output_token_ids and not req.internal:
                 self.metrics.ttft.observe(time.monotonic() - req.arrival)
                 if req.capture_kv:
                     slots = self.runner.slots(req, 0, req.num_prompt_tokens)
@@ -236,13 +259,15 @@ class LLMEngine:
                     kv = self.kv_cache.flatten(2, 3)[:, :, slots.to(self.kv_cache.device)]
                     req.captured_kv = kv.transpose(0, 1).contiguous().cpu()  # lmkv stores host chunks
             req.output_token_ids.append(token)
-            self.metrics.generation_tokens.inc()
+            if not req.internal:
+                self.metrics.generation_tokens.inc()
             reason = self._check_stop(req, token)
             if reason is not None:
                 rerun = self.kv_connector.request_finished(req) if self.kv_connector else None
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
-                self.metrics.requests_finished.labels(reason.value).inc()
+                if not req.internal:
+                    self.metrics.requests_finished.labels(reason.value).inc()
                 if rerun is not None:
                     self.requests[rerun.request_id] = rerun
                     self.scheduler.add(rerun)
@@ -252,11 +277,13 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
-        prev_len = len(req.output_text)
+        # the text before this token, up to a trailing U+FFFD: an incomplete character that
+        # this token may complete without lengthening the text
+        settled = len(req.output_text.rstrip("\ufffd"))
         req.output_text = self.tokenizer.decode(req.output_token_ids)
         if p.stop:
             # search only where a new match can start
-            horizon = max(0, prev_len - max(len(s) for s in p.stop) + 1)
+            horizon = max(0, settled - max(len(s) for s in p.stop) + 1)
             hits = [i for s in p.stop if (i := req.output_text.find(s, horizon)) >= 0]
             if hits:
                 req.output_text = req.output_text[: min(hits)]

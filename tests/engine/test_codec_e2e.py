@@ -120,6 +120,10 @@ def test_quality_gate_measures_agreement_and_turns_lossless(tiny_model_dir, refe
               f"{same}/{len(reference)} prompts identical")
         assert metric(llm, "lmkv_codec_checks_total") == 3  # 1 in 2 of 6 requests
         assert metric(llm, "lmkv_codec_checked_tokens_total") == 3 * GREEDY.max_tokens
+        # the re-runs are the engine's own: not in the request and token counts users see
+        m = llm.engine.metrics
+        assert m.requests_finished.labels("length")._value.get() == len(reference)
+        assert m.generation_tokens._value.get() == len(reference) * GREEDY.max_tokens
         assert agreement < 0.99 and metric(llm, "lmkv_codec_fallbacks_total") == 1
         assert engine.storage.tiers[0].codec.name == "zstd" and engine.gate.tripped
         # after the fallback nothing lossy is served: exact tokens again, the lossy chunks

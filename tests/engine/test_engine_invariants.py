@@ -146,3 +146,56 @@ def test_bad_requests_are_clear_errors(tiny_model_dir, tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ValueError, match="not supported"):
         LLM(str(tmp_path))
+
+
+def test_a_failed_step_leaves_no_partial_kv_in_the_prefix_cache(tiny_model_dir, reference):
+    """A forward pass that raises half way (at layer 1 of 2: an out of memory, say): the
+    prompt asked again is computed again, not served from the pages that step left half
+    written, and the same tokens come out; the failed generate leaves no request behind."""
+    prompts, want = reference
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=32 << 20)
+    attn = llm.engine.model.model.layers[1].self_attn
+    real = attn.forward
+
+    def once(*args, **kwargs):
+        attn.forward = real
+        raise RuntimeError("injected failure at layer 1")
+
+    attn.forward = once
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([prompts[3]], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([prompts[3]], GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.output_token_ids == want[3]
+    llm.engine.block_manager.check_integrity()
+
+
+def test_without_chunked_prefill_the_step_budget_must_hold_the_context(tiny_model_dir):
+    """Otherwise a longer prompt (or a preempted request's recompute) is never scheduled
+    and every request behind it waits for ever."""
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) must be at least max_model_len"):
+        LLM(str(tiny_model_dir), kv_cache_memory=32 << 20, enable_chunked_prefill=False,
+            max_num_batched_tokens=64, max_model_len=256)
+
+
+def test_a_stop_string_ending_in_a_character_split_over_tokens(tiny_model_dir, monkeypatch):
+    """東 is three tokens of the demo tokenizer: the first two decode to U+FFFD and the third
+    completes it without lengthening the text; a stop string ending in it still stops."""
+    import lmkv_engines.minimal.model_runner as model_runner
+
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=32 << 20)
+    tok = llm.tokenizer
+    script = tok.encode("ab東cd", False) + tok.encode(" more text here", False) * 3
+    assert len(tok.encode("東", False)) > 1
+    at = {"i": 0}
+
+    def scripted(logits, params, generators):
+        out = [script[(at["i"] + k) % len(script)] for k in range(len(params))]
+        at["i"] += len(params)
+        return out
+
+    monkeypatch.setattr(model_runner, "sample", scripted)
+    for stop, text in (("東", "ab"), ("b東", "a"), ("東c", "ab")):
+        at["i"] = 0
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, stop=[stop]))[0]
+        assert (out.finish_reason, out.text) == ("stop", text), stop

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lmkv_engines.minimal.llm import LLM
+from lmkv_engines.minimal.sampling_params import SamplingParams
 
 from .lmkv_workload import CHUNK, GREEDY, lmkv_llm, metric, prompts
 
@@ -407,3 +408,39 @@ def test_hits_of_the_engines_own_prefix_cache_are_not_counted_as_lmkvs(tiny_mode
         out = llm.generate([p], GREEDY)[0]
         assert out.num_external_tokens == 4 * CHUNK
         assert metric(llm, "lmkv_hit_tokens_total") == 4 * CHUNK == metric(llm, "lmkv_loaded_tokens_total")
+
+
+def test_a_failed_load_keeps_seeded_sampling_reproducible(tiny_model_dir):
+    """The token sampled over pages a load failed to fill is thrown away and the request is
+    computed again: its seeded generator is put back too, so the same seed gives the same
+    tokens as without lmkv."""
+    p = prompts(n=1, length=4 * CHUNK + 9, seed=12)[0]
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    want = LLM(str(tiny_model_dir), enable_prefix_caching=False,
+               kv_cache_memory=64 << 20).generate([p], seeded)[0].output_token_ids
+    with lmkv_llm(tiny_model_dir, prefix_caching=True) as llm:
+        llm.generate([p], GREEDY)  # stores p's chunks
+        llm.engine.block_manager.reset_prefix_cache()
+        worker = llm.engine.kv_connector.worker
+        real = worker.paged.load
+
+        def broken(kv, slots, skip, layer=None):
+            raise OSError("injected load failure")
+
+        worker.paged.load = broken
+        got = llm.generate([p], seeded)[0]
+        worker.paged.load = real
+        assert got.num_external_tokens == 0 and got.output_token_ids == want
+
+
+def test_the_engines_prefix_hits_are_counted_beside_lmkvs(tiny_model_dir):
+    """A prompt served partly by the engine's prefix cache and partly by lmkv counts both."""
+    p = prompts(n=1, length=4 * CHUNK + 5, seed=13)[0]
+    with lmkv_llm(tiny_model_dir, prefix_caching=True) as llm:
+        llm.generate([p], GREEDY)
+        llm.engine.block_manager.reset_prefix_cache()
+        llm.generate([p[: CHUNK + 3]], GREEDY)  # the engine holds the first chunk again
+        hits = llm.engine.metrics.prefix_cache_hit_tokens._value.get()
+        out = llm.generate([p], GREEDY)[0]
+        assert out.num_cached_tokens > 0 and out.num_external_tokens > 0
+        assert llm.engine.metrics.prefix_cache_hit_tokens._value.get() - hits == out.num_cached_tokens
