@@ -23,6 +23,7 @@ report their blocks through get_block_ids_with_load_errors (set vLLM's
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+# steps after a failed load whose saves are dropped too: vLLM's async scheduling plans one
+# step ahead of the outputs it has processed
+SAVE_PAUSE_STEPS = 1
 
 
 def _show_lmkv_logs() -> None:
@@ -118,15 +122,27 @@ class LMKVConnector(KVConnectorBase_V1):
             try:
                 self.lookups = LookupServer(self.cache, path)
             except OSError as e:
+                if e.errno == errno.EADDRINUSE:  # its scheduler would pin in the other's worker
+                    raise RuntimeError(
+                        f"lmkv: another vLLM instance with engine_id {self.engine_id!r} serves "
+                        f"lmkv lookups on {path}; give each instance its own engine_id") from e
                 log.warning("lmkv: cannot serve lookups on %s (%s); the scheduler role will "
                             "find no hits", path, e)
             # the scheduler names chunks by rank-free ids: this rank's keys are its shard's
-            self.worker = WorkerConnector(self.cache, key_of=self.cache.key_of)
-            self.layer_index: dict[str, int] = {}
-            self.paged: PagedMemory | None = None
-            self._load_errors: set[int] = set()
-            self._save_failed = False
+            self._init_worker(WorkerConnector(self.cache, key_of=self.cache.key_of))
         self._closed = False
+
+    def _init_worker(self, worker: WorkerConnector) -> None:
+        self.worker = worker
+        self.layer_index: dict[str, int] = {}
+        self.paged: PagedMemory | None = None
+        self._load_errors: set[int] = set()
+        self._load_failed: bool | None = None  # this step's loads, once asked
+        # steps left whose saves are dropped after a failed load: with async scheduling vLLM
+        # schedules a step before it learns of the last one's invalid blocks, so a request
+        # there may compute over them (through its prefix cache)
+        self._no_saves = 0
+        self._save_failed = False
 
     # ==== scheduler role ================================================================
     def on_new_request(self, request: Request) -> None:
@@ -202,18 +218,31 @@ class LMKVConnector(KVConnectorBase_V1):
             log.exception("lmkv: saving layer %s failed; this step's chunks are not stored", layer_name)
             self._save_failed = True
 
+    def _loads_failed(self) -> bool:
+        """Whether a load of this step failed (its blocks then go to vLLM through
+        get_block_ids_with_load_errors). Asked once a step: vLLM may ask for the errors before
+        wait_for_save (speculative decoding defers that until after the draft model)."""
+        if self._load_failed is None:
+            failed = self.worker.failed_loads()
+            for spec in failed:
+                self._load_errors.update(spec.blocks(self.block_size))
+            self._load_failed = bool(failed)
+            if failed:
+                log.warning("lmkv: a load failed; this step's and the next %d steps' new chunks "
+                            "are not stored", SAVE_PAUSE_STEPS)
+                self._no_saves = SAVE_PAUSE_STEPS + 1  # this step's included
+        return self._load_failed
+
     def wait_for_save(self) -> None:
         # vLLM recomputes the blocks reported by get_block_ids_with_load_errors, and every
         # request that reached them through its prefix cache this step: none of this step's
         # chunks is stored then (which requests shared the pages is vLLM's to know)
-        failed = self.worker.failed_loads()
-        for spec in failed:
-            self._load_errors.update(spec.blocks(self.block_size))
+        self._loads_failed()
+        store = self._no_saves == 0 and not self._save_failed
+        self._no_saves = max(0, self._no_saves - 1)
         try:
-            if failed:
-                log.warning("lmkv: a load failed; this step's new chunks are not stored")
             # after a failed layer save this waits for the gathers and returns the buffers
-            self.worker.wait_for_save(store=not (failed or self._save_failed))
+            self.worker.wait_for_save(store=store)
             if self._save_failed:
                 raise RuntimeError("a layer failed to save")
         except Exception as e:
@@ -227,8 +256,11 @@ class LMKVConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, LMKVConnectorMetadata)
         self.worker.bind_connector_metadata(connector_metadata.meta)
+        self._load_failed = None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.worker.meta.loads:  # this step's loads are asked about now, if not yet
+            self._loads_failed()
         errors, self._load_errors = self._load_errors, set()
         return errors
 

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 MAX_LINE = 64 << 20  # a prompt's token ids, or its keys, fit many times over
 CALL_TIMEOUT = 60.0  # seconds for one answer (a fetch may read lower tiers)
+BACKOFF = 5.0  # seconds after a call timed out during which calls fail at once
 
 
 def socket_path(engine_id: str, dp_rank: int = 0, tp_rank: int = 0) -> Path:
@@ -135,8 +136,13 @@ class LookupServer:
                         reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                     if isinstance(msg, dict) and "id" in msg:  # the client matches replies by it
                         reply["id"] = msg["id"]
-                    wfile.write(json.dumps(reply).encode() + b"\n")
-                    wfile.flush()
+                    try:
+                        wfile.write(json.dumps(reply).encode() + b"\n")
+                        wfile.flush()
+                    except OSError:  # the client gave up waiting: it never learns of these pins
+                        if reply["ok"] and msg.get("op") == "pin":
+                            self._unpin(msg["keys"][: len(reply["lossy"])])
+                        raise
                     if oversized:  # the rest of that line is not a message: hang up
                         return
         except OSError:
@@ -144,6 +150,11 @@ class LookupServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+
+    def _unpin(self, ids: list[str]) -> None:
+        self.cache.unpin([self.cache.key_of(str(k)) for k in ids])
+        log.warning("lmkv: the scheduler role stopped waiting for a pin of %d chunks; given back",
+                    len(ids))
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         op, e = msg.get("op"), self.cache
@@ -241,8 +252,10 @@ class RankConnection:
         self.path = path
         self.connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
+        self._rfile: Any = None
         self._lock = threading.Lock()
         self._next_id = 0
+        self._quiet_until = 0.0  # after a timeout: calls fail at once until then
 
     def best_effort(self, op: str, **args: Any) -> None:
         try:
@@ -254,6 +267,9 @@ class RankConnection:
         """One request and its reply. Any failure closes the connection (the next call
         opens a new one), so no late reply is ever read as another call's."""
         with self._lock:
+            if time.monotonic() < self._quiet_until:
+                raise ConnectionError(f"lmkv: the worker process on {self.path} did not answer in "
+                                      f"{CALL_TIMEOUT:.0f} s; asking again in at most {BACKOFF:.0f} s")
             self._next_id += 1
             line = json.dumps({"op": op, "id": self._next_id, **args}).encode() + b"\n"
             if len(line) > MAX_LINE:
@@ -267,14 +283,19 @@ class RankConnection:
                 out = json.loads(reply)
                 if not isinstance(out, dict) or out.get("id") != self._next_id:
                     raise ConnectionError(f"lmkv: reply out of step on {self.path}")
-            except BaseException:
+            except BaseException as e:
                 self.close()
+                if isinstance(e, TimeoutError):  # a wedged worker: do not hold vLLM's scheduler
+                    self._quiet_until = time.monotonic() + BACKOFF  # for 60 s at every call
                 raise
         if not out.get("ok"):
             raise RuntimeError(f"lmkv worker process: {out.get('error')}")
         return out
 
     def close(self) -> None:
+        if self._rfile is not None:  # (it holds the socket open too)
+            self._rfile.close()
+            self._rfile = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None

@@ -129,6 +129,9 @@ class _Stray:
     def readline(self, limit: int) -> bytes:
         return self.line
 
+    def close(self) -> None:
+        pass
+
 
 def test_no_worker_process_fails_once_then_at_once(tmp_path):
     cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
@@ -177,3 +180,31 @@ def test_two_tensor_parallel_ranks_agree_on_hits_and_pins(tmp_path):
         for s, e in zip(servers, engines, strict=True):
             s.close()
             e.close()
+
+
+def test_a_pin_the_scheduler_stopped_waiting_for_is_given_back(served, monkeypatch):
+    """A pin slower than the call timeout (a slow lower-tier read in the worker): the
+    scheduler role's call fails (vLLM computes that request), the worker gives the pins it
+    made back, and for a while calls fail at once instead of holding vLLM's scheduler
+    thread for the whole timeout again."""
+    engine, server, remote = served
+    monkeypatch.setattr(lookup_socket, "CALL_TIMEOUT", 0.5)
+    prompt = list(range(700, 700 + 3 * CHUNK))
+    _store(engine, prompt)
+    real = engine.storage.fetch
+
+    def slow(keys):
+        time.sleep(1.0)
+        return real(keys)
+
+    engine.storage.fetch = slow
+    with pytest.raises(TimeoutError):
+        remote.pin(remote.keys(prompt))
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="did not answer"):
+        remote.lookup(remote.keys(prompt))
+    assert time.monotonic() - start < 0.1
+    deadline = time.monotonic() + 5
+    while len(engine.pins) and time.monotonic() < deadline:  # the worker finishes its pin
+        time.sleep(0.05)
+    assert len(engine.pins) == 0

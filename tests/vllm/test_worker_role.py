@@ -1,0 +1,39 @@
+"""The vLLM connector's worker role against vLLM's own model-runner code, step by step
+(tests/vllm/worker_role_checks.py in .venv-vllm): failed loads are reported in the step
+they happen, whatever order vLLM asks in, and nothing computed over their pages is stored."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_PY = ROOT / ".venv-vllm" / "bin" / "python"
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VENV_PY.exists(),
+                       reason="real vLLM is not installed: run scripts/setup_vllm_venv.sh (.venv-vllm)"),
+]
+
+
+@pytest.fixture(scope="module")
+def seen() -> dict:
+    out = subprocess.run([str(VENV_PY), "-m", "tests.vllm.worker_role_checks"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_a_failed_load_is_reported_in_its_own_step(seen):
+    """With speculative decoding vLLM asks for load errors before wait_for_save."""
+    assert seen["deferred"] == {"defer=False": [[3], []], "defer=True": [[3], []]}
+
+
+def test_the_step_after_a_failed_load_stores_nothing(seen):
+    """Only 1 chunk (the stored first one) is found after the step following the failure;
+    2 (the new one too) after the step after that."""
+    assert seen["saves"] == {"chunks found after the next two steps": [1, 2]}
