@@ -286,7 +286,7 @@ class RankConnection:
             except BaseException as e:
                 self.close()
                 if isinstance(e, TimeoutError):  # a wedged worker: do not hold vLLM's scheduler
-                    self._quiet_until = time.monotonic() + BACKOFF  # for 60 s at every call
+                    self._quiet_until = time.monotonic() + BACKOFF  # not CALL_TIMEOUT at every call
                 raise
         if not out.get("ok"):
             raise RuntimeError(f"lmkv worker process: {out.get('error')}")
