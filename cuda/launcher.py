@@ -11,6 +11,7 @@ wrappers (``lmkv_cuda.kv_copy`` etc.) take the launcher as their first argument.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -75,10 +76,18 @@ class CupyLauncher:
         return t.data_ptr()
 
 
-@functools.cache
+_BUILD = threading.Lock()  # one compile per device, whichever thread asks first
+
+
 def gpu_launcher(device_index: int) -> CupyLauncher | None:
     """The launcher for a CUDA device, or None (with one warning) when CuPy, the driver or
     NVRTC is unusable; callers then take the torch path."""
+    with _BUILD:
+        return _gpu_launcher(device_index)
+
+
+@functools.cache
+def _gpu_launcher(device_index: int) -> CupyLauncher | None:
     try:
         return CupyLauncher(device_index)
     except Exception as e:  # ImportError, CUDARuntimeError, CompileException, ...

@@ -9,6 +9,7 @@ can read a frame into one with O_DIRECT.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -105,8 +106,9 @@ class MemoryPool:
             )
         pin = torch.cuda.is_available() if pin is None else pin
         # torch.zeros writes every page now: fresh pages copy ~20x slower than touched ones
-        whole = torch.zeros(self.num_slots * self.slot_bytes + DIRECT_ALIGN, dtype=torch.uint8,
-                            pin_memory=pin)
+        whole = torch.zeros(self.num_slots * self.slot_bytes + DIRECT_ALIGN, dtype=torch.uint8)
+        if pin:
+            _page_lock(self, whole)
         start = -whole.data_ptr() % DIRECT_ALIGN
         self.storage = whole[start : start + self.num_slots * self.slot_bytes].view(
             self.num_slots, self.slot_bytes)
@@ -153,3 +155,21 @@ class MemoryPool:
             for i, refs in enumerate(self._refs):
                 assert refs >= 0, f"slot {i} has {refs} references"
                 assert (refs == 0) == (i in free), f"slot {i}: {refs} refs, free={i in free}"
+
+
+def _page_lock(owner: object, memory: torch.Tensor) -> None:
+    """Page-lock ``memory`` (host-to-device copies from it run asynchronously) at its own
+    size, until ``owner`` is collected. Registered with CUDA rather than allocated pinned:
+    torch's pinned allocator rounds a request up to a power of two, so a 40 GiB hot cache
+    would lock 64 GiB of the host's memory."""
+    cudart = torch.cuda.cudart()
+    size = memory.numel() * memory.element_size()
+    error = cudart.cudaHostRegister(memory.data_ptr(), size, 0)
+    if int(error) != 0:
+        raise RuntimeError(f"cannot page-lock lmkv's {size}-byte CPU cache (cudaHostRegister: "
+                           f"{error}); lower max_local_cpu_size")
+    weakref.finalize(owner, _unlock, cudart, memory)  # holds the memory until then
+
+
+def _unlock(cudart, memory: torch.Tensor) -> None:
+    cudart.cudaHostUnregister(memory.data_ptr())

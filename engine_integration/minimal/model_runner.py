@@ -27,6 +27,10 @@ class ModelRunner:
         self.num_forward_tokens = 0  # tokens the model computed, over the engine's life
         if self.device.type == "cpu" and launcher is None:
             cpu_attention.library()  # decode attention's C, built now (once per machine), not in a request
+        elif self.device.type == "cuda" and launcher is None:
+            from lmkv.ops import kernel_launcher
+
+            kernel_launcher(kv_cache)  # lmkv's kernels compiled by NVRTC now, not in a request
 
     def execute(
         self, sched: SchedulerOutput, hooks: LayerHooks | None = None

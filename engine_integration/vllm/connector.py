@@ -144,6 +144,18 @@ class LMKVConnector(KVConnectorBase_V1):
         self._no_saves = 0
         self._save_failed = False
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads and saves wait and copy in hooks between layers, which a full
+        CUDA graph's replay skips (the forward would read pages still being loaded): vLLM
+        then captures piecewise graphs."""
+        from lmkv.config import ConfigError, load_config
+
+        try:
+            return load_config(**dict(extra_config or {})).use_layerwise
+        except ConfigError:
+            return False  # reported by name when the connector starts
+
     # ==== scheduler role ================================================================
     def on_new_request(self, request: Request) -> None:
         try:

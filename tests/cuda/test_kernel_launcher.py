@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from lmkv_cuda import INSTANTIATIONS, SOURCE_DIR, kv_copy
-from lmkv_cuda.launcher import NVRTC_OPTIONS, CupyLauncher, gpu_launcher
+from lmkv_cuda.launcher import NVRTC_OPTIONS, CupyLauncher, _gpu_launcher, gpu_launcher
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 def test_no_usable_gpu_gives_one_warning_and_none():
-    gpu_launcher.cache_clear()
+    _gpu_launcher.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert gpu_launcher(0) is None
         assert gpu_launcher(0) is None  # cached: no second warning
-    gpu_launcher.cache_clear()
+    _gpu_launcher.cache_clear()
     messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
     assert len(messages) == 1 and "using the torch implementations" in messages[0]
 

@@ -37,3 +37,8 @@ def test_the_step_after_a_failed_load_stores_nothing(seen):
     """Only 1 chunk (the stored first one) is found after the step following the failure;
     2 (the new one too) after the step after that."""
     assert seen["saves"] == {"chunks found after the next two steps": [1, 2]}
+
+
+def test_layerwise_mode_asks_vllm_for_piecewise_cuda_graphs(seen):
+    """A full graph's replay skips the per-layer hooks that wait for each layer's load."""
+    assert seen["piecewise"] == {"False": False, "True": True}

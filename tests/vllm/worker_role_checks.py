@@ -101,5 +101,12 @@ def saves_after_a_failed_load() -> dict:
     return {"chunks found after the next two steps": stored}
 
 
+def piecewise_graphs() -> dict:
+    """Whether vLLM is told to capture piecewise CUDA graphs, by lmkv config."""
+    return {str(layerwise): LMKVConnector.requires_piecewise_for_cudagraph(
+        {"use_layerwise": layerwise}) for layerwise in (False, True)}
+
+
 if __name__ == "__main__":
-    print(json.dumps({"deferred": deferred_finalize(), "saves": saves_after_a_failed_load()}))
+    print(json.dumps({"deferred": deferred_finalize(), "saves": saves_after_a_failed_load(),
+                      "piecewise": piecewise_graphs()}))

@@ -60,6 +60,40 @@ def test_pool_refcounts_and_integrity():
         bufs[0].release()
 
 
+def test_a_pinned_pool_locks_its_own_size_and_unlocks_it(monkeypatch):
+    """On a GPU host the pool is page-locked at its size (torch's pinned allocator rounds
+    up to a power of two: a 40 GiB pool would lock 64 GiB), and unlocked with the pool. A
+    failed lock is an error naming the key to lower. (CUDA's calls recorded here.)"""
+    import gc
+
+    calls = []
+
+    class Cudart:
+        fail = False
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("lock", ptr, size))
+            return 2 if self.fail else 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unlock", ptr))
+            return 0
+
+    cudart = Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    slot = 64 + LAYOUT.chunk_bytes
+    pool = MemoryPool(LAYOUT, 3 * slot, pin=True)
+    (op, ptr, size), = calls
+    assert op == "lock" and size == 3 * slot + 4096  # (+ alignment), not a power of two
+    assert ptr <= pool.storage.data_ptr() < ptr + size
+    del pool
+    gc.collect()
+    assert calls[-1] == ("unlock", ptr)
+    cudart.fail = True
+    with pytest.raises(RuntimeError, match="max_local_cpu_size"):
+        MemoryPool(LAYOUT, 3 * slot, pin=True)
+
+
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_hot_cache_never_evicts_a_referenced_chunk(policy):
     pool = MemoryPool(LAYOUT, 2 * (64 + LAYOUT.chunk_bytes))
