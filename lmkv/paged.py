@@ -52,11 +52,16 @@ class BlockPagedMemory(PagedMemory):
         self.device = kv_cache.device
         self.launcher = launcher
 
+    @property
+    def num_slots(self) -> int:
+        return self.kv_cache.shape[2] * self.block_size
+
     def load(self, chunk, slots, skip=0, layer=None):
         pages = self.kv_cache if layer is None else self.kv_cache[layer : layer + 1]
         src = chunk if layer is None else chunk[:, layer : layer + 1]
         dev = pages.device
-        ops.chunk_to_paged(on_device(src, dev), pages, on_device(slots, dev), skip,
+        check = not checked_on_host(slots, skip, self.num_slots)
+        ops.chunk_to_paged(on_device(src, dev), pages, on_device(slots, dev), skip, check=check,
                            launcher=self.launcher)
 
     def save(self, slots, chunk, skip=0, layer=None):
@@ -64,9 +69,25 @@ class BlockPagedMemory(PagedMemory):
         dst = chunk if layer is None else chunk[:, layer : layer + 1]
         dev = pages.device
         stage = staging_for(dst, dev)
-        ops.paged_to_chunk(pages, on_device(slots, dev), stage, skip, launcher=self.launcher)
+        check = not checked_on_host(slots, skip, self.num_slots)
+        ops.paged_to_chunk(pages, on_device(slots, dev), stage, skip, check=check,
+                           launcher=self.launcher)
         if stage is not dst:
             dst[:, :, skip:].copy_(stage[:, :, skip:])
+
+
+def checked_on_host(slots: torch.Tensor, skip: int, num_slots: int) -> bool:
+    """Range-check ``slots[skip:]`` here when they are host memory (ValueError naming the
+    slot), so that the kernel's wrapper need not: its check reads them back from the device,
+    a host sync per chunk. False for slots already on a device (the wrapper checks them)."""
+    if slots.device.type != "cpu":
+        return False
+    if slots.numel() > skip:
+        lo, hi = (int(x) for x in slots[skip:].aminmax())
+        if hi >= num_slots or lo < 0:
+            raise ValueError(f"slot {hi if hi >= num_slots else lo} out of range: paged memory "
+                             f"holds {num_slots} slots")
+    return True
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from lmkv import ops
-from lmkv.paged import PagedMemory, on_device, staging_for
+from lmkv.paged import PagedMemory, checked_on_host, on_device, staging_for
 
 
 class StridedPagedMemory(PagedMemory):
@@ -162,13 +162,15 @@ class DevicePagedMemory(PagedMemory):
 
     def load(self, chunk, slots, skip=0, layer=None):
         layers, src = self._layers(chunk, layer)
+        check = not checked_on_host(slots, skip, self.num_blocks * self.block_size)
         ops.chunk_to_paged_vllm(on_device(src, self.device), layers, on_device(slots, self.device),
-                                skip, launcher=self.launcher)
+                                skip, check=check, launcher=self.launcher)
 
     def save(self, slots, chunk, skip=0, layer=None):
         layers, dst = self._layers(chunk, layer)
         stage = staging_for(dst, self.device)
-        ops.paged_to_chunk_vllm(layers, on_device(slots, self.device), stage, skip,
+        check = not checked_on_host(slots, skip, self.num_blocks * self.block_size)
+        ops.paged_to_chunk_vllm(layers, on_device(slots, self.device), stage, skip, check=check,
                                 launcher=self.launcher)
         if stage is not dst:
             dst[:, :, skip:].copy_(stage[:, :, skip:])

@@ -75,3 +75,24 @@ def test_wrapper_rejects_bad_arguments(emu):
     key = torch.zeros(3, 2, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="out of range"):
         kv_copy.reshape_and_cache(emu, key, key, kv[0], torch.tensor([0, 99, -1]))
+
+
+def test_paged_memory_checks_host_slots_on_the_host(emu, monkeypatch):
+    """Loads and saves with slots in host memory (lmkv's connector builds them there) are
+    range-checked before staging, so the wrapper's check, a read-back from the device (one
+    host sync per chunk on a GPU), is not asked for; a slot out of range is still refused."""
+    from lmkv.paged import BlockPagedMemory
+
+    asked = []
+    real = kv_copy._check_slots
+    monkeypatch.setattr(kv_copy, "_check_slots", lambda *a, **k: asked.append(1) or real(*a, **k))
+    paged = BlockPagedMemory(torch.zeros(2, 2, 4, 8, 2, 64, dtype=torch.float16), emu)
+    chunk = torch.randn(2, 2, 3, 2, 64).half()
+    paged.load(chunk, torch.tensor([0, 9, 31]))
+    back = torch.zeros_like(chunk)
+    paged.save(torch.tensor([0, 9, 31]), back)
+    assert torch.equal(back, chunk) and asked == []
+    paged.save(torch.tensor([0, 9, 32]), back, skip=3)  # the bad slot is skipped
+    for slots in (torch.tensor([0, 1, 32]), torch.tensor([0, -1, 2])):
+        with pytest.raises(ValueError, match="out of range"):
+            paged.load(chunk, slots)
