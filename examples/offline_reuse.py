@@ -15,8 +15,11 @@ from lmkv_engines.minimal.sampling_params import SamplingParams
 
 
 def main() -> None:
-    disk = tempfile.mkdtemp(prefix="lmkv-example-")
-    config = load_config(local_disk=disk, max_local_disk_size=1.0, max_local_cpu_size=0.5)
+    with tempfile.TemporaryDirectory(prefix="lmkv-example-") as disk:
+        run(load_config(local_disk=disk, max_local_disk_size=1.0, max_local_cpu_size=0.5))
+
+
+def run(config) -> None:
     prompt = "The quick brown fox jumps over the lazy dog. " * 120
     params = SamplingParams(max_tokens=16, temperature=0)
 

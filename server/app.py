@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import signal
 import socket
 from collections.abc import Iterator
@@ -31,7 +33,17 @@ def run(config: ServerConfig) -> None:
     asyncio.run(serve(config))
 
 
+class ListenError(OSError):
+    """The lm:// port cannot be bound (in use, not permitted, no such address)."""
+
+
 async def serve(config: ServerConfig) -> None:
+    try:  # before the arena is touched: a port in use fails at once
+        sock = socket.create_server((config.host, config.port), backlog=1024)
+    except OSError as e:
+        hint = " (is another lmkv_server running?)" if e.errno == errno.EADDRINUSE else ""
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise ListenError(f"cannot listen on {config.host}:{config.port}: {why}{hint}") from e
     if not config.loopback_only:
         log.warning(
             "binding %s: the lm:// protocol has no authentication or encryption; %s can "
@@ -55,9 +67,7 @@ async def serve(config: ServerConfig) -> None:
             result.no_room,
         )
         persister.start()
-    listener = Listener(
-        socket.create_server((config.host, config.port), backlog=1024), store, config
-    )
+    listener = Listener(sock, store, config)
     listener.start()
 
     loop = asyncio.get_running_loop()

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 from lmkv.policy import POLICIES
 
-from .app import run
+from .app import ListenError, run
 from .config import ServerConfig, parse_networks, parse_size
 
 _DEFAULTS = ServerConfig()
@@ -107,5 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    run(config)
+    try:
+        run(config)
+    except ListenError as e:
+        print(f"lmkv_server: error: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -301,6 +303,7 @@ def serve(config: ServerConfig) -> None:
     # one): exit with status 0, also after uvicorn's graceful shutdown, which raises the
     # signal again
     signal.signal(signal.SIGTERM, _stopped)
+    sock = _listen(config.host, config.port)  # before the model loads: a port in use fails fast
     try:
         lmkv_config = None
         if config.lmkv_config_file is not None:
@@ -316,22 +319,41 @@ def serve(config: ServerConfig) -> None:
 
         engine = LLMEngine(config.engine, lmkv_config=lmkv_config)
     except (OSError, ValueError) as e:
+        sock.close()
         raise StartupError(str(e)) from e
     import uvicorn
 
     server = APIServer(engine, config)
     log.info("serving %s on http://%s:%d", server.model_name, config.host, config.port)
     try:
-        uvicorn.run(
+        uvicorn.Server(uvicorn.Config(
             server.app, host=config.host, port=config.port, log_level=config.log_level,
             timeout_graceful_shutdown=5,
-        )
+        )).run(sockets=[sock])
     except SystemExit as e:
         if e.code != 0:
             raise
     finally:
         engine.close()  # lmkv finishes its background writes
     log.info("engine serve: stopped")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (uvicorn listens on it). Raises StartupError."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise StartupError(f"cannot listen on {host}:{port}: {e}") from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        hint = " (is another engine serve running?)" if e.errno == errno.EADDRINUSE else ""
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from e
+    return sock
 
 
 def _stopped(signum: int, frame: object) -> None:

@@ -34,6 +34,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, metrics: EngineMetrics | None = None,
                  lmkv_config: LMKVConfig | None = None):
         self.config = config
+        if lmkv_config is not None and lmkv_config.chunk_size % config.block_size:
+            raise ValueError(  # (told now, not after the model and lmkv's memory are set up)
+                f"lmkv chunk_size {lmkv_config.chunk_size} must be a multiple of the engine's "
+                f"block size {config.block_size}")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         model_dir = resolve_model(config.model)

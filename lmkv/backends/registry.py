@@ -61,7 +61,7 @@ class LazyBackend(StorageBackend):
             for region in self._regions:
                 backend.register_memory(region)
             self._backend = backend
-            log.info("lmkv: connected to %s", self._url)
+            log.info("lmkv: client for %s ready (a failed request to it is logged apart)", self._url)
         return self._backend
 
     def _call(self, fn):

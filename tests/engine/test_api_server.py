@@ -408,3 +408,22 @@ def test_lmkv_config_file_that_cannot_be_used_stops_serve(tiny_model_dir, tmp_pa
     )
     assert out.returncode == 1
     assert message in out.stderr
+
+
+def test_a_port_in_use_stops_serve_before_the_model_loads(tmp_path):
+    """A second `engine serve` on a busy port: a clear error and exit status 1 at once (before,
+    the model loaded, 'serving ... on' was logged, then uvicorn failed with status 3)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run(
+            engine_command("serve", "--model", str(tmp_path / "not-loaded"), "--port", str(port)),
+            env={k: v for k, v in os.environ.items() if k != "LMKV_CONFIG_FILE"},
+            capture_output=True, text=True, timeout=120,
+        )
+    assert out.returncode == 1, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
+    assert "another engine serve" in out.stderr and "serving" not in out.stderr

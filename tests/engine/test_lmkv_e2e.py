@@ -444,3 +444,10 @@ def test_the_engines_prefix_hits_are_counted_beside_lmkvs(tiny_model_dir):
         out = llm.generate([p], GREEDY)[0]
         assert out.num_cached_tokens > 0 and out.num_external_tokens > 0
         assert llm.engine.metrics.prefix_cache_hit_tokens._value.get() - hits == out.num_cached_tokens
+
+
+def test_a_chunk_size_the_engine_cannot_use_is_refused_before_the_model_loads(tmp_path):
+    from lmkv.config import load_config
+
+    with pytest.raises(ValueError, match="chunk_size 24 must be a multiple of the engine's block size 16"):
+        LLM(str(tmp_path / "no-model-here"), lmkv_config=load_config(env={}, chunk_size=24))

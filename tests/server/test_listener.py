@@ -73,3 +73,21 @@ def test_a_connection_whose_thread_cannot_start_frees_its_slot(spawn_server):
     backend = LMBackend(server.url)  # the one connection slot is free
     assert backend.contains(["x@1"]) == [False]
     backend.close()
+
+
+def test_a_port_in_use_is_a_clear_error_before_the_memory_is_touched(server_env):
+    """Before: a traceback, after touching all of --max-memory."""
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "lmkv_server", "127.0.0.1", str(port),
+                              "--max-memory", "8GiB"],  # pre-faulted by default
+                             env=server_env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and time.monotonic() - start < 20
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"lmkv_server: error: cannot listen on 127.0.0.1:{port}: Address already in use "
+        "(is another lmkv_server running?)")
+    assert "Traceback" not in out.stderr
