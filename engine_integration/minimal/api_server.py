@@ -206,7 +206,7 @@ class APIServer:
                     break
                 out = await anext(outputs)
         except EngineError as e:
-            yield sse(error_body(str(e), 500))
+            yield sse(error_body(str(e), 503 if isinstance(e, EngineStoppedError) else 500))
         else:
             if body.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
@@ -246,6 +246,8 @@ async def _last_output(
                 return task.result()
             if await request.is_disconnected():
                 return None
+    except EngineStoppedError as e:
+        raise APIError(503, str(e)) from None
     except EngineError as e:
         raise APIError(500, str(e)) from None
     finally:
@@ -326,16 +328,36 @@ def serve(config: ServerConfig) -> None:
     server = APIServer(engine, config)
     log.info("serving %s on http://%s:%d", server.model_name, config.host, config.port)
     try:
-        uvicorn.Server(uvicorn.Config(
+        _uvicorn_server(uvicorn.Config(
             server.app, host=config.host, port=config.port, log_level=config.log_level,
-            timeout_graceful_shutdown=5,
-        )).run(sockets=[sock])
+            timeout_graceful_shutdown=GRACE_S,
+        ), server.async_engine).run(sockets=[sock])
     except SystemExit as e:
         if e.code != 0:
             raise
     finally:
         engine.close()  # lmkv finishes its background writes
     log.info("engine serve: stopped")
+
+
+GRACE_S = 5  # seconds a stopping server gives the requests in flight to finish
+
+
+def _uvicorn_server(config, async_engine: AsyncEngine):
+    """uvicorn's server, whose graceful stop ends the requests still running near the end
+    of the grace period with a 503 ("the server is shutting down": the engine stops), rather
+    than letting uvicorn cancel their handlers (a plain-text 500 and a traceback)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            stop = asyncio.get_running_loop().call_later(GRACE_S - 1, async_engine.request_stop)
+            try:
+                await super().shutdown(sockets=sockets)
+            finally:
+                stop.cancel()
+
+    return Server(config)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -77,11 +77,16 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread; unfinished requests fail with EngineError."""
+    def request_stop(self) -> None:
+        """Ask the engine thread to stop (without waiting): unfinished requests fail with
+        EngineStoppedError. Thread-safe."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; unfinished requests fail with EngineError."""
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -224,7 +229,7 @@ class AsyncEngine:
         queues = [c.queue for c in commands if isinstance(c, _Add)] + list(self._queues.values())
         self._queues.clear()
         for queue in queues:
-            self._post(queue, EngineStoppedError("the engine stopped"))
+            self._post(queue, EngineStoppedError("the engine stopped: the server is shutting down"))
 
     def _post(self, queue: asyncio.Queue[_Item], item: _Item) -> None:
         assert self._loop is not None

@@ -349,11 +349,36 @@ def test_serve_without_a_config_says_lmkv_is_off_and_stops_cleanly_on_sigterm(ti
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
+        # requests still running when it stops (longer than its 5 s of grace) end with a
+        # 503 naming the shutdown, streamed or not, never a cancelled handler's plain 500
+        import threading
+
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True}
+        got: dict = {}
+
+        def ask(stream: bool) -> None:
+            if stream:
+                with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+                    got["stream"] = [line for line in r.iter_lines() if line]
+            else:
+                got["plain"] = httpx.post(url, json=body, timeout=60)
+
+        askers = [threading.Thread(target=ask, args=(s,)) for s in (False, True)]
+        for t in askers:
+            t.start()
+        time.sleep(1.0)
     finally:
         proc.terminate()  # SIGTERM: a requested stop, not a failure
         proc.wait(15)
+    for t in askers:
+        t.join(30)
+    assert got["plain"].status_code == 503
+    assert "shutting down" in got["plain"].json()["error"]["message"]
+    assert "shutting down" in got["stream"][-2] and got["stream"][-1] == "data: [DONE]"
     assert "LMKV_CONFIG_FILE is not set" in log.read_text()
     assert proc.returncode == 0 and "engine serve: stopped" in log.read_text()
+    assert "Traceback" not in log.read_text()
 
 
 def test_client_disconnect_aborts_the_stream(server):
