@@ -42,6 +42,13 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * unit)
 
 
+def port_number(text: str) -> int:
+    port = int(text)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535)")
+    return port
+
+
 LMKV_HELP = ("lmkv is on when the environment variable LMKV_CONFIG_FILE names its YAML config "
              "(e.g. LMKV_CONFIG_FILE=examples/local_cpu_disk.yaml: a CPU hot cache over a disk "
              "tier; keys in docs/configuration.md); without it the engine runs without lmkv.")
@@ -82,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", parents=[engine_args], epilog=LMKV_HELP,
                                 help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="default 8000")
+    serve.add_argument("--port", type=port_number, default=8000, help="default 8000")
     serve.add_argument("--max-pending", type=int, default=ServerConfig.max_pending,
                        help="requests that may wait beyond --max-num-seqs; more get HTTP 503 "
                        "(default %(default)s)")
@@ -161,7 +168,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # told with the subcommand's usage, not the top-level one
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

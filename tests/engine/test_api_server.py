@@ -452,3 +452,13 @@ def test_a_port_in_use_stops_serve_before_the_model_loads(tmp_path):
     assert out.returncode == 1, out.stderr
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
     assert "another engine serve" in out.stderr and "serving" not in out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--modle", "demo"), "engine serve: error: unrecognized arguments: --modle demo"),
+    (("--port", "80800"), "engine serve: error: argument --port: 80800 is not a TCP port (1-65535)"),
+])
+def test_a_bad_serve_flag_is_told_with_serves_usage(args, message):
+    out = subprocess.run(engine_command("serve", *args), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == message
+    assert out.stderr.startswith("usage: engine serve")
