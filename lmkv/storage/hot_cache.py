@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from ..memory import ChunkBuffer, MemoryPool
 from ..policy import DEFAULT_POLICY, CachePolicy, make_policy
@@ -13,8 +14,10 @@ class HotCache:
     """key -> ChunkBuffer. The cache holds one reference per entry; readers get their own.
     Only entries nobody else references can be evicted."""
 
-    def __init__(self, pool: MemoryPool, policy: CachePolicy | str = DEFAULT_POLICY):
+    def __init__(self, pool: MemoryPool, policy: CachePolicy | str = DEFAULT_POLICY,
+                 on_evict: Callable[[], None] | None = None):
         self.pool = pool
+        self.on_evict = on_evict  # told of each eviction (lmkv's metrics)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.entries: dict[str, ChunkBuffer] = {}
         self.num_evictions = 0
@@ -71,8 +74,10 @@ class HotCache:
                 return False
             buf = self.entries.pop(key)
             self.policy.removed(key)
+            self.num_evictions += 1
         buf.release()
-        self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict()
         return True
 
     def drop_lossy(self) -> int:

@@ -22,30 +22,35 @@ class IOWorker:
         self._urgent: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
         self._background: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue(max_background)
         self._wake = threading.Semaphore(0)
+        self._lock = threading.Lock()  # submit vs close: nothing is queued after the stop
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], Any], urgent: bool = False) -> Future | None:
-        """Queue ``fn``; returns its future, or None if background work was dropped."""
-        if self._closed:
-            raise RuntimeError("I/O worker is closed")
+        """Queue ``fn``; returns its future, or None if background work was dropped.
+        RuntimeError once the worker is closed."""
         fut: Future = Future()
-        if urgent:
-            self._urgent.put((fn, fut))
-        else:
-            try:
-                self._background.put_nowait((fn, fut))
-            except queue.Full:
-                return None
-        self._wake.release()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("I/O worker is closed")
+            if urgent:
+                self._urgent.put((fn, fut))
+            else:
+                try:
+                    self._background.put_nowait((fn, fut))
+                except queue.Full:
+                    return None
+            self._wake.release()
         return fut
 
     def pending(self) -> int:
         return self._urgent.qsize() + self._background.qsize()
 
     def drain(self, timeout: float | None = None) -> None:
-        """Wait until everything queued so far has run."""
+        """Wait until everything queued so far has run (at once once closed: close runs it)."""
+        if self._closed:
+            return
         fut = self.submit(lambda: None, urgent=False)
         while fut is None:  # queue full: wait for room
             threading.Event().wait(0.01)
@@ -53,19 +58,26 @@ class IOWorker:
         fut.result(timeout)
 
     def close(self) -> None:
-        if not self._closed:
+        """Run everything queued (each job releases what it holds), then stop."""
+        with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            self._urgent.put(None)
-            self._wake.release()
-            self._thread.join(timeout=30)
+        try:  # behind every queued job (waits for room if full)
+            self._background.put(None, timeout=30)
+        except queue.Full:  # the worker is stuck in a job: leave it (a daemon thread)
+            log.error("lmkv: the I/O worker did not stop: a job has run for over 30 s")
+            return
+        self._wake.release()
+        self._thread.join(timeout=30)
 
     def _run(self) -> None:
         while True:
             self._wake.acquire()
             try:
-                item = self._urgent.get_nowait()
+                item, urgent = self._urgent.get_nowait(), True
             except queue.Empty:
-                item = self._background.get_nowait()
+                item, urgent = self._background.get_nowait(), False
             if item is None:
                 return
             fn, fut = item
@@ -75,3 +87,5 @@ class IOWorker:
                 fut.set_result(fn())
             except BaseException as e:  # reported through the future
                 fut.set_exception(e)
+                if not urgent:  # nobody waits for a background job's future
+                    log.error("lmkv: a background I/O job failed: %r", e, exc_info=e)

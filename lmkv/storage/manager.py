@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from ..memory import ChunkBuffer, MemoryPool
 from ..metrics import LMKVMetrics
@@ -32,7 +32,7 @@ DECODE_THREADS = min(4, len(os.sched_getaffinity(0)))  # frames of a batch decod
 class StorageManager:
     def __init__(self, pool: MemoryPool, tiers: list[Tier], metrics: LMKVMetrics,
                  io_queue_size: int = 256, keep_hot: bool = True, policy: str = DEFAULT_POLICY):
-        self.hot = HotCache(pool, policy)
+        self.hot = HotCache(pool, policy, on_evict=metrics.evictions.labels("hot").inc)
         # keep_hot False (LMCache's local_cpu: false): the pool only stages loads and saves;
         # no chunk stays in it, and the tiers below serve every hit
         self.keep_hot = keep_hot
@@ -47,12 +47,14 @@ class StorageManager:
             tier.metrics = metrics  # one registry for the whole stack
             tier.decoders = self.decoders
             tier.backend.register_memory(region)
-        self._inflight: dict[str, Future] = {}  # key -> running fetch of that key
+        self._inflight: set[str] = set()  # keys a background prefetch is bringing up
         self._lock = threading.Lock()
+        self._closed = False
 
     # ---- writes -------------------------------------------------------------------
     def allocate(self) -> ChunkBuffer | None:
         buf = self.hot.allocate()
+        self.metrics.hot_chunks.set(len(self.hot))  # (it may have evicted)
         if buf is None:
             self.metrics.dropped.labels("no_memory").inc()
         return buf
@@ -81,10 +83,14 @@ class StorageManager:
                 if not tier.available:
                     self.metrics.dropped.labels(f"save_{tier.name}").inc()
                     continue
-                how = (tier.codec, id(tier.table))
-                if how not in frames:
-                    frames[how] = tier.encode(key, buf)
-                tier.write(key, frames[how])
+                try:  # a failure its backend did not report (a bug): logged, counted, and
+                    how = (tier.codec, id(tier.table))  # the other tiers still get the chunk
+                    if how not in frames:
+                        frames[how] = tier.encode(key, buf)
+                    tier.write(key, frames[how])
+                except Exception:
+                    log.exception("lmkv: writing a chunk to the %s tier failed", tier.name)
+                    self.metrics.errors.labels(tier.name, "put").inc()
         finally:
             buf.release()
 
@@ -98,7 +104,7 @@ class StorageManager:
         rest = remaining[n:]
         if not rest:
             return n
-        found = [False] * len(rest)
+        found = [self.hot.contains(k) for k in rest]  # (hot again past a chunk below it)
         for tier in self.tiers:
             here = tier.contains(rest)
             if here is not None:
@@ -122,82 +128,113 @@ class StorageManager:
             out.append(buf)
         rest = keys[len(out):]
         if rest and self.tiers:
+            parent = keys[len(out) - 1] if out else None
             try:
-                out += self.io.submit(lambda: self._load_run(rest), urgent=True).result()
+                out += self.io.submit(lambda: self._load_run(rest, parent=parent),
+                                      urgent=True).result()
             except BaseException:  # the chunks retained here go back before the error does
                 for buf in out:
                     buf.release()
                 raise
         return out
 
-    def _load_run(self, keys: list[str]) -> list[ChunkBuffer]:
-        """On the I/O thread: the leading ``keys`` that some tier has, each retained. Each
-        tier is asked for a batch of chunks at once (one pipelined round trip)."""
+    def _load_run(self, keys: list[str], prefetch: bool = False,
+                  parent: str | None = None) -> list[ChunkBuffer]:
+        """On the I/O thread: the leading ``keys`` that some tier has, each retained (in the
+        hot cache as the chunks after ``parent`` in their prompt). Each tier is asked for a
+        batch of chunks at once (one pipelined round trip)."""
         out: list[ChunkBuffer] = []
-        if len(keys) > LOAD_BATCH:
-            for tier in self.tiers:  # the whole run, so that reads queue ahead of the batches
-                tier.will_get(keys)
-        for start in range(0, len(keys), LOAD_BATCH):
-            batch = keys[start : start + LOAD_BATCH]
-            loaded = self._load_batch(batch, prefetch=False)
-            for key in batch:
-                buf = loaded.pop(key, None) or self.hot.get(key)
-                if buf is None:
+        parents = dict(zip(keys, [parent, *keys[:-1]], strict=True))
+        try:
+            if len(keys) > LOAD_BATCH:
+                for tier in self.tiers:  # the whole run, so that reads queue ahead of the batches
+                    tier.will_get(keys)
+            for start in range(0, len(keys), LOAD_BATCH):
+                batch = keys[start : start + LOAD_BATCH]
+                loaded = self._load_batch(batch, prefetch, parents)
+                for key in batch:
+                    buf = loaded.pop(key, None)
+                    if buf is None:
+                        break
+                    out.append(buf)
+                for buf in loaded.values():  # loaded beyond a missing chunk
+                    buf.release()
+                if len(out) < start + len(batch):
                     break
-                out.append(buf)
-            for buf in loaded.values():  # loaded beyond a missing chunk
+        except BaseException:  # (a decoder's bug: failed and corrupt reads are misses)
+            for buf in out:
                 buf.release()
-            if len(out) < start + len(batch):
-                break
+            raise
         return out
 
     def prefetch(self, keys: list[str]) -> None:
-        """Pull the leading stored chunks of ``keys`` into the hot cache in the background."""
+        """Pull the leading stored chunks of ``keys`` into the hot cache, in one background
+        job (dropped, and counted, when the background queue is full)."""
         if not self.keep_hot:
             return
-        for key in keys:
-            if self.hot.contains(key):
-                continue
-            with self._lock:
-                if key in self._inflight:
-                    continue
-                fut = self.io.submit(lambda k=key: self._load(k, prefetch=True))
-                if fut is None:
-                    self.metrics.dropped.labels("prefetch").inc()
-                    return
-                self._inflight[key] = fut
-                fut.add_done_callback(lambda _f, k=key: self._done(k))
-
-    def _done(self, key: str) -> None:
+        n = 0
+        while n < len(keys) and self.hot.contains(keys[n]):
+            n += 1
         with self._lock:
-            self._inflight.pop(key, None)
+            run = []
+            for key in keys[n:]:
+                if key in self._inflight:  # another prompt's job is bringing this prefix up
+                    break
+                run.append(key)
+            if not run:
+                return
+            self._inflight.update(run)
+        parent = keys[n - 1] if n else None
+        if self.io.submit(lambda: self._prefetch_run(run, parent)) is None:
+            with self._lock:
+                self._inflight.difference_update(run)
+            self.metrics.dropped.labels("prefetch").inc()
 
-    def _load(self, key: str, prefetch: bool) -> bool:
-        """On the I/O thread: read ``key`` from the first tier that has it into the hot cache."""
-        if self.hot.contains(key):
-            return True
-        loaded = self._load_batch([key], prefetch)
-        for buf in loaded.values():
-            buf.release()
-        return bool(loaded)
+    def _prefetch_run(self, keys: list[str], parent: str | None) -> None:
+        try:
+            for buf in self._load_run(keys, prefetch=True, parent=parent):
+                buf.release()
+        finally:
+            with self._lock:
+                self._inflight.difference_update(keys)
 
-    def _load_batch(self, keys: list[str], prefetch: bool) -> dict[str, ChunkBuffer]:
-        """On the I/O thread: read those of ``keys`` missing from the hot cache, each from
-        the first tier that has it, one batch per tier. Returns the chunks read, put in the
-        hot cache and retained for the caller."""
+    def _load_batch(self, keys: list[str], prefetch: bool,
+                    parents: dict[str, str | None]) -> dict[str, ChunkBuffer]:
+        """On the I/O thread: ``keys``' chunks, retained for the caller: those in the hot
+        cache (retained first, so that the slots taken below cannot evict them), the others
+        read from the first tier that has them, one batch per tier, put in the hot cache."""
         loaded: dict[str, ChunkBuffer] = {}
-        missing = [k for k in keys if not self.hot.contains(k)]
-        for tier in self.tiers:
-            if not missing:
-                break
-            if tier.available:
-                missing = self._read_tier(tier, missing, prefetch, loaded)
+        try:
+            for key in keys:
+                buf = self.hot.get(key)
+                if buf is not None:
+                    loaded[key] = buf
+            missing = [k for k in keys if k not in loaded]
+            for tier in self.tiers:
+                if not missing:
+                    break
+                if tier.available:
+                    missing = self._read_tier(tier, missing, prefetch, loaded, parents)
+        except BaseException:
+            for buf in loaded.values():
+                buf.release()
+            raise
         return loaded
 
     def _read_tier(self, tier: Tier, keys: list[str], prefetch: bool,
-                   loaded: dict[str, ChunkBuffer]) -> list[str]:
+                   loaded: dict[str, ChunkBuffer], parents: dict[str, str | None]) -> list[str]:
         """Read ``keys`` from one tier into hot-cache chunks (added to ``loaded``); returns
-        the keys it did not have or could not deliver intact."""
+        the keys it did not have or could not deliver intact. Where slots would have to be
+        taken from hot chunks, the tier is first asked which keys it holds, so that no hot
+        chunk is evicted for a miss."""
+        rest: list[str] = []
+        if self.hot.pool.num_free < len(keys):
+            held = tier.contains(keys)
+            if held is not None:
+                rest = [k for k, h in zip(keys, held, strict=True) if not h]
+                keys = [k for k, h in zip(keys, held, strict=True) if h]
+                if not keys:
+                    return rest
         bufs = []
         for _ in keys:
             buf = self.hot.allocate()
@@ -218,12 +255,12 @@ class StorageManager:
                 missing.append(key)
                 continue
             if self.keep_hot:
-                self.hot.put(key, buf)
+                self.hot.put(key, buf, parents.get(key))
             loaded[key] = buf
             if prefetch:
                 self.metrics.prefetched_chunks.inc()
         self.metrics.hot_chunks.set(len(self.hot))
-        return missing
+        return missing + rest
 
     def make_lossless(self) -> list[str]:
         """The quality gate's fallback: lossy tiers write zstd from now on and stop serving
@@ -241,11 +278,16 @@ class StorageManager:
         return changed
 
     def close(self) -> None:
-        """Finish background writes, then stop the I/O worker and drop the hot cache."""
+        """Finish background writes, then stop the I/O worker and drop the hot cache. A
+        second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self.io.drain()
         self.io.close()
         self.decoders.shutdown(wait=True)
         self.hot.clear()
+        self.metrics.hot_chunks.set(0)
         for tier in self.tiers:
             tier.close()
 

@@ -1,0 +1,182 @@
+"""The storage manager under faults and races (found by a review): every chunk reference is
+given back when a read raises half way, a prefetch never deadlocks nor floods the queue
+that saves share, a miss never evicts hot chunks, close is safe to race and to repeat, and
+the metrics follow evictions and failed writes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from lmkv.backends.base import StorageBackend
+from lmkv.layout import KVLayout
+from lmkv.memory import HEADER_BYTES, MemoryPool
+from lmkv.metrics import LMKVMetrics
+from lmkv.storage.manager import StorageManager
+from lmkv.storage.tier import Tier
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, chunk_size=4)
+SLOT = HEADER_BYTES + LAYOUT.chunk_bytes
+
+
+class Memory(StorageBackend):
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+
+    def put(self, items):
+        self.values.update((k, bytes(v)) for k, v in items)
+
+    def get(self, keys):
+        return [self.values.get(k) for k in keys]
+
+    def contains(self, keys):
+        return [k in self.values for k in keys]
+
+
+def manager(slots=8, tiers=1, queue=256, policy="prefix_adaptive"):
+    pool = MemoryPool(LAYOUT, slots * SLOT, pin=False)
+    ts = [Tier(f"t{i}", Memory(), "raw") for i in range(tiers)]
+    return pool, ts, StorageManager(pool, ts, LMKVMetrics(), queue, policy=policy)
+
+
+def seed(pool, tier, keys):
+    for i, key in enumerate(keys):
+        buf = pool.allocate()
+        buf.kv.fill_(float(i))
+        tier.write(key, tier.encode(key, buf))
+        buf.release()
+
+
+def raise_on(tier, bad):
+    real = tier._check
+
+    def check(key, buf, data):
+        return RuntimeError("a decoder's bug") if key == bad else real(key, buf, data)
+
+    tier._check = check
+
+
+def metric(m, name, **labels):
+    return m.metrics.registry.get_sample_value(name, labels or None) or 0.0
+
+
+def test_a_read_that_raises_half_way_gives_every_reference_back():
+    for tiers, keys, bad in ((1, [f"k{i}" for i in range(12)], "k9"), (2, ["k0", "k1"], "k1")):
+        pool, ts, m = manager(slots=32, tiers=tiers)
+        if tiers == 1:
+            seed(pool, ts[0], keys)
+        else:
+            seed(pool, ts[0], keys[:1])
+            seed(pool, ts[1], keys[1:])
+        raise_on(ts[-1], bad)
+        with pytest.raises(RuntimeError, match="decoder"):
+            m.fetch(keys)
+        assert all(b.ref_count == 1 for b in m.hot.entries.values())  # only the cache's own
+        pool.check_integrity()
+        m.close()
+
+
+def test_a_prefetch_whose_job_ends_at_once_does_not_deadlock():
+    """The job may finish before prefetch returns (a miss, an open breaker)."""
+    pool, _, m = manager(slots=16)
+    real = m.io.submit
+
+    def submit(fn, urgent=False):
+        fut = real(fn, urgent)
+        if fut is not None:
+            fut.exception()  # the caller preempted until the worker finished the job
+        return fut
+
+    m.io.submit = submit
+    done = threading.Event()
+    threading.Thread(target=lambda: (m.prefetch(["k0", "k1"]), done.set()), daemon=True).start()
+    assert done.wait(5), "prefetch deadlocked"
+    m.io.submit = real
+    m.close()
+
+
+def test_a_long_prefetch_is_one_job_and_leaves_room_for_saves():
+    pool, ts, m = manager(slots=16, queue=16)
+    m.prefetch([f"missing{i}" for i in range(100_000)])
+    assert m.io.pending() <= 1
+    for i in range(10):  # the saves after it are not dropped
+        buf = m.allocate()
+        m.put(f"s{i}", buf)
+        buf.release()
+    m.io.drain()
+    assert all(f"s{i}" in ts[0].backend.values for i in range(10))
+    assert metric(m, "lmkv_dropped_total", what="save_t0") == 0
+    m.close()
+
+
+def test_a_miss_does_not_evict_hot_chunks():
+    pool, ts, m = manager(slots=4)
+    for i in range(4):  # the hot cache full of chunks the tier also holds
+        buf = m.allocate()
+        m.put(f"h{i}", buf, f"h{i - 1}" if i else None)
+        buf.release()
+    m.io.drain()
+    got = m.fetch(["h0", "gone1", "gone2", "gone3"])
+    assert len(got) == 1 and len(m.hot) == 4  # nothing evicted for the three misses
+    for buf in got:
+        buf.release()
+    m.close()
+
+
+def test_close_twice_and_a_fetch_racing_close():
+    pool, ts, m = manager()
+    m.close()
+    m.close()  # a second close does nothing
+    with pytest.raises(RuntimeError, match="closed"):
+        m.fetch(["anything"])  # fails at once, never waits for a worker that stopped
+
+
+def test_a_write_that_fails_unexpectedly_is_counted_and_the_other_tiers_still_get_it(caplog):
+    pool, ts, m = manager(tiers=2)
+
+    def broken(key, frame):
+        raise OSError("not a BackendError")
+
+    ts[0].write = broken
+    buf = m.allocate()
+    m.put("k", buf)
+    buf.release()
+    m.io.drain()
+    assert "k" in ts[1].backend.values
+    assert metric(m, "lmkv_errors_total", tier="t0", kind="put") == 1
+    assert "writing a chunk to the t0 tier failed" in caplog.text
+    m.close()
+
+
+def test_hot_evictions_are_counted_and_the_gauge_follows_them():
+    pool, ts, m = manager(slots=4)
+    for i in range(6):
+        buf = m.allocate()
+        m.put(f"k{i}", buf)
+        buf.release()
+        m.io.drain()  # (the write to the tier holds the slot until it is done)
+    assert metric(m, "lmkv_evictions_total", tier="hot") == 2
+    held = [m.allocate() for _ in range(4)]  # evicts everything left
+    assert metric(m, "lmkv_hot_cache_chunks") == len(m.hot) == 0
+    for buf in held:
+        buf.release()
+    m.close()
+
+
+def test_chunks_read_from_a_tier_join_the_prefix_tree_under_their_parents():
+    """A prompt's first chunk, read back from disk, is not evicted before the chunks that
+    continue it (before, every chunk read from a tier was a root)."""
+    pool, ts, m = manager(slots=4)
+    seed(pool, ts[0], ["A", "B", "C"])
+    for buf in m.fetch(["A", "B", "C"]):
+        buf.release()
+    buf = m.allocate()  # a fourth chunk fills the cache, and a fifth evicts one
+    m.put("X0", buf)
+    buf.release()
+    buf = m.allocate()
+    m.put("X1", buf)
+    buf.release()
+    assert m.hot.contains("A") or not (m.hot.contains("B") or m.hot.contains("C"))
+    m.close()
