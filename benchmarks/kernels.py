@@ -69,8 +69,9 @@ class Case:
 
 
 def _timer(device: torch.device, iters: int) -> Callable[[Callable[[], object]], float]:
-    # Each sample: flush L2 (50 MB on H100) by overwriting a larger buffer, then REPS calls back
-    # to back, so that host-side launch cost overlaps with GPU work as in a real step.
+    # Each sample: flush L2 (50 MB on H100) by overwriting a larger buffer, then one call timed
+    # with events (every call starts cold: a chunk transfer's 34 MB would otherwise sit in L2
+    # for the calls after the first); REPS samples per iteration.
     scratch = (
         torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
     )
@@ -80,15 +81,15 @@ def _timer(device: torch.device, iters: int) -> Callable[[Callable[[], object]],
         samples = []
         for _ in range(iters):
             if scratch is not None:
-                scratch.zero_()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
                 for _ in range(REPS):
+                    scratch.zero_()
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
                     fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3 / REPS)
+                    end.record()
+                    end.synchronize()
+                    samples.append(start.elapsed_time(end) / 1e3)
             else:
                 t = time.perf_counter()
                 fn()
@@ -112,18 +113,21 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
     ]
     transfer = 2 * 2 * g.layers * t * row  # K and V, read once and written once
 
-    num_blocks = max(g.decode_batch * g.decode_len, g.prefill_tokens) // g.block_size + 1
+    num_blocks = max(g.decode_batch * -(-g.decode_len // g.block_size),
+                     -(-g.prefill_tokens // g.block_size)) + 1
     kv_layer = torch.randn(2, num_blocks, g.block_size, g.kv_heads, g.head_dim, **new)
     key = torch.randn(g.prefill_tokens, g.kv_heads, g.head_dim, **new)
-    prefill_slots = torch.arange(g.prefill_tokens, device=device)
+    value = torch.randn(g.prefill_tokens, g.kv_heads, g.head_dim, **new)  # K and V apart
+    prefill_slots = torch.randperm(num_blocks * g.block_size, device=device)[: g.prefill_tokens]
 
     delta = torch.randint(-4096, 4096, (t,), device=device)
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, g.head_dim, 2, device=device) / g.head_dim))
     keys = chunk[0]
 
     blocks_per_seq = -(-g.decode_len // g.block_size)
-    tables = torch.arange(g.decode_batch * blocks_per_seq, device=device, dtype=torch.int32)
-    tables = tables.view(g.decode_batch, blocks_per_seq)
+    # scattered pages, as a serving engine's block tables are
+    tables = torch.randperm(num_blocks, device=device)[: g.decode_batch * blocks_per_seq]
+    tables = tables.to(torch.int32).view(g.decode_batch, blocks_per_seq)
     lens = torch.full((g.decode_batch,), g.decode_len, device=device, dtype=torch.int32)
     query = torch.randn(g.decode_batch, g.q_heads, g.head_dim, **new)
     decode_kv = g.decode_batch * g.decode_len * row * 2
@@ -151,8 +155,8 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
              lambda: ops_torch.chunk_to_paged_vllm(chunk, vllm, slots)),
         Case("reshape_and_cache", 2 * 2 * pt * row, 0,
              lambda: kv_copy.reshape_and_cache(
-                 launcher, key, key, kv_layer, prefill_slots, check=False),
-             lambda: engine_attention.reshape_and_cache(key, key, kv_layer, prefill_slots)),
+                 launcher, key, value, kv_layer, prefill_slots, check=False),
+             lambda: engine_attention.reshape_and_cache(key, value, kv_layer, prefill_slots)),
         Case("rerotate_keys", 2 * g.layers * t * row, 0,
              lambda: rope.rerotate_keys(launcher, keys, delta, inv_freq),
              lambda: ops_torch.rerotate_keys(keys, delta, inv_freq)),
