@@ -63,9 +63,10 @@ def lmkv_llm(model_dir: Path, chunk: int, cpu_gb: float = 2.0, **lmkv) -> LLM:
     return LLM(str(model_dir), lmkv_config=cfg, kv_cache_memory=1 << 30, enable_prefix_caching=False)
 
 
-def disk_llm(model_dir: Path, disk: Path, chunk: int, direct: bool = True) -> LLM:
+def disk_llm(model_dir: Path, disk: Path, chunk: int, direct: bool = True,
+             unfull: bool = False) -> LLM:
     return lmkv_llm(model_dir, chunk, local_disk=str(disk), max_local_disk_size=4.0,
-                    local_disk_direct=direct)
+                    local_disk_direct=direct, save_unfull_chunk=unfull)
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -83,7 +84,7 @@ def memcpy_gbps(nbytes: int) -> float:
 
 def child(args) -> None:
     """A fresh process: TTFT of the prompt with only the disk tier holding its chunks."""
-    llm = disk_llm(args.model_dir, args.disk, args.chunk, args.disk_direct)
+    llm = disk_llm(args.model_dir, args.disk, args.chunk, args.disk_direct, args.save_unfull_chunk)
     vocab = llm.engine.model_config.vocab_size
     prompt = random_prompt(args.prompt_len, vocab, seed=0)
     ttft(llm, random_prompt(args.chunk - 1, vocab, seed=77))  # the process's first forward pass
@@ -103,6 +104,8 @@ def main() -> None:
                     "(default: SmolLM2-135M-Instruct)")
     ap.add_argument("--disk-direct", action=argparse.BooleanOptionalAction, default=True,
                     help="the disk tier's O_DIRECT reads (config key local_disk_direct)")
+    ap.add_argument("--save-unfull-chunk", action="store_true",
+                    help="also store the prompt's partial last chunk (config key save_unfull_chunk)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--disk", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -116,12 +119,13 @@ def main() -> None:
     disk = tmp / "disk"
 
     plain = LLM(str(model_dir), kv_cache_memory=1 << 30, enable_prefix_caching=False)
-    llm = disk_llm(model_dir, disk, args.chunk, args.disk_direct)
+    llm = disk_llm(model_dir, disk, args.chunk, args.disk_direct, args.save_unfull_chunk)
     lay = llm.engine.kv_connector.cache.layout
     vocab = llm.engine.model_config.vocab_size
     prompt = random_prompt(n, vocab, seed=0)
     fresh = [random_prompt(n, vocab, seed=1000 + i) for i in range(2 * reps + 1)]
-    print(f"model {model_dir.name}, prompt {n} tokens, chunk {args.chunk}, "
+    print(f"model {model_dir.name}, prompt {n} tokens, chunk {args.chunk}"
+          f"{' (and the partial last one: save_unfull_chunk)' if args.save_unfull_chunk else ''}, "
           f"KV {lay.bytes_per_token * n / 1e6:.1f} MB "
           f"({lay.num_layers} layers, {lay.num_kv_heads} KV heads, {lay.dtype}); "
           f"torch threads {torch.get_num_threads()}")
@@ -200,7 +204,8 @@ def main() -> None:
     res = subprocess.run(
         [sys.executable, __file__, "--child", "--disk", str(disk), "--model-dir", str(model_dir),
          "--prompt-len", str(n), "--chunk", str(args.chunk),
-         "--disk-direct" if args.disk_direct else "--no-disk-direct"],
+         "--disk-direct" if args.disk_direct else "--no-disk-direct",
+         *(["--save-unfull-chunk"] if args.save_unfull_chunk else [])],
         capture_output=True, text=True, check=True,
     )
     child_out = json.loads(res.stdout.strip().splitlines()[-1])

@@ -14,7 +14,7 @@ from .codec import get_codec
 from .codec.calibration import CacheGenTable
 from .codec.gate import QualityGate
 from .config import ConfigError, LMKVConfig
-from .keys import KeyScope, content_hashes, prefix_hashes
+from .keys import KeyScope, content_hashes, prefix_hashes, tail_hash
 from .layout import KVLayout
 from .memory import NO_POSITION, ChunkBuffer, MemoryPool
 from .metrics import LMKVMetrics
@@ -106,6 +106,11 @@ class LMKVCache:
         if max_chunks is not None:
             hashes = hashes[:max_chunks]
         return [self.scope.key(h) for h in hashes]
+
+    def tail_key(self, tokens: list[int]) -> str | None:
+        """The key of ``tokens``' partial last chunk (save_unfull_chunk), or None."""
+        h = tail_hash(tokens, self.chunk_size)
+        return None if h is None else self.scope.key(h)
 
     def key_of(self, chunk_id: str) -> str:
         """The key of a rank-free chunk id (``lmkv.keys.chunk_ids``) in this cache's scope."""

@@ -53,7 +53,9 @@ class LMKVConfig:
     save_decode_cache: bool = False  # also store chunks completed by generated tokens
     kv_role: str = "both"  # both | producer (save only, flushed per request) | consumer (load only)
     use_layerwise: bool = False  # load/save layer by layer, overlapping the forward pass
-    save_unfull_chunk: bool = False  # accepted for LMCache compatibility; must stay False
+    # also store a prompt's partial last chunk, found only by the same prompt again (LMCache's
+    # key; off by default, as there)
+    save_unfull_chunk: bool = False
     enable_prefetch: bool = True  # pull lower-tier chunks of queued requests up early
     cache_salt: str = ""  # namespace: entries of different salts never meet
     io_queue_size: int = 256  # pending background writes/prefetches before dropping
@@ -79,8 +81,6 @@ class LMKVConfig:
                  "must be one of naive (= raw), zstd, cachegen")
         if self.remote_serde == "naive":  # LMCache's name for the raw codec
             object.__setattr__(self, "remote_serde", "raw")
-        _require(not self.save_unfull_chunk, "save_unfull_chunk",
-                 "is not supported: lmkv stores full chunks only")
         _require(self.local_cpu or self.local_disk is not None or self.remote_url is not None,
                  "local_cpu", "may be false only with local_disk or remote_url set (it keeps "
                  "no chunk in CPU memory: the tiers below serve every hit)")

@@ -33,6 +33,17 @@ def prefix_hashes(tokens: list[int], chunk_size: int, start: int = 0) -> list[by
     return out[start:]
 
 
+def tail_hash(tokens: list[int], chunk_size: int) -> bytes | None:
+    """The hash of ``tokens``' last, partial chunk (the tokens past the last full one),
+    chained on the full chunks before it; None where ``tokens`` end on a chunk boundary. A
+    whole prompt's tail (``save_unfull_chunk``): found only by the same prompt again."""
+    full = len(tokens) // chunk_size
+    if len(tokens) == full * chunk_size:
+        return None
+    parent = prefix_hashes(tokens[: full * chunk_size], chunk_size)[-1] if full else ROOT
+    return chunk_hash(parent, np.asarray(tokens[full * chunk_size :], dtype=np.int64))
+
+
 BLEND_ROOT = b"\x01" * 16  # content keys never collide with prefix keys
 BLEND_PRE_ROPE_ROOT = b"\x02" * 16  # nor keys of chunks stored before RoPE with those after
 
@@ -66,6 +77,12 @@ class KeyScope:
     def key(self, h: bytes) -> str:
         """The backend key string (ASCII, < 150 bytes)."""
         return f"{self.prefix}@{h.hex()}"
+
+
+def tail_id(tokens: list[int], chunk_size: int) -> str | None:
+    """The rank-free name of ``tokens``' partial last chunk (``tail_hash``, hex), or None."""
+    h = tail_hash(tokens, chunk_size)
+    return None if h is None else h.hex()
 
 
 def chunk_ids(tokens: list[int], chunk_size: int) -> list[str]:

@@ -33,7 +33,7 @@ from typing import Any
 
 from lmkv.cache import LMKVCache
 from lmkv.config import LMKVConfig
-from lmkv.keys import chunk_ids
+from lmkv.keys import chunk_ids, tail_id
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,9 @@ class LookupClient:
 
     def keys(self, tokens: list[int]) -> list[str]:
         return chunk_ids(tokens, self.chunk_size)
+
+    def tail_key(self, tokens: list[int]) -> str | None:
+        return tail_id(tokens, self.chunk_size)
 
     def lookup(self, keys: list[str]) -> int:
         return min(r.call("lookup", keys=keys)["found"] for r in self.ranks)

@@ -31,6 +31,7 @@ class ChunkIndex(Protocol):
     chunk_size: int
 
     def keys(self, tokens: list[int]) -> list[str]: ...
+    def tail_key(self, tokens: list[int]) -> str | None: ...
     def lookup(self, keys: list[str]) -> int: ...
     def pin(self, keys: list[str]) -> list[bool]: ...
     def unpin(self, keys: list[str]) -> None: ...
@@ -43,6 +44,10 @@ class ChunkIndex(Protocol):
 @dataclass(slots=True)
 class _RequestState:
     keys: list[str]  # keys of the request's full chunks known so far
+    # save_unfull_chunk: the key of the prompt's partial last chunk, and whether it is stored
+    # (or was loaded) for this request
+    tail: str | None = None
+    tail_done: bool = False
     pinned: list[str] = field(default_factory=list)  # keys pinned for a load, not yet planned
     pinned_from: int = 0  # chunk index of pinned[0]
     load_from: int = 0  # tokens [load_from, load_to) come from lmkv this step
@@ -67,6 +72,7 @@ class SchedulerConnector:
         self.cache = cache
         self.block_size = block_size
         self.save_decode_cache = cache.config.save_decode_cache
+        self.save_tail = cache.config.save_unfull_chunk
         # prefill/decode disaggregation: a producer only saves, a consumer only loads
         self.loads = cache.config.kv_role != "producer"
         self.saves = cache.config.kv_role != "consumer"
@@ -107,6 +113,13 @@ class SchedulerConnector:
         # at once: whatever follows, these pins are given back or loaded
         st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
         found = first + len(lossy) if lossy else below
+        if (st.tail is not None and first + len(lossy) == full
+                and len(request.prompt_token_ids) - full * c > 1):  # a tail of 1: nothing to load
+            tail = self.cache.pin([st.tail])  # the same prompt again: its partial last chunk
+            if tail:
+                st.pinned.append(st.tail)
+                lossy = lossy + tail
+                st.tail_done = True
         st.saved_chunks = max(st.saved_chunks, found)  # not saved again
         st.lossy = st.lossy or any(lossy)
         hit = min((first + len(lossy)) * c, len(request.prompt_token_ids) - 1)
@@ -192,6 +205,14 @@ class SchedulerConnector:
                     st.saved_chunks * c,
                 ))
                 st.saved_chunks = full
+            n = len(request.prompt_token_ids)
+            if (st.tail is not None and not st.tail_done and done >= n
+                    and st.saved_chunks >= n // c):  # the prompt's partial last chunk
+                whole = n // c * c
+                meta.saves.append(SaveSpec(
+                    request.request_id, [st.tail], [self._slots(request.block_ids, whole, n)],
+                    st.keys[n // c - 1] if n >= c else None, whole))
+                st.tail_done = True
         return meta
 
     def served_lossy(self, request: Any) -> bool:
@@ -215,15 +236,20 @@ class SchedulerConnector:
         """A load into ``request``'s pages failed and the engine computes it again from its
         first token: start its state afresh, and load nothing for it from now on."""
         self.request_finished(request)
-        self.states[request.request_id] = _RequestState(self.cache.keys(request.prompt_token_ids),
-                                                        no_loads=True)
+        st = self._new_state(request)
+        st.no_loads = True
+        self.states[request.request_id] = st
 
     def _state(self, request: Any) -> _RequestState:
         st = self.states.get(request.request_id)
         if st is None:
-            st = _RequestState(self.cache.keys(request.prompt_token_ids))
-            self.states[request.request_id] = st
+            st = self.states[request.request_id] = self._new_state(request)
         return st
+
+    def _new_state(self, request: Any) -> _RequestState:
+        prompt = request.prompt_token_ids
+        tail = self.cache.tail_key(prompt) if self.save_tail and prompt else None
+        return _RequestState(self.cache.keys(prompt), tail=tail)
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """[end - start] int64 paged-memory slots of tokens [start, end)."""

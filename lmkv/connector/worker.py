@@ -213,7 +213,7 @@ class WorkerConnector:
         with stream.active():
             stream.waits(written)
             for _, buf, slots in bufs:
-                self.paged.save(slots, buf.kv, 0, layer)
+                self.paged.save(slots, buf.kv[:, :, : slots.shape[0]], 0, layer)
 
     def wait_for_save(self, skip: set[str] | frozenset[str] = frozenset(), store: bool = True) -> None:
         """End of the step: new chunks go to the hot cache; lower tiers are written in the
@@ -263,6 +263,7 @@ class WorkerConnector:
                     log.debug("lmkv: no free chunk slot; not saving %s", key)
                     return out
                 buf.position = spec.position + i * self.cache.chunk_size
+                buf.num_tokens = slots.shape[0]  # fewer for a prompt's partial last chunk
                 out.append((key, buf, slots))
         return out
 

@@ -451,3 +451,30 @@ def test_a_chunk_size_the_engine_cannot_use_is_refused_before_the_model_loads(tm
 
     with pytest.raises(ValueError, match="chunk_size 24 must be a multiple of the engine's block size 16"):
         LLM(str(tmp_path / "no-model-here"), lmkv_config=load_config(env={}, chunk_size=24))
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_save_unfull_chunk_stores_a_prompts_partial_last_chunk(tiny_model_dir, tmp_path, layerwise):
+    """With save_unfull_chunk (LMCache's key), the same prompt again loads all but its last
+    token, also when its length is not whole chunks, from the hot cache and from disk in a
+    new engine; the same tokens come out; a prompt that continues it does not use the
+    tail (its own next chunk differs) and still gets the same tokens. Off (the default), the
+    partial chunk is computed."""
+    p = prompts(n=1, length=4 * CHUNK + 9, seed=14)[0]
+    longer = p + prompts(n=1, length=CHUNK, seed=15)[0]
+    want = _alone(tiny_model_dir, [p, longer])
+    with lmkv_llm(tiny_model_dir, use_layerwise=layerwise) as llm:
+        llm.generate([p], GREEDY)
+        assert llm.generate([p], GREEDY)[0].num_external_tokens == 4 * CHUNK
+    disk = tmp_path / "disk"
+    with lmkv_llm(tiny_model_dir, disk, use_layerwise=layerwise, save_unfull_chunk=True) as llm:
+        llm.generate([p], GREEDY)
+        out = llm.generate([p], GREEDY)[0]
+        assert out.num_external_tokens == len(p) - 1 and out.output_token_ids == want[0]
+        out = llm.generate([longer], GREEDY)[0]
+        assert out.num_external_tokens == 4 * CHUNK and out.output_token_ids == want[1]
+        llm.engine.kv_connector.cache.drain()
+    with lmkv_llm(tiny_model_dir, disk, use_layerwise=layerwise, save_unfull_chunk=True) as llm:
+        out = llm.generate([p], GREEDY)[0]  # a new engine: every chunk from disk, the tail too
+        assert out.num_external_tokens == len(p) - 1 and out.output_token_ids == want[0]
+        assert metric(llm, "lmkv_tier_hits_total", tier="disk") == 5

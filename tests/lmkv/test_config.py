@@ -52,7 +52,7 @@ def test_lmcache_yaml_is_accepted(tmp_path):
     ("local_disk: /tmp/x\n", "max_local_disk_size"),
     ("remote_serde: pickle\n", "remote_serde"),
     ("use_layerwise: maybe\n", "use_layerwise"),
-    ("save_unfull_chunk: true\n", "save_unfull_chunk"),
+    ("save_unfull_chunk: maybe\n", "save_unfull_chunk"),
     ("blend_recompute_ratio: 2\n", "blend_recompute_ratio"),
     ("blend_store_pre_rope: sometimes\n", "blend_store_pre_rope"),
     ("metrics_port: 70000\n", "metrics_port"),

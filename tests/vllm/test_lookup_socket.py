@@ -50,6 +50,9 @@ def test_a_load_planned_in_another_process_takes_the_chunks_pinned_there(served)
     prompt = list(range(500, 500 + 3 * CHUNK))
     _store(engine, prompt)
     assert [engine.key_of(i) for i in remote.keys(prompt)] == engine.keys(prompt)
+    tail = prompt + [7, 8, 9]  # a partial last chunk (save_unfull_chunk) is named the same way
+    assert engine.key_of(remote.tail_key(tail)) == engine.tail_key(tail)
+    assert remote.tail_key(prompt) is None and engine.tail_key(prompt) is None
     sched = SchedulerConnector(remote, 4)
 
     class Req:
