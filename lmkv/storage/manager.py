@@ -80,7 +80,7 @@ class StorageManager:
         try:
             frames: dict[tuple, memoryview] = {}
             for tier in self.tiers:
-                if not tier.available:
+                if not tier.writable:
                     self.metrics.dropped.labels(f"save_{tier.name}").inc()
                     continue
                 try:  # a failure its backend did not report (a bug): logged, counted, and

@@ -17,6 +17,7 @@ from ..backends.base import BackendError, StorageBackend
 from ..codec import Codec, FrameError, decode_into, encode, get_codec
 from ..codec.cachegen import OutOfRange
 from ..codec.calibration import CacheGenTable
+from ..logs import LogThrottle
 from ..memory import ChunkBuffer
 from ..metrics import LMKVMetrics
 from .breaker import CircuitBreaker
@@ -31,7 +32,11 @@ class Tier:
     codec: Codec | str = "raw"  # or its name, resolved at construction
     table: CacheGenTable | None = None  # the model's calibration, for lossy frames
     metrics: LMKVMetrics = field(default_factory=LMKVMetrics)
-    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)  # reads (get, contains)
+    # writes apart: a full or read-only disk still serves reads, and a read that succeeds
+    # does not hide a write that keeps failing
+    write_breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    _quiet: LogThrottle = field(default_factory=LogThrottle, init=False, repr=False)
     decoders: Executor | None = None  # decodes a batch's coded frames side by side; None: in turn
     _warned_range: bool = field(default=False, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
@@ -46,8 +51,13 @@ class Tier:
 
     @property
     def available(self) -> bool:
-        """False while the breaker holds the tier off after a failure."""
+        """False while the breaker holds the tier's reads off after a failed read."""
         return self.breaker.closed
+
+    @property
+    def writable(self) -> bool:
+        """False while the write breaker holds writes off after a failed write."""
+        return self.write_breaker.closed
 
     def make_lossless(self) -> None:
         """Write zstd from now on (the quality gate's fallback); what it stored lossy is
@@ -73,7 +83,7 @@ class Tier:
 
     def write(self, key: str, frame: memoryview) -> bool:
         """Store one framed chunk; a failure is logged and counted, and returns False."""
-        if not self.available:
+        if not self.writable:
             self.metrics.dropped.labels(f"save_{self.name}").inc()
             return False
         start = time.perf_counter()
@@ -84,7 +94,7 @@ class Tier:
             except BackendError as e:
                 self._failed("put", e)
                 return False
-            self.breaker.success()
+            self.write_breaker.success()
             evicted = self.backend.num_evictions - before
         self.metrics.tier_seconds.labels(self.name, "put").observe(time.perf_counter() - start)
         self.metrics.tier_bytes.labels(self.name, "put").inc(len(frame))
@@ -177,13 +187,15 @@ class Tier:
     def _settle(self, key: str, data: memoryview | bytes, error: Exception | None) -> bool:
         """On the calling thread: count a checked frame, or report and remove a corrupt one."""
         if isinstance(error, FrameError):
-            log.warning("lmkv: a chunk from %s is corrupt (%s); it will be recomputed", self.name, error)
+            self._quiet.log(log, logging.WARNING, "corrupt", "lmkv: a chunk from %s is corrupt (%s); "
+                            "it will be recomputed", self.name, error)
             self.metrics.errors.labels(self.name, "corrupt").inc()
             try:
                 with self._lock:
                     self.backend.remove([key])
             except BackendError as e:
-                log.warning("lmkv: cannot remove the corrupt chunk from %s (%s)", self.name, e)
+                self._quiet.log(log, logging.WARNING, "remove", "lmkv: cannot remove the corrupt "
+                                "chunk from %s (%s)", self.name, e)
             return False
         if error is not None:
             raise error
@@ -192,7 +204,7 @@ class Tier:
         return True
 
     def _failed(self, op: str, error: BackendError) -> None:
-        pause = self.breaker.failure()
+        pause = (self.write_breaker if op in ("put", "remove") else self.breaker).failure()
         log.warning("lmkv: %s %s failed: %s; skipping %s for %.0f s (chunks are recomputed)",
                     self.name, op, error, self.name, pause)
         self.metrics.errors.labels(self.name, op).inc()

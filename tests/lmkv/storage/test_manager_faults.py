@@ -180,3 +180,60 @@ def test_chunks_read_from_a_tier_join_the_prefix_tree_under_their_parents():
     buf.release()
     assert m.hot.contains("A") or not (m.hot.contains("B") or m.hot.contains("C"))
     m.close()
+
+
+def test_a_tier_that_fails_every_write_still_serves_reads_and_logs_little(caplog):
+    """A full or read-only disk: writes back off (1 s, 2 s, ... 30 s) however many reads
+    succeed meanwhile, reads keep being served, and a long run logs a few lines, not one a
+    second."""
+    import logging
+
+    from lmkv.backends.base import BackendError
+
+    pool, ts, m = manager(slots=16)
+    seed(pool, ts[0], ["r0"])
+
+    def full(items):
+        raise BackendError("[Errno 28] No space left on device")
+
+    ts[0].backend.put = full
+    clock = [1000.0]
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr("lmkv.storage.breaker.time.monotonic", lambda: clock[0])
+    try:
+        with caplog.at_level(logging.WARNING):
+            for step in range(600):  # 10 minutes, a save and a read a second
+                clock[0] += 1.0
+                buf = m.allocate()
+                buf.kv.fill_(1.0)
+                m.put(f"s{step}", buf)
+                buf.release()
+                m.io.drain()
+                m.hot.clear()
+                got = m.fetch(["r0"])
+                assert len(got) == 1  # the reads are not held off by the failing writes
+                for b in got:
+                    b.release()
+    finally:
+        monkey.undo()
+    failed_writes = metric(m, "lmkv_errors_total", tier="t0", kind="put")
+    assert failed_writes < 30 and caplog.text.count("put failed") == failed_writes
+    m.close()
+
+
+def test_corrupt_chunks_are_each_counted_but_logged_once_a_minute(caplog):
+    import logging
+
+    pool, ts, m = manager(slots=32)
+    keys = [f"k{i}" for i in range(20)]
+    seed(pool, ts[0], keys)
+    for key in keys:
+        frame = bytearray(ts[0].backend.values[key])
+        frame[-1] ^= 0xFF
+        ts[0].backend.values[key] = bytes(frame)
+    with caplog.at_level(logging.WARNING):
+        for key in keys:
+            assert m.fetch([key]) == []
+    assert metric(m, "lmkv_errors_total", tier="t0", kind="corrupt") == 20
+    assert caplog.text.count("is corrupt") == 1
+    m.close()
