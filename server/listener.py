@@ -13,6 +13,8 @@ import logging
 import socket
 import threading
 
+from lmkv.logs import LogThrottle
+
 from .config import ServerConfig
 from .protocol import Connection, Traffic
 from .store import Store
@@ -30,6 +32,7 @@ class Listener:
         self._lock = threading.Lock()
         self._live: dict[Connection, threading.Thread] = {}
         self._closed = Traffic()  # counters of connections that have ended
+        self._quiet = LogThrottle()  # one line a minute per kind of client fault
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="lmkv-accept")
 
@@ -85,16 +88,15 @@ class Listener:
 
     def _admit(self, sock: socket.socket, address: str) -> None:
         if not self.config.allows(address):
-            log.warning("refusing a connection from %s: not in --allow", address)
-            sock.close()
+            self._refuse(sock, "allow", "refusing a connection from %s: not in --allow", address)
             return
         with self._lock:
             full = len(self._live) >= self.config.max_connections
         if full:
-            log.warning("refusing a connection: max_connections=%d", self.config.max_connections)
-            sock.close()
+            self._refuse(sock, "max_connections", "refusing a connection from %s: "
+                         "max_connections=%d", address, self.config.max_connections)
             return
-        conn = Connection(sock, self.store, self.config)
+        conn = Connection(sock, self.store, self.config, self._quiet)
         thread = threading.Thread(
             target=self._run, args=(conn,), name=f"lmkv-conn-{conn.peer}", daemon=True
         )
@@ -106,6 +108,12 @@ class Listener:
             with self._lock:  # its slot is free again; the accept loop closes the socket
                 del self._live[conn]
             raise
+
+    def _refuse(self, sock: socket.socket, reason: str, msg: str, *args: object) -> None:
+        with self._lock:
+            self._closed.refused[reason] += 1
+        self._quiet.log(log, logging.WARNING, f"refuse_{reason}", msg, *args)
+        sock.close()
 
     def _run(self, conn: Connection) -> None:
         try:

@@ -54,6 +54,8 @@ class ServerCollector(Collector):
         yield _labelled(
             "protocol_errors", "Malformed or timed-out frames, by kind", "kind", t.protocol_errors
         )
+        yield _labelled("refused_connections", "Connections refused at accept, by reason",
+                        "reason", t.refused)
         if self.persister is not None:
             p = self.persister
             yield _gauge("persist_pending", "Keys waiting to be written or deleted", p.pending)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from lmkv.backends.lm_wire import WireError, check_key
+from lmkv.logs import LogThrottle
 
 from .store import Store
 
@@ -68,6 +69,7 @@ class Persister:
         self.files_written = 0
         self.files_deleted = 0
         self.errors = 0
+        self._quiet = LogThrottle()
 
     @property
     def pending(self) -> int:
@@ -135,8 +137,9 @@ class Persister:
             try:
                 self._sync(key)
             except OSError as exc:
-                self.errors += 1
-                log.error("persisting %r failed: %s", key[:60], exc)
+                self.errors += 1  # (a full disk fails every write: told once a minute)
+                self._quiet.log(log, logging.ERROR, "write", "persisting %r failed: %s",
+                                key[:60], exc)
             finally:
                 with self._cond:
                     self._busy = False

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
 from lmkv.backends import lm_wire as wire
+from lmkv.logs import LogThrottle
 
 from .config import ServerConfig
 from .store import Store
@@ -65,6 +66,8 @@ class Traffic:
     protocol_errors: dict[str, int] = field(
         default_factory=lambda: {"bad_command": 0, "bad_length": 0, "bad_key": 0, "timeout": 0}
     )
+    # connections refused at accept: more than --max-connections, or a peer outside --allow
+    refused: dict[str, int] = field(default_factory=lambda: {"max_connections": 0, "allow": 0})
 
     @classmethod
     def total(cls, parts: Iterable[Traffic]) -> Traffic:
@@ -89,10 +92,13 @@ class _Stalled(Exception):
 
 
 class Connection:
-    def __init__(self, sock: socket.socket, store: Store, config: ServerConfig) -> None:
+    def __init__(self, sock: socket.socket, store: Store, config: ServerConfig,
+                 quiet: LogThrottle | None = None) -> None:
         self.sock = sock
         self.store = store
         self.config = config
+        # misbehaving clients are logged once a minute per kind of fault, server-wide
+        self.quiet = quiet or LogThrottle()
         self.traffic = Traffic(connections_total=1)
         self.peer = _peer_name(sock)
         self.stopping = False  # set by the listener; the socket is shut down with it
@@ -118,9 +124,8 @@ class Connection:
                 log.info("%s closed the connection inside a frame", self.peer)
         except _Stalled:
             self.traffic.protocol_errors["timeout"] += 1
-            log.warning(
-                "%s: frame not completed within %ss; closing", self.peer, self.config.io_timeout
-            )
+            self.quiet.log(log, logging.WARNING, "timeout", "%s: frame not completed within "
+                           "%ss; closing", self.peer, self.config.io_timeout)
         except OSError as exc:  # including ETIMEDOUT: keepalive probes went unanswered
             if not self.stopping:
                 log.info("%s: connection error: %s", self.peer, exc)
@@ -154,7 +159,8 @@ class Connection:
         except ValueError:
             # Whether a payload follows is unknown: the stream cannot be resynchronised.
             self.traffic.protocol_errors["bad_command"] += 1
-            log.warning("%s: unknown command %d; closing", self.peer, request.command)
+            self.quiet.log(log, logging.WARNING, "bad_command", "%s: unknown command %d; closing",
+                           self.peer, request.command)
             self._send([wire.FAIL_EMPTY])
             return False
         self.traffic.requests[command.name] += 1
@@ -179,12 +185,9 @@ class Connection:
         length = request.length
         if not 0 <= length <= self.config.max_value_size:
             self.traffic.protocol_errors["bad_length"] += 1
-            log.warning(
-                "%s: PUT of %d bytes outside [0, max_value_size=%d]; closing",
-                self.peer,
-                length,
-                self.config.max_value_size,
-            )
+            self.quiet.log(log, logging.WARNING, "bad_length", "%s: PUT of %d bytes outside "
+                           "[0, max_value_size=%d]; closing", self.peer, length,
+                           self.config.max_value_size)
             return False
         if not self._key_ok(request.key):
             self.traffic.dropped["bad_key"] += 1
@@ -228,7 +231,7 @@ class Connection:
             wire.check_key(key)
         except wire.WireError as exc:
             self.traffic.protocol_errors["bad_key"] += 1
-            log.warning("%s: bad key (%s)", self.peer, exc)
+            self.quiet.log(log, logging.WARNING, "bad_key", "%s: bad key (%s)", self.peer, exc)
             return False
         return True
 

@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from lmkv.cache import LMKVCache
 from lmkv.connector import ConnectorMetadata, SchedulerConnector, WorkerConnector
+from lmkv.logs import LogThrottle
 from lmkv.paged import PagedMemory
 
 from .engines import engine_spec
@@ -131,6 +132,7 @@ class LMKVConnector(KVConnectorBase_V1):
             # the scheduler names chunks by rank-free ids: this rank's keys are its shard's
             self._init_worker(WorkerConnector(self.cache, key_of=self.cache.key_of))
         self._closed = False
+        self._quiet = LogThrottle()
 
     def _init_worker(self, worker: WorkerConnector) -> None:
         self.worker = worker
@@ -160,16 +162,19 @@ class LMKVConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         try:
             self.scheduler.on_new_request(self.views.get(request))
-        except Exception:
-            log.exception("lmkv: prefetch for request %s failed", request.request_id)
+        except Exception as e:
+            self._quiet.log(log, logging.WARNING, "prefetch", "lmkv: prefetch for request %s "
+                            "failed: %r", request.request_id, e)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         view = self.views.get(request)
         view.num_computed_tokens = num_computed_tokens
         try:
             n, _ = self.scheduler.get_num_new_matched_tokens(view, num_computed_tokens)
-        except Exception:
-            log.exception("lmkv: lookup for request %s failed; computing it", request.request_id)
+        except Exception as e:
+            if not isinstance(e, OSError):  # (a worker that does not answer is told once)
+                self._quiet.log(log, logging.ERROR, "lookup", "lmkv: lookup for request %s "
+                                "failed; computing it: %r", request.request_id, e)
             self.cache.count_error("connector", "lookup")
             return 0, False
         if n:

@@ -178,7 +178,10 @@ class LookupServer:
             e.drain()
             return {}
         if op == "count_error":
-            e.count_error(str(msg["where"]), str(msg["kind"]))
+            where, kind = str(msg["where"]), str(msg["kind"])
+            if where != "connector" or kind not in ("lookup", "load", "save", "blend"):
+                raise ValueError(f"no error counter {where}/{kind}")  # labels stay bounded
+            e.count_error(where, kind)
             return {}
         raise ValueError(f"unknown op {op!r}")
 
@@ -259,12 +262,11 @@ class RankConnection:
         self._lock = threading.Lock()
         self._next_id = 0
         self._quiet_until = 0.0  # after a timeout: calls fail at once until then
+        self._down = False  # the last call failed: told once, and again when one succeeds
 
     def best_effort(self, op: str, **args: Any) -> None:
-        try:
+        with contextlib.suppress(Exception):  # (call logs the worker going away and back)
             self.call(op, **args)
-        except Exception as e:
-            log.warning("lmkv: %s in the worker process failed: %s", op, e)
 
     def call(self, op: str, **args: Any) -> dict[str, Any]:
         """One request and its reply. Any failure closes the connection (the next call
@@ -290,7 +292,15 @@ class RankConnection:
                 self.close()
                 if isinstance(e, TimeoutError):  # a wedged worker: do not hold vLLM's scheduler
                     self._quiet_until = time.monotonic() + BACKOFF  # not CALL_TIMEOUT at every call
+                if not self._down and isinstance(e, OSError | ValueError):
+                    self._down = True
+                    log.warning("lmkv: the worker process on %s does not answer (%s: %s); "
+                                "requests are computed without lmkv until it does", self.path,
+                                op, e)
                 raise
+            if self._down:
+                self._down = False
+                log.warning("lmkv: the worker process on %s answers again", self.path)
         if not out.get("ok"):
             raise RuntimeError(f"lmkv worker process: {out.get('error')}")
         return out

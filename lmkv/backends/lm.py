@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from lmkv.backends import lm_wire as wire
 from lmkv.backends.base import Arrived, BackendError, StorageBackend
+from lmkv.logs import LogThrottle
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class LMBackend(StorageBackend):
         self.max_value_size = max_value_size
         self._sock: socket.socket | None = None
         self._header = bytearray(wire.RESPONSE_SIZE)
+        self._quiet = LogThrottle()
 
     def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         frames = []
@@ -258,8 +260,9 @@ class LMBackend(StorageBackend):
         """Read and drop a value too large for its buffer (not a frame this reader can take:
         another layout's, or corrupt), so the connection stays in step; the caller takes it
         as a miss."""
-        log.warning("lmkv: %s holds %d bytes under %r, more than the %d a chunk takes here; "
-                    "taken as a miss", self._where(), length, key, room)
+        self._quiet.log(log, logging.WARNING, "oversize", "lmkv: %s holds %d bytes under %r, "
+                        "more than the %d a chunk takes here; taken as a miss", self._where(),
+                        length, key, room)
         scratch = memoryview(bytearray(min(length, RECEIVE_STEP)))
         while length:
             n = min(length, scratch.nbytes)

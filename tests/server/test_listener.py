@@ -3,6 +3,7 @@ connection whose thread cannot start."""
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import socket
 import time
@@ -91,3 +92,39 @@ def test_a_port_in_use_is_a_clear_error_before_the_memory_is_touched(server_env)
         f"lmkv_server: error: cannot listen on 127.0.0.1:{port}: Address already in use "
         "(is another lmkv_server running?)")
     assert "Traceback" not in out.stderr
+
+
+def test_misbehaving_clients_are_logged_once_a_minute_and_refusals_counted(spawn_server):
+    """1000 GETs with a bad key, 50 unknown commands on new connections and 20 connections
+    past --max-connections: a few log lines (before: one per frame or connection), each
+    fault counted (refusals had no metric)."""
+    import re
+
+    server = spawn_server("--max-memory", "1MiB", "--max-connections", "2")
+    bad_key = wire.REQUEST.pack(wire.Command.GET, 0, wire.Fmt.KV_2LTD, wire.DType.FLOAT16, 0,
+                                *wire.NO_SHAPE, b"bad\x01key".ljust(wire.KEY_SIZE))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(bad_key * 1000)
+        got = 0
+        while got < 1000 * wire.RESPONSE_SIZE:  # every one answered
+            got += len(sock.recv(1 << 16))
+    for _ in range(50):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(b"\xff" * wire.REQUEST_SIZE)
+            with contextlib.suppress(ConnectionResetError):
+                sock.recv(64)
+    held = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(2)]
+    time.sleep(0.3)
+    for _ in range(20):
+        with (socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock,
+              contextlib.suppress(ConnectionResetError)):
+            assert sock.recv(1) == b""  # closed by the server
+    for sock in held:
+        sock.close()
+    time.sleep(0.3)
+    log = server.log()
+    assert log.count("bad key") == 1 and log.count("unknown command") == 1
+    assert log.count("refusing a connection") == 1
+    metrics = server.admin("/metrics")
+    assert re.search(r'lmkv_server_refused_connections_total\{reason="max_connections"\} 20', metrics)
+    assert re.search(r'lmkv_server_protocol_errors_total\{kind="bad_key"\} 1000', metrics)

@@ -211,3 +211,32 @@ def test_a_pin_the_scheduler_stopped_waiting_for_is_given_back(served, monkeypat
     while len(engine.pins) and time.monotonic() < deadline:  # the worker finishes its pin
         time.sleep(0.05)
     assert len(engine.pins) == 0
+
+
+def test_a_worker_that_does_not_answer_is_told_once_and_again_when_it_does(served, caplog):
+    """The scheduler role over a socket nobody serves: one warning, not one per request and
+    call, and one when the worker answers again. Error labels a client sends are bounded."""
+    import logging
+
+    engine, server, remote = served
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
+    path = server.path
+    server.close()
+    lonely = LookupClient(cfg, [path], connect_timeout=0.2)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(20):
+            with pytest.raises(ConnectionError):
+                lonely.lookup(["00"])
+            lonely.prefetch(["00"])
+            lonely.count_error("connector", "lookup")
+    assert caplog.text.count("does not answer") == 1
+    again = LookupServer(engine, path)
+    try:
+        lonely.ranks[0].connect_timeout = 5
+        assert lonely.lookup([]) == 0
+        assert caplog.text.count("answers again") == 1
+        with pytest.raises(RuntimeError, match="no error counter"):
+            lonely.ranks[0].call("count_error", where="anything", kind="x" * 100)
+    finally:
+        lonely.close()
+        again.close()
