@@ -114,14 +114,20 @@ def test_misbehaving_clients_are_logged_once_a_minute_and_refusals_counted(spawn
             with contextlib.suppress(ConnectionResetError):
                 sock.recv(64)
     held = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(2)]
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while server.stats()["traffic"]["connections"] < 2:  # both admitted before the rest come
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     for _ in range(20):
         with (socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock,
               contextlib.suppress(ConnectionResetError)):
             assert sock.recv(1) == b""  # closed by the server
     for sock in held:
         sock.close()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while "refusing a connection" not in server.log():  # (written by the server's thread)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     log = server.log()
     assert log.count("bad key") == 1 and log.count("unknown command") == 1
     assert log.count("refusing a connection") == 1
