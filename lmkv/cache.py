@@ -50,10 +50,9 @@ class LMKVCache:
         self._metrics_server = self._serve_metrics() if config.metrics_port else None
         transfer.library()  # the CPU's paged copies built now (once per machine), not at the first load
         log.info(
-            "lmkv ready: chunk %d tokens (%.1f MB), hot cache %d chunks, tiers: %s",
-            layout.chunk_size, layout.chunk_bytes / 1e6, self.pool.num_slots,
-            ", ".join((["hot"] if config.local_cpu else ["staging only"])
-                      + [t.name for t in self.storage.tiers]),
+            "lmkv ready: %s; %d chunk slots of %.3g MB in CPU memory; cache policy %s%s",
+            config.describe(), self.pool.num_slots, layout.chunk_bytes / 1e6, config.cache_policy,
+            "; quality gate on" if self.gate else "",
         )
 
     def _build_tiers(self) -> list[Tier]:
