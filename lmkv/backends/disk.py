@@ -77,6 +77,30 @@ class DiskBackend(StorageBackend):
         # skipped only then, since those reads would go around them
         self._direct_batches = self.direct
         self._rebuild_index()
+        self._check_room()
+
+    def _check_room(self) -> None:
+        """Warn at start about a directory this tier cannot fill: not writable (its chunks
+        are read, never written), or with less free space than the cap (writes would fail
+        with 'no space' before the tier evicts anything)."""
+        probe = self.root / f".probe.{os.getpid()}.tmp"
+        try:
+            probe.write_bytes(b"lmkv")
+            probe.unlink()
+        except OSError as e:
+            log.warning("disk tier %s is not writable (%s): its chunks are read, never written",
+                        self.root, e.strerror or e)
+            return
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return
+        room = st.f_bavail * st.f_frsize + self.used
+        if self.capacity > room:
+            log.warning("disk tier %s: its cap (%.1f GB, max_local_disk_size) is above what its "
+                        "file system has free for it (%.1f GB); lower the cap, or writes will fail "
+                        "with 'no space' before the tier evicts", self.root, self.capacity / 1e9,
+                        room / 1e9)
 
     def _rebuild_index(self) -> None:
         entries = []

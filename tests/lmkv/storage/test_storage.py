@@ -400,3 +400,27 @@ def test_a_batch_of_coded_frames_is_decoded_side_by_side(tmp_path, monkeypatch):
     for i in (0, 1, 2, 4):
         assert torch.equal(dst[i].kv, src[i].kv)
     assert tier.backend.contains(["k3"]) == [False]  # the corrupt frame was removed
+
+
+def test_a_disk_tier_it_cannot_fill_is_told_at_start(tmp_path, caplog, monkeypatch):
+    """A cap above the file system's free space, or a directory it cannot write: a warning
+    at start (before, it started silently and failed every write)."""
+    import shutil
+    from pathlib import Path
+
+    free = shutil.disk_usage(tmp_path).free
+    DiskBackend(tmp_path / "big", capacity_bytes=free * 4)
+    assert "is above what its file system has free" in caplog.text
+    caplog.clear()
+    DiskBackend(tmp_path / "fine", capacity_bytes=1 << 20)
+    assert caplog.text == ""
+    real = Path.write_bytes
+
+    def read_only(path, data):
+        if path.name.startswith(".probe."):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, data)
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    DiskBackend(tmp_path / "ro", capacity_bytes=1 << 20)
+    assert "is not writable (Read-only file system)" in caplog.text
