@@ -46,7 +46,10 @@ def test_idle_connections_are_closed_after_idle_timeout(spawn_server):
         sock.settimeout(10)
         assert sock.recv(1) == b""  # then closed by the server
         assert 0.5 < time.monotonic() - t0 < 8
-    stats = server.stats()["traffic"]
+    deadline = time.monotonic() + 10
+    while (stats := server.stats()["traffic"])["connections"]:  # its thread ends a bit later
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
     assert stats["idle_timeouts"] == 1 and stats["connections"] == 0
     assert "idle for 1.0s; closing" in server.log()
     backend = LMBackend(server.url)  # lmkv's client reconnects after an idle close
@@ -101,6 +104,13 @@ def test_misbehaving_clients_are_logged_once_a_minute_and_refusals_counted(spawn
     import re
 
     server = spawn_server("--max-memory", "1MiB", "--max-connections", "2")
+
+    def wait_for_connections(n: int) -> None:  # (the server's threads see closes a bit later)
+        deadline = time.monotonic() + 20
+        while server.stats()["traffic"]["connections"] != n:
+            assert time.monotonic() < deadline, server.stats()["traffic"]
+            time.sleep(0.01)
+
     bad_key = wire.REQUEST.pack(wire.Command.GET, 0, wire.Fmt.KV_2LTD, wire.DType.FLOAT16, 0,
                                 *wire.NO_SHAPE, b"bad\x01key".ljust(wire.KEY_SIZE))
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
@@ -113,11 +123,10 @@ def test_misbehaving_clients_are_logged_once_a_minute_and_refusals_counted(spawn
             sock.sendall(b"\xff" * wire.REQUEST_SIZE)
             with contextlib.suppress(ConnectionResetError):
                 sock.recv(64)
+        wait_for_connections(0)  # gone before the next: none of these is refused
+
     held = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(2)]
-    deadline = time.monotonic() + 10
-    while server.stats()["traffic"]["connections"] < 2:  # both admitted before the rest come
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for_connections(2)
     for _ in range(20):
         with (socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock,
               contextlib.suppress(ConnectionResetError)):
