@@ -210,9 +210,11 @@ class LLMEngine:
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
         if not sched.scheduled:
             return []
-        # sampling advances seeded generators: a request computed again must not see that
+        # sampling advances seeded generators: a request lmkv's failed load sends back to be
+        # computed again must not see that (only lmkv's loads fail a request's step this way)
         seeded = {s.request.request_id: s.request.generator.get_state()
-                  for s in sched.scheduled if s.request.generator is not None}
+                  for s in sched.scheduled
+                  if s.request.generator is not None and self.kv_connector is not None}
         try:
             if self.kv_connector is None:
                 sampled = self.runner.execute(sched)

@@ -28,6 +28,18 @@ def lmkv_llm(model_dir, disk=None, disk_gb=1.0, cpu_gb=0.05, prefix_caching=Fals
                enable_prefix_caching=prefix_caching)
 
 
+def fail_once_at_layer(llm: LLM, layer: int) -> None:
+    """The next forward pass raises at ``layer``'s attention (an out of memory, say)."""
+    attn = llm.engine.model.model.layers[layer].self_attn
+    real = attn.forward
+
+    def once(*args, **kwargs):
+        attn.forward = real
+        raise RuntimeError(f"injected forward failure at layer {layer}")
+
+    attn.forward = once
+
+
 def metric(llm: LLM, name: str, **labels) -> float:
     return llm.engine.metrics.registry.get_sample_value(name, labels or None) or 0.0
 

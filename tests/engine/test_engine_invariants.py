@@ -153,15 +153,10 @@ def test_a_failed_step_leaves_no_partial_kv_in_the_prefix_cache(tiny_model_dir, 
     prompt asked again is computed again, not served from the pages that step left half
     written, and the same tokens come out; the failed generate leaves no request behind."""
     prompts, want = reference
+    from .lmkv_workload import fail_once_at_layer
+
     llm = LLM(str(tiny_model_dir), kv_cache_memory=32 << 20)
-    attn = llm.engine.model.model.layers[1].self_attn
-    real = attn.forward
-
-    def once(*args, **kwargs):
-        attn.forward = real
-        raise RuntimeError("injected failure at layer 1")
-
-    attn.forward = once
+    fail_once_at_layer(llm, 1)
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate([prompts[3]], GREEDY)
     assert not llm.engine.has_unfinished_requests()

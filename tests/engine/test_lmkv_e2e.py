@@ -17,7 +17,7 @@ import torch
 from lmkv_engines.minimal.llm import LLM
 from lmkv_engines.minimal.sampling_params import SamplingParams
 
-from .lmkv_workload import CHUNK, GREEDY, lmkv_llm, metric, prompts
+from .lmkv_workload import CHUNK, GREEDY, fail_once_at_layer, lmkv_llm, metric, prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -335,14 +335,7 @@ def test_a_forward_pass_that_fails_stores_nothing(tiny_model_dir, layerwise):
     p = prompts(n=1, length=200, seed=7)[0]
     want = _alone(tiny_model_dir, [p])[0]
     with lmkv_llm(tiny_model_dir, use_layerwise=layerwise) as llm:
-        attn = llm.engine.model.model.layers[1].self_attn
-        real = attn.forward
-
-        def boom(*a, **k):
-            attn.forward = real
-            raise RuntimeError("injected forward failure at layer 1")
-
-        attn.forward = boom
+        fail_once_at_layer(llm, 1)
         with pytest.raises(RuntimeError, match="injected"):
             llm.generate([p], GREEDY)
         for rid in list(llm.engine.requests):  # what the API server does with a failed step
