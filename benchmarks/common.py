@@ -22,6 +22,16 @@ REALISTIC = dict(
     num_attention_heads=12, num_key_value_heads=4, head_dim=64, max_position_embeddings=8192,
     tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
 )
+# SmolLM2-135M-Instruct's shape (30 layers, hidden 576, GQA 9:3, head_dim 64, vocab 49152) with
+# random weights: its timings where the GGUF file cannot travel (a GPU machine takes 64 MiB)
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+    tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0, bos_token_id=1,
+    eos_token_id=2,
+)
+MODEL_HELP = ("a directory, a .gguf file, 'realistic' (a random ~75M Llama) or 'smollm2-shape' "
+              "(random weights of SmolLM2-135M's shape); default: SmolLM2-135M-Instruct")
 
 
 MODELS = Path(__file__).resolve().parent / "quality" / "models"
@@ -62,25 +72,42 @@ def realistic_model_dir(root: Path | None = None, **overrides) -> Path:
 
 def bench_model(name: str | None) -> Path:
     """The model a benchmark runs: None is SmolLM2-135M-Instruct (the engine's default GGUF
-    file), "realistic" the random-weight ~75M Llama above, anything else a path."""
+    file), "realistic" the random-weight ~75M Llama above, "smollm2-shape" random weights of
+    SmolLM2-135M's shape, anything else a path."""
     if name == "realistic":
         return realistic_model_dir()
+    if name == "smollm2-shape":
+        return realistic_model_dir(**SMOLLM2_SHAPE)
     from lmkv_engines.minimal.default_model import resolve_model
 
     return resolve_model(name)
 
 
-def hf_model(path: Path):
-    """transformers' dense float32 model of a checkpoint directory or a GGUF file (its
-    blocks dequantized at load, as the engine does)."""
+def hf_model(path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """transformers' dense model of a checkpoint directory or a GGUF file (its blocks
+    dequantized at load, as the engine does), in ``dtype`` on ``device``."""
     import transformers
 
     if path.is_dir():
-        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    dense = ({"quantization_config": transformers.GgufConfig(dequantize=True)}
-             if hasattr(transformers, "GgufConfig") else {})
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32, **dense).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        dense = ({"quantization_config": transformers.GgufConfig(dequantize=True)}
+                 if hasattr(transformers, "GgufConfig") else {})
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=dtype, **dense)
+    return model.to(device).eval()
+
+
+def add_device_args(ap) -> None:
+    """--device and --dtype of the engine a benchmark runs (EngineConfig's keys)."""
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (a timer reads the host clock after it)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _times(fn: Callable[[], object], repeats: int,

@@ -4,7 +4,8 @@ Prints prefill tokens/s (ratio target >= 0.8x; transformers computes the last po
 logits only, as the engine does) and decode throughput of 16 concurrent sequences vs
 transformers generating them one after another (issue #19's target >= 3x), and vs
 transformers generating them as one batch (like for like). The model is
-SmolLM2-135M-Instruct unless --model names another (or "realistic").
+SmolLM2-135M-Instruct unless --model names another; --device/--dtype say where and in what
+the engine and transformers both run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_model, hf_model, random_prompt, timed  # noqa: E402
+from common import (  # noqa: E402
+    MODEL_HELP,
+    add_device_args,
+    bench_model,
+    hf_model,
+    random_prompt,
+    sync,
+    timed,
+)
 
 from lmkv_engines.minimal.llm import LLM  # noqa: E402
 from lmkv_engines.minimal.sampling_params import SamplingParams  # noqa: E402
@@ -28,27 +37,31 @@ def main() -> None:
     ap.add_argument("--num-seqs", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--model", help="a directory, a .gguf file, or 'realistic' "
-                    "(default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", help=MODEL_HELP)
+    add_device_args(ap)
     args = ap.parse_args()
 
     model_dir = bench_model(args.model)
-    hf = hf_model(model_dir)
-    llm = LLM(str(model_dir), kv_cache_memory=2 << 30, enable_prefix_caching=False)
+    llm = LLM(str(model_dir), kv_cache_memory=2 << 30, enable_prefix_caching=False,
+              device=args.device, dtype=args.dtype)
+    device = llm.engine.device.torch
+    hf = hf_model(model_dir, device, getattr(torch, args.dtype))
     vocab = hf.config.vocab_size
     n_params = sum(p.numel() for p in hf.parameters())
     print(f"model {model_dir.name}: {n_params / 1e6:.0f}M params, {hf.config.num_hidden_layers} layers, "
           f"hidden {hf.config.hidden_size}, GQA {hf.config.num_attention_heads}:"
-          f"{hf.config.num_key_value_heads}; torch threads {torch.get_num_threads()}")
+          f"{hf.config.num_key_value_heads}; {args.dtype} on {device}; "
+          f"torch threads {torch.get_num_threads()}")
 
     # prefill: one prompt, first token only
     prompt = random_prompt(args.prompt_len, vocab, seed=0)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=device)
 
     def hf_prefill():
         with torch.inference_mode():
             hf(ids, use_cache=True, logits_to_keep=1)  # the last position's logits, as the engine
+        sync(device)
 
     t_engine = timed(lambda: llm.generate([prompt], one), args.repeats)
     t_hf = timed(hf_prefill, args.repeats)
@@ -62,9 +75,11 @@ def main() -> None:
 
     def hf_generate(batch: list[list[int]]):
         with torch.inference_mode():
-            return hf.generate(torch.tensor(batch), max_new_tokens=args.decode_tokens,
-                               min_new_tokens=args.decode_tokens, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
+            out = hf.generate(torch.tensor(batch, device=device), max_new_tokens=args.decode_tokens,
+                              min_new_tokens=args.decode_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        sync(device)
+        return out
 
     # each side: one warm-up run, then the timed one (the sequential side takes ~30 s a run)
     t_engine = timed(lambda: llm.generate(prompts, gen), 1)

@@ -1,10 +1,11 @@
 """Times lmkv's CUDA kernels against the torch path on the same GPU, in one run.
 
-    python benchmarks/kernels.py [--peak-gbps 3350] [--iters 50]
+    python benchmarks/kernels.py [--peak-gbps GBPS] [--iters 50]
 
 For each kernel it prints the bytes the kernel must move (see docs/kernels.md), the achieved
-GB/s, the fraction of the HBM floor (bytes / peak bandwidth; default peak: H100 SXM's
-3.35 TB/s, pass --peak-gbps 4800 on an H200) and the torch path's time as a ratio. Shapes:
+GB/s, the fraction of the HBM floor (bytes / peak bandwidth; the peak is measured first, a
+device-to-device copy of 2 GiB counting bytes read and written, unless --peak-gbps gives
+one) and the torch path's time as a ratio. Shapes:
 Llama-3-8B (32 layers, 8 KV heads, 32 query heads, head_dim 128, bf16). Kernels run with
 check=False (no index-check sync), as a per-step caller would.
 
@@ -228,9 +229,18 @@ def transfer_lines(g: Geometry, launcher: object, device: torch.device,
     return lines
 
 
+def copy_gbps(device: torch.device) -> float:
+    """HBM bandwidth as a plain copy reaches it: 2 GiB copied on the device (median of 20),
+    counting bytes read plus bytes written."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device=device).random_(256)
+    dst = torch.empty_like(src)
+    seconds = _timer(device, 4)(lambda: dst.copy_(src))
+    return 2 * src.numel() / seconds / 1e9
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peak-gbps", type=float, default=3350.0, help="HBM bandwidth of the GPU")
+    parser.add_argument("--peak-gbps", type=float, help="HBM bandwidth of the GPU (default: measured)")
     parser.add_argument("--peak-tflops", type=float, default=67.0, help="FP32 (CUDA core) peak")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--emulate", action="store_true", help="tiny shapes on the CPU emulator")
@@ -251,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         if launcher is None:
             return 1
         geometry, iters = Geometry(), args.iters
-        print(f"{torch.cuda.get_device_name(device)}; floor = bytes / {args.peak_gbps:.0f} GB/s")
+        if args.peak_gbps is None:
+            args.peak_gbps = copy_gbps(device)
+            how = "measured: a device-to-device copy of 2 GiB, bytes read + written"
+        else:
+            how = "given"
+        print(f"{torch.cuda.get_device_name(device)}; floor = bytes / {args.peak_gbps:.0f} GB/s ({how})")
     measure = _timer(device, iters)
     for case in build_cases(geometry, launcher, device):
         k, t = measure(case.kernel), measure(case.torch_path)

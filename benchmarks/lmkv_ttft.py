@@ -10,6 +10,8 @@ Prints, for a long prompt (default 4096 tokens):
   (``raw_read_seconds``: serial, advised and threaded, or O_DIRECT; target >= 0.7).
 - zero-hit overhead: TTFT with lmkv on prompts that never hit / without lmkv (<= 1.05x).
 Disk numbers are taken with the files dropped from the page cache (posix_fadvise).
+With --device cuda the engine's pages are on the GPU: "memcpy" is then the copy of the same
+bytes from pinned host memory to the device (the link), the hot retrieve's floor.
 """
 
 from __future__ import annotations
@@ -27,10 +29,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_model, best, drop_page_cache, random_prompt, raw_read_seconds  # noqa: E402
+from common import (  # noqa: E402
+    MODEL_HELP,
+    add_device_args,
+    bench_model,
+    best,
+    drop_page_cache,
+    random_prompt,
+    raw_read_seconds,
+    sync,
+)
 
 from lmkv import ops  # noqa: E402
 from lmkv.config import load_config  # noqa: E402
+from lmkv.paged import BlockPagedMemory  # noqa: E402
 from lmkv_engines.minimal.llm import LLM  # noqa: E402
 from lmkv_engines.minimal.sampling_params import SamplingParams  # noqa: E402
 
@@ -57,16 +69,33 @@ def tail_ttft(engine: LLM, prompt: list[int], hit: int) -> float:
     return ttft(engine, prompt)
 
 
-def lmkv_llm(model_dir: Path, chunk: int, cpu_gb: float = 2.0, **lmkv) -> LLM:
+def engine_args(args) -> dict:
+    return dict(kv_cache_memory=1 << 30, device=args.device, dtype=args.dtype)
+
+
+def lmkv_llm(model_dir: Path, chunk: int, engine: dict, cpu_gb: float = 2.0, **lmkv) -> LLM:
     """The engine with lmkv (``lmkv``: more config keys) and no prefix cache of its own."""
     cfg = load_config(env={}, chunk_size=chunk, max_local_cpu_size=cpu_gb, **lmkv)
-    return LLM(str(model_dir), lmkv_config=cfg, kv_cache_memory=1 << 30, enable_prefix_caching=False)
+    return LLM(str(model_dir), lmkv_config=cfg, enable_prefix_caching=False, **engine)
 
 
-def disk_llm(model_dir: Path, disk: Path, chunk: int, direct: bool = True,
+def disk_llm(model_dir: Path, disk: Path, chunk: int, engine: dict, direct: bool = True,
              unfull: bool = False) -> LLM:
-    return lmkv_llm(model_dir, chunk, local_disk=str(disk), max_local_disk_size=4.0,
+    return lmkv_llm(model_dir, chunk, engine, local_disk=str(disk), max_local_disk_size=4.0,
                     local_disk_direct=direct, save_unfull_chunk=unfull)
+
+
+def link_gbps(nbytes: int, device: torch.device) -> float:
+    """Pinned host memory to ``device``, one copy of ``nbytes``, best of 5: the host-device
+    link, the floor of loading chunks from lmkv's (pinned) hot cache into GPU pages."""
+    src = torch.ones(nbytes // 4, pin_memory=True)
+    dst = torch.empty(nbytes // 4, device=device)
+
+    def copy():
+        dst.copy_(src, non_blocking=True)
+        sync(device)
+
+    return src.numel() * 4 / best(copy, 5) / 1e9
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -84,7 +113,8 @@ def memcpy_gbps(nbytes: int) -> float:
 
 def child(args) -> None:
     """A fresh process: TTFT of the prompt with only the disk tier holding its chunks."""
-    llm = disk_llm(args.model_dir, args.disk, args.chunk, args.disk_direct, args.save_unfull_chunk)
+    llm = disk_llm(args.model_dir, args.disk, args.chunk, engine_args(args), args.disk_direct,
+                   args.save_unfull_chunk)
     vocab = llm.engine.model_config.vocab_size
     prompt = random_prompt(args.prompt_len, vocab, seed=0)
     ttft(llm, random_prompt(args.chunk - 1, vocab, seed=77))  # the process's first forward pass
@@ -100,8 +130,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--model", help="a directory, a .gguf file, or 'realistic' "
-                    "(default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", help=MODEL_HELP)
+    add_device_args(ap)
     ap.add_argument("--disk-direct", action=argparse.BooleanOptionalAction, default=True,
                     help="the disk tier's O_DIRECT reads (config key local_disk_direct)")
     ap.add_argument("--save-unfull-chunk", action="store_true",
@@ -118,8 +148,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="lmkv-bench-"))
     disk = tmp / "disk"
 
-    plain = LLM(str(model_dir), kv_cache_memory=1 << 30, enable_prefix_caching=False)
-    llm = disk_llm(model_dir, disk, args.chunk, args.disk_direct, args.save_unfull_chunk)
+    engine = engine_args(args)
+    plain = LLM(str(model_dir), enable_prefix_caching=False, **engine)
+    llm = disk_llm(model_dir, disk, args.chunk, engine, args.disk_direct, args.save_unfull_chunk)
+    device = llm.engine.device.torch
     lay = llm.engine.kv_connector.cache.layout
     vocab = llm.engine.model_config.vocab_size
     prompt = random_prompt(n, vocab, seed=0)
@@ -128,7 +160,7 @@ def main() -> None:
           f"{' (and the partial last one: save_unfull_chunk)' if args.save_unfull_chunk else ''}, "
           f"KV {lay.bytes_per_token * n / 1e6:.1f} MB "
           f"({lay.num_layers} layers, {lay.num_kv_heads} KV heads, {lay.dtype}); "
-          f"torch threads {torch.get_num_threads()}")
+          f"engine on {device}; torch threads {torch.get_num_threads()}")
 
     # zero-hit overhead: alternate plain and lmkv on prompts never seen before
     ttft(plain, fresh[-1])
@@ -151,30 +183,33 @@ def main() -> None:
 
     # the floor's compute part: the uncached tail over a cached prefix (engine prefix cache),
     # its best run (a floor is the best case: the warm figures are medians)
-    tail_engine = LLM(str(model_dir), kv_cache_memory=1 << 30)
+    tail_engine = LLM(str(model_dir), **engine)
     t_tail = min(tail_ttft(tail_engine, prompt, hit) for _ in range(reps))
+    tail_engine.close()
     kv_bytes = hit * lay.bytes_per_token
-    bw_mem = memcpy_gbps(kv_bytes)
+    on_gpu = device.type == "cuda"
+    bw_mem = link_gbps(kv_bytes, device) if on_gpu else memcpy_gbps(kv_bytes)
+    copy_name = "pinned->GPU copy" if on_gpu else "memcpy"
     floor_hot = kv_bytes / (bw_mem * 1e9) + t_tail
 
     # retrieve bandwidth, hot: fetch + scatter into paged memory vs memcpy
     lm = llm.engine.kv_connector.cache
     keys = lm.keys(prompt)[: -(-hit // args.chunk)]  # the chunks the hit loads from
     chunk_bytes = len(keys) * args.chunk * lay.bytes_per_token
-    block_ids = list(range(n // 16 + 1))
     slots = [torch.arange(i * args.chunk, (i + 1) * args.chunk) for i in range(len(keys))]
-    kv_cache = llm.engine.kv_cache
+    paged = BlockPagedMemory(llm.engine.kv_cache)
 
     def retrieve() -> float:
         start = time.perf_counter()
         bufs = lm.fetch(keys)
         for buf, s in zip(bufs, slots, strict=True):
-            ops.chunk_to_paged(buf.kv, kv_cache, s)
+            paged.load(buf.kv, s)
+        sync(device)  # the chunks' memory is read until the copies finish
+        for buf in bufs:
             buf.release()
         assert len(bufs) == len(keys)
         return time.perf_counter() - start
 
-    del block_ids
     t_ret_hot = min(retrieve() for _ in range(5))
     gb_hot = chunk_bytes / t_ret_hot / 1e9
 
@@ -203,7 +238,7 @@ def main() -> None:
     # warm from disk in a fresh process
     res = subprocess.run(
         [sys.executable, __file__, "--child", "--disk", str(disk), "--model-dir", str(model_dir),
-         "--prompt-len", str(n), "--chunk", str(args.chunk),
+         "--prompt-len", str(n), "--chunk", str(args.chunk), "--device", args.device, "--dtype", args.dtype,
          "--disk-direct" if args.disk_direct else "--no-disk-direct",
          *(["--save-unfull-chunk"] if args.save_unfull_chunk else [])],
         capture_output=True, text=True, check=True,
@@ -217,11 +252,12 @@ def main() -> None:
           f"({hit} of {n} tokens loaded): cold/warm_hot = {t_cold / t_hot:.1f}x")
     print(f"TTFT cold {t_cold * 1e3:.0f} ms vs warm from disk in a fresh process {t_disk * 1e3:.0f} ms "
           f"({child_out['external']} tokens loaded): cold/warm_disk = {t_cold / t_disk:.1f}x")
-    print(f"floor hot: {kv_bytes / 1e6:.0f} MB / {bw_mem:.1f} GB/s memcpy + tail {t_tail * 1e3:.0f} ms = "
+    print(f"floor hot: {kv_bytes / 1e6:.0f} MB / {bw_mem:.1f} GB/s {copy_name} "
+          f"+ tail {t_tail * 1e3:.0f} ms = "
           f"{floor_hot * 1e3:.0f} ms; warm_hot/floor = {t_hot / floor_hot:.2f}x")
     print(f"floor disk: {kv_bytes / 1e6:.0f} MB / {bw_disk:.2f} GB/s read + tail {t_tail * 1e3:.0f} ms = "
           f"{floor_disk * 1e3:.0f} ms; warm_disk/floor = {t_disk / floor_disk:.2f}x")
-    print(f"hot retrieve {gb_hot:.1f} GB/s vs memcpy {bw_mem:.1f} GB/s: retrieve/memcpy = "
+    print(f"hot retrieve {gb_hot:.1f} GB/s vs {copy_name} {bw_mem:.1f} GB/s: retrieve/memcpy = "
           f"{gb_hot / bw_mem:.2f}")
     print(f"disk retrieve {gb_disk:.2f} GB/s vs best raw read {bw_disk:.2f} GB/s: "
           f"retrieve/raw = {gb_disk / bw_disk:.2f}")

@@ -1,0 +1,57 @@
+"""The engine on a real GPU (skipped without one): the workload of test_engine_emulated
+(prefills, decodes, lmkv saves and loads, a CacheBlend request) on CUDA gives exactly the
+CPU path's tokens, with its KV within float32 rounding, in both load modes, and lmkv's
+kernels (not the torch fallback) did the work."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from lmkv.config import load_config
+from lmkv_engines.minimal.llm import LLM
+from tests.cuda.test_engine_emulated import _workload
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _llm(model_dir, device: str, layerwise: bool) -> LLM:
+    cfg = load_config(env={}, chunk_size=32, max_local_cpu_size=0.02, enable_blending=True,
+                      blend_recompute_ratio=0.15, use_layerwise=layerwise)
+    return LLM(str(model_dir), lmkv_config=cfg, kv_cache_memory=8 << 20,
+               enable_prefix_caching=False, device=device)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_the_engine_on_cuda_gives_the_cpu_paths_tokens(tiny_model_dir, monkeypatch, layerwise):
+    from lmkv_cuda.launcher import CupyLauncher
+
+    launched: Counter[str] = Counter()
+    real = CupyLauncher.kernel
+
+    def counting(self, file, name):
+        kernel = real(self, file, name)
+
+        def launch(*args, **kwargs):
+            launched[file] += 1
+            return kernel(*args, **kwargs)
+
+        return launch
+
+    monkeypatch.setattr(CupyLauncher, "kernel", counting)
+    with _llm(tiny_model_dir, "cpu", layerwise) as cpu:
+        want = _workload(cpu)
+        want_kv = cpu.engine.kv_cache.clone()
+        cpu_loaded = cpu.engine.kv_connector.cache.metrics.loaded_tokens._value.get()
+    with _llm(tiny_model_dir, "cuda", layerwise) as gpu:
+        assert gpu.engine.kv_cache.is_cuda
+        got = _workload(gpu)
+        lmkv = gpu.engine.kv_connector.cache
+        assert lmkv.metrics.loaded_tokens._value.get() == cpu_loaded > 0
+        assert lmkv.metrics.blend_recomputed_tokens._value.get() > 0
+        torch.testing.assert_close(gpu.engine.kv_cache.cpu(), want_kv, atol=1e-4, rtol=1e-4)
+    assert got == want
+    assert launched["paged_attention.cu"] > 0 and launched["kv_copy.cu"] > 0, launched
+    assert launched["rope.cu"] > 0, launched
