@@ -4,7 +4,7 @@
 # on CUDA. Runs with the machine's own python3 (torch, CuPy, transformers) and lmkv from
 # this checkout; Python wheels it lacks travel in .whl/ (see docs/kernels.md, "GPU session").
 # Each step has its own time limit; full logs go to $OUT (or /tmp/gpu-out), tails to stdout.
-#   benchmarks/gpu_session.sh [STEP...]   steps: tests kernels ttft throughput (default: all)
+#   benchmarks/gpu_session.sh [STEP...]   steps: tests kernels ttft throughput profile (default: all)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -37,7 +37,7 @@ step() {  # name, seconds, command...
     grep -v "^\s*$" "$OUT/$name.log" | tail -n "${TAIL:-14}"
 }
 
-steps=${*:-tests kernels ttft throughput}
+steps=${*:-tests kernels ttft throughput profile}
 for s in $steps; do
     case $s in
     tests) step tests 140 $PY -m pytest -q -p no:cacheprovider -x tests/cuda/test_engine_cuda.py \
@@ -45,6 +45,8 @@ for s in $steps; do
     kernels) step kernels 120 $PY benchmarks/kernels.py --iters 20 ;;
     ttft) step ttft 170 $PY benchmarks/lmkv_ttft.py --device cuda --dtype bfloat16 --model smollm2-shape ;;
     throughput) step throughput 110 $PY benchmarks/engine_throughput.py --device cuda --dtype bfloat16 \
+        --model smollm2-shape ;;
+    profile) TAIL=3 step profile 90 $PY benchmarks/profile_decode.py --device cuda --dtype bfloat16 \
         --model smollm2-shape ;;
     *) echo "unknown step $s" ;;
     esac

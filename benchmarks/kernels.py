@@ -141,6 +141,18 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
     p_query = torch.randn(pt, g.q_heads, g.head_dim, **new)
     causal_pairs = pt * (pt + 1) // 2
 
+    def extend(n: int) -> Case:
+        """n new queries at the end of a pt-token sequence (an extend, a short chunk): where
+        the kernel (CUDA cores) and torch's fused attention (tensor cores) cross over."""
+        starts = torch.tensor([0, n], device=device, dtype=torch.int32)
+        q = p_query[:n]
+        return Case(f"prefill q={n} over {pt}", 2 * pt * row + 2 * n * g.q_heads * g.head_dim * e,
+                    4 * n * pt * g.q_heads * g.head_dim,
+                    lambda: attention.paged_attention_prefill(
+                        launcher, q, kv_layer, p_tables, p_lens, starts, scale, check=False),
+                    lambda: engine_attention.paged_attention_prefill(
+                        q, kv_layer, p_tables, p_lens, starts, scale))  # fmt: skip
+
     return [
         Case("paged_to_chunk", transfer, 0,
              lambda: kv_copy.paged_to_chunk(launcher, kv_cache, slots, chunk, check=False),
@@ -172,6 +184,7 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
                  launcher, p_query, kv_layer, p_tables, p_lens, p_starts, scale, check=False),
              lambda: engine_attention.paged_attention_prefill(
                  p_query, kv_layer, p_tables, p_lens, p_starts, scale)),
+        *(extend(n) for n in (1, 4, 16, 64, 256) if n < pt),
     ]  # fmt: skip
 
 
@@ -249,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         from lmkv_cuda.emu import EmuLauncher
 
         device, launcher, geometry, iters = torch.device("cpu"), EmuLauncher(), TINY, 2
+        args.peak_gbps = args.peak_gbps or 3350.0
         print("CPU emulator: checks the plumbing only, the timings mean nothing")
     elif not torch.cuda.is_available():
         print("no CUDA GPU present: nothing to time (kernels are tested on CPU under tests/cuda)")

@@ -26,7 +26,7 @@ INSTANTIATIONS: dict[str, list[str]] = {
     "rope.cu": [f"rerotate_keys<{t}, {v}>" for t, size in _DTYPES.items() for v in (16 // size, 1)],
     "cachegen.cu": [f"cachegen_{op}<{t}>" for op in ("quantize", "dequantize") for t in _DTYPES],
     "paged_attention.cu": [
-        *(f"paged_attention<{t}, {d}, {r}>" for t in _DTYPES for d in (64, 128) for r in (1, 8)),
+        *(f"paged_attention<{t}, {d}, {r}>" for t in _DTYPES for d in (64, 128) for r in (1, 4, 8)),
         *(f"paged_attention_merge<{t}, {d}>" for t in _DTYPES for d in (64, 128)),
     ],
 }

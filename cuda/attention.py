@@ -17,6 +17,9 @@ from lmkv_cuda.launcher import CTYPE, FLOAT_DTYPES, Launcher, check_tensor, requ
 
 HEAD_DIMS = (64, 128)
 ROWS = 8  # query rows per block sharing each K/V load (template R; R = 1 for decode without GQA)
+# decode with a GQA group of at most 4 heads: R = 4 (half the accumulator registers of R = 8,
+# so more blocks per SM and more loads in flight; rows beyond the group would sit idle)
+SMALL_GROUP_ROWS = 4
 THREADS = 128
 _NO_SPLIT = 1 << 30
 
@@ -132,7 +135,7 @@ def paged_attention_decode(
         require(bad_len == 0, f"{bad_len} seq_lens outside [1, {block_tables.shape[1] * bs}]")
         require(bad_block == 0, f"{bad_block} block_tables entries in use are outside [0, {nb})")
     group = hq // hkv
-    rows = 1 if group == 1 else ROWS
+    rows = 1 if group == 1 else SMALL_GROUP_ROWS if group <= SMALL_GROUP_ROWS else ROWS
     num_partitions = -(-max_len // partition_size)
     _launch(
         launcher, query, kv_layer, out, block_tables, seq_lens, None, None, batch, rows,

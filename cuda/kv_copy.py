@@ -11,6 +11,7 @@ The torch twins (same signatures, no launcher) are in ``lmkv.ops_torch``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -61,7 +62,7 @@ def _launch(
     p = launcher.pointer
     table = slots  # a dummy pointer unless the layers are separate tensors
     if layer_ptrs is not None:
-        table = torch.tensor(layer_ptrs, dtype=torch.int64, device=slots.device)
+        table = _pointer_table(tuple(layer_ptrs), slots.device)
     rows = 2 * num_layers * (num_tokens - skip)
     args = (
         p(table), np.int32(layer_ptrs is not None),
@@ -74,6 +75,13 @@ def _launch(
         np.int32(skip),
     )  # fmt: skip
     kernel((num_blocks_for(rows, _WARPS, cap=16384),), (_WARPS * 32,), args)
+
+
+@functools.lru_cache(maxsize=16)
+def _pointer_table(layer_ptrs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The layers' addresses as an int64 tensor on their device, built once per set of layers
+    (a blocking host-to-device copy each time otherwise: vLLM's KV tensors never move)."""
+    return torch.tensor(layer_ptrs, dtype=torch.int64, device=device)
 
 
 def _check_chunk(

@@ -21,6 +21,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int64: context length including this step's tokens
     query_start_loc: torch.Tensor  # [B + 1] int64: rows of each sequence's queries
     num_decodes: int  # sequences [0, num_decodes) have exactly one query token
+    max_query_len: int | None = None  # the most query tokens of one sequence (host-side)
     launcher: Any = None  # the kernels' launcher when the device does not say (the emulator)
 
     @property

@@ -82,7 +82,8 @@ class Attention(nn.Module):
         if nd < meta.seq_lens.shape[0]:
             loc = meta.query_start_loc[nd:] - meta.query_start_loc[nd]
             out[nd:] = paged_attention_prefill(
-                q[nd:], kv_layer, meta.block_tables[nd:], meta.seq_lens[nd:], loc, self.scale, **run
+                q[nd:], kv_layer, meta.block_tables[nd:], meta.seq_lens[nd:], loc, self.scale,
+                max_query_len=meta.max_query_len, **run,
             )
         if hooks is not None:
             hooks.after_attention(self.layer)

@@ -113,6 +113,7 @@ class ModelRunner:
             seq_lens=on(seq_lens),
             query_start_loc=on(starts),
             num_decodes=sum(1 for s in batch if s.num_new_tokens == 1),
+            max_query_len=max(s.num_new_tokens for s in batch),
             launcher=self.launcher,
         )
         return on(ids), on(pos), meta, sample_rows
