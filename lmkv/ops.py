@@ -171,10 +171,12 @@ def paged_attention_decode(
     return result if out is None else out.copy_(result)
 
 
-# On a GPU, lmkv's attention kernel runs on CUDA cores: for steps with more new tokens per
-# sequence than this, torch's fused attention (tensor cores) over the gathered pages is faster
-# (benchmarks/kernels.py, the "prefill q=" lines; docs/kernels.md)
-PREFILL_KERNEL_MAX_QUERY = 16
+# On a GPU, sequences with more new tokens than this take torch's fused attention (tensor
+# cores) over their gathered pages instead of lmkv's kernel (CUDA cores, no split over keys
+# in prefill): on an H200 torch was faster for one sequence at every length measured, 1 to
+# 4096 new tokens (benchmarks/kernels.py, the "prefill q=" lines; docs/kernels.md), so only
+# decode rows (one token each, split over keys) run the kernel.
+PREFILL_KERNEL_MAX_QUERY = 1
 
 
 def paged_attention_prefill(

@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=EngineConfig.device,
                    help="auto (cuda when torch sees a GPU, else cpu), cpu, cuda, cuda:N, or emulate "
                    "(lmkv's CUDA kernels under the CPU emulator: slow, for tests); default auto")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
 
     serve = commands.add_parser("serve", parents=[engine_args], epilog=LMKV_HELP,
                                 help="serve the OpenAI-compatible HTTP API")
@@ -163,6 +165,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.num_threads,
         device=args.device,
+        enforce_eager=args.enforce_eager,
     )
 
 

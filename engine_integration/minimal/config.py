@@ -28,6 +28,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N | emulate (tests)
+    enforce_eager: bool = False  # on CUDA: no CUDA graphs of decode steps (cuda_graphs.py)
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of 2 <= 128")

@@ -10,6 +10,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs
 from .default_model import DEFAULT_MODEL_NAME, resolve_model
 from .device import resolve_device
 from .gguf_loader import GGUFCheckpoint, is_gguf
@@ -114,6 +115,8 @@ class LLMEngine:
             self.kv_connector.scheduler if self.kv_connector else None,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, device.launcher)
+        if device.torch.type == "cuda" and not config.enforce_eager:
+            self.runner.graphs = self._capture_graphs(config, max_len)
         self.requests: dict[str, Request] = {}
         log.info(
             "engine ready on %s: model %s (%d layers, %d/%d heads, head_dim %d, %s), KV memory %d "
@@ -122,6 +125,17 @@ class LLMEngine:
             mc.num_heads, mc.num_kv_heads, mc.head_dim,
             config.dtype, num_blocks, config.block_size, max_len,
         )
+
+    def _capture_graphs(self, config: EngineConfig, max_len: int) -> DecodeGraphs | None:
+        graphs = DecodeGraphs(self.model, self.kv_cache, config.block_size, max_len,
+                              config.max_num_seqs)
+        try:
+            graphs.capture()
+        except Exception as e:  # noqa: BLE001 - the engine still runs, eagerly
+            log.warning("could not capture CUDA graphs of the decode step (%s: %s): decode steps "
+                        "run eagerly", type(e).__name__, e)
+            return None
+        return graphs
 
     # ---- requests -------------------------------------------------------------------
     def add_request(

@@ -10,6 +10,7 @@ from lmkv import cpu_attention
 
 from .attention_metadata import AttentionMetadata
 from .blend import blend_prefill
+from .cuda_graphs import DecodeGraphs
 from .model import LayerHooks, LlamaForCausalLM
 from .request import Request
 from .sampler import sample
@@ -18,8 +19,9 @@ from .scheduler import ScheduledRequest, SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 launcher: Any = None):
+                 launcher: Any = None, graphs: DecodeGraphs | None = None):
         self.model = model
+        self.graphs = graphs  # CUDA graphs of decode steps (None: every step eager)
         self.kv_cache = kv_cache  # [L, 2, num_blocks, block_size, Hkv, D], on the engine's device
         self.device = kv_cache.device
         self.block_size = block_size
@@ -50,9 +52,14 @@ class ModelRunner:
                     req.blend = None
         if not batch:
             return sampled
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, hooks)
-        self.num_forward_tokens += input_ids.shape[0]
+        graphs = self.graphs
+        if (graphs is not None and hooks is None and graphs.fits(len(batch))
+                and all(s.num_new_tokens == 1 for s in batch)):
+            hidden, sample_rows = self._decode_graph(graphs, batch)
+        else:
+            input_ids, positions, meta, sample_rows = self._prepare(batch)
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, hooks)
+        self.num_forward_tokens += sum(s.num_new_tokens for s in batch)
         if not sample_rows:
             return sampled
         rows, reqs = zip(*sample_rows, strict=True)
@@ -60,6 +67,22 @@ class ModelRunner:
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         sampled.update((r.request_id, t) for r, t in zip(reqs, tokens, strict=True))
         return sampled
+
+    def _decode_graph(self, graphs: DecodeGraphs, batch: list[ScheduledRequest]):
+        """A step of one-token sequences through the captured graphs."""
+        bs = self.block_size
+        ids, pos, slots, lens, tables, sample_rows = [], [], [], [], [], []
+        for i, s in enumerate(batch):
+            req = s.request
+            p = req.num_computed_tokens
+            ids.append(req.all_token_ids[p])
+            pos.append(p)
+            slots.append(req.block_ids[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            tables.append(req.block_ids)
+            if p + 1 == req.num_tokens:
+                sample_rows.append((i, req))
+        return graphs.run(ids, pos, slots, tables, lens), sample_rows
 
     def _blend(self, req: Request) -> int:
         """A blended prefill of the whole prompt (see blend.py); returns the sampled token."""

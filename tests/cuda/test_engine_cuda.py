@@ -12,6 +12,7 @@ import torch
 
 from lmkv.config import load_config
 from lmkv_engines.minimal.llm import LLM
+from lmkv_engines.minimal.sampling_params import SamplingParams
 from tests.cuda.test_engine_emulated import _workload
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -55,3 +56,29 @@ def test_the_engine_on_cuda_gives_the_cpu_paths_tokens(tiny_model_dir, monkeypat
     assert got == want
     assert launched["paged_attention.cu"] > 0 and launched["kv_copy.cu"] > 0, launched
     assert launched["rope.cu"] > 0, launched
+
+
+def test_decode_steps_replay_cuda_graphs_with_the_eager_tokens(tiny_model_dir, monkeypatch):
+    from lmkv_engines.minimal.cuda_graphs import DecodeGraphs
+
+    replays: Counter[int] = Counter()
+    real = DecodeGraphs.run
+
+    def counting(self, ids, *args):
+        replays[len(ids)] += 1
+        return real(self, ids, *args)
+
+    monkeypatch.setattr(DecodeGraphs, "run", counting)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in (9, 30, 17, 64)]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        with LLM(str(tiny_model_dir), kv_cache_memory=8 << 20, device="cuda", enforce_eager=eager,
+                 max_num_seqs=8) as llm:
+            assert (llm.engine.runner.graphs is None) == eager
+            outs[eager] = [[o.output_token_ids for o in llm.generate(prompts[:n], greedy)]
+                           for n in (4, 3, 1)]  # a captured size, one padded, one alone
+        assert bool(replays) != eager
+    assert outs[False] == outs[True]
+    assert set(replays) == {4, 3, 1}  # every decode step of each batch replayed a graph
