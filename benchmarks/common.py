@@ -99,9 +99,10 @@ def hf_model(path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32
 
 
 def add_device_args(ap) -> None:
-    """--device and --dtype of the engine a benchmark runs (EngineConfig's keys)."""
+    """--device, --dtype and --enforce-eager of the engine a benchmark runs (EngineConfig's keys)."""
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs of decode steps")
 
 
 def sync(device) -> None:

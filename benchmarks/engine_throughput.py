@@ -43,14 +43,15 @@ def main() -> None:
 
     model_dir = bench_model(args.model)
     llm = LLM(str(model_dir), kv_cache_memory=2 << 30, enable_prefix_caching=False,
-              device=args.device, dtype=args.dtype)
+              device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager)
     device = llm.engine.device.torch
     hf = hf_model(model_dir, device, getattr(torch, args.dtype))
     vocab = hf.config.vocab_size
     n_params = sum(p.numel() for p in hf.parameters())
     print(f"model {model_dir.name}: {n_params / 1e6:.0f}M params, {hf.config.num_hidden_layers} layers, "
           f"hidden {hf.config.hidden_size}, GQA {hf.config.num_attention_heads}:"
-          f"{hf.config.num_key_value_heads}; {args.dtype} on {device}; "
+          f"{hf.config.num_key_value_heads}; {args.dtype} on {device}"
+          f"{' (eager)' if args.enforce_eager and device.type == 'cuda' else ''}; "
           f"torch threads {torch.get_num_threads()}")
 
     # prefill: one prompt, first token only

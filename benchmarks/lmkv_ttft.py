@@ -70,7 +70,8 @@ def tail_ttft(engine: LLM, prompt: list[int], hit: int) -> float:
 
 
 def engine_args(args) -> dict:
-    return dict(kv_cache_memory=1 << 30, device=args.device, dtype=args.dtype)
+    return dict(kv_cache_memory=1 << 30, device=args.device, dtype=args.dtype,
+                enforce_eager=args.enforce_eager)
 
 
 def lmkv_llm(model_dir: Path, chunk: int, engine: dict, cpu_gb: float = 2.0, **lmkv) -> LLM:
@@ -239,6 +240,7 @@ def main() -> None:
     res = subprocess.run(
         [sys.executable, __file__, "--child", "--disk", str(disk), "--model-dir", str(model_dir),
          "--prompt-len", str(n), "--chunk", str(args.chunk), "--device", args.device, "--dtype", args.dtype,
+         *(["--enforce-eager"] if args.enforce_eager else []),
          "--disk-direct" if args.disk_direct else "--no-disk-direct",
          *(["--save-unfull-chunk"] if args.save_unfull_chunk else [])],
         capture_output=True, text=True, check=True,

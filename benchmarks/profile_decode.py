@@ -30,7 +30,7 @@ def main() -> None:
     add_device_args(ap)
     args = ap.parse_args()
     llm = LLM(str(bench_model(args.model)), kv_cache_memory=1 << 30, enable_prefix_caching=False,
-              device=args.device, dtype=args.dtype)
+              device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager)
     vocab = llm.engine.model_config.vocab_size
     prompts = [random_prompt(32, vocab, seed=i) for i in range(args.num_seqs)]
     gen = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)

@@ -79,11 +79,12 @@ class Attention(nn.Module):
             out[:nd] = paged_attention_decode(
                 q[:nd], kv_layer, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale, **run
             )
-        if nd < meta.seq_lens.shape[0]:
-            loc = meta.query_start_loc[nd:] - meta.query_start_loc[nd]
+        if nd < meta.seq_lens.shape[0]:  # host copies where there are: no device reads
+            lens = meta.seq_lens if meta.host_seq_lens is None else meta.host_seq_lens
+            starts = meta.query_start_loc if meta.host_query_start_loc is None else meta.host_query_start_loc
             out[nd:] = paged_attention_prefill(
-                q[nd:], kv_layer, meta.block_tables[nd:], meta.seq_lens[nd:], loc, self.scale,
-                max_query_len=meta.max_query_len, **run,
+                q[nd:], kv_layer, meta.block_tables[nd:], lens[nd:], starts[nd:] - starts[nd],
+                self.scale, max_query_len=meta.max_query_len, **run,
             )
         if hooks is not None:
             hooks.after_attention(self.layer)
