@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="Llama-family Hugging Face directory or .gguf file; "
                    "'demo' is the random-weight demo model (default: SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", help="model name of the API (default: --model)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="weights and KV memory (default float32)")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="weights and KV memory (default auto: bfloat16 on a GPU, float32 on the CPU)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=EngineConfig.kv_cache_memory,
                    help="paged KV memory, e.g. 2GiB (default 1GiB)")

@@ -15,7 +15,7 @@ class EngineConfig:
     # wheel), "demo" = the random-weight demo model (default_model.py)
     model: str | None = None
     served_model_name: str | None = None
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on the CPU) | float32 | bfloat16 | float16
     block_size: int = 16
     kv_cache_memory: int = 1 * GiB  # bytes of paged KV memory
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
@@ -39,7 +39,8 @@ class EngineConfig:
         _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
                "max_num_batched_tokens", ">= 1")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads", ">= 1")
-        _check(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "float32, bfloat16 or float16")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+               "auto, float32, bfloat16 or float16")
         _check(check_device(self.device), "device", "auto, cpu, cuda, cuda:N or emulate")
 
 

@@ -38,3 +38,11 @@ def resolve_device(name: str) -> Device:
         raise ValueError(f"device {name}: no CUDA device is available to torch "
                          "(torch.cuda.is_available() is False); use --device cpu")
     return Device(torch.device(name), None)
+
+
+def default_dtype(device: Device) -> str:
+    """The engine's dtype when none is named: bfloat16 on a GPU (float16 where the GPU has no
+    bfloat16), float32 on the CPU and under the emulator."""
+    if device.torch.type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"

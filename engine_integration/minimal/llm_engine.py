@@ -12,7 +12,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .default_model import DEFAULT_MODEL_NAME, resolve_model
-from .device import resolve_device
+from .device import default_dtype, resolve_device
 from .gguf_loader import GGUFCheckpoint, is_gguf
 from .loader import load_model
 from .metrics import EngineMetrics
@@ -50,7 +50,9 @@ class LLMEngine:
         self.model_dir = model_dir  # a checkpoint directory or a .gguf file
         self.model_config = mc = gguf.model_config() if gguf else ModelConfig.from_dir(model_dir)
         self.model_name = config.served_model_name or config.model or DEFAULT_MODEL_NAME
-        self.dtype = parse_dtype(config.dtype)
+        self.device = device = resolve_device(config.device)
+        self.dtype_name = config.dtype if config.dtype != "auto" else default_dtype(device)
+        self.dtype = parse_dtype(self.dtype_name)
         self.tokenizer = (gguf.tokenizer() if gguf
                           else Tokenizer.from_dir(model_dir, mc.eos_token_ids))
 
@@ -83,7 +85,6 @@ class LLMEngine:
             )
         self.max_model_len = max_len
 
-        self.device = device = resolve_device(config.device)
         max_pos = mc.max_position_embeddings
         model = (gguf.load_model(mc, self.dtype, max_pos) if gguf
                  else load_model(model_dir, mc, self.dtype, max_pos))
@@ -123,7 +124,7 @@ class LLMEngine:
             "blocks x %d tokens, max_model_len %d",
             "emulated CUDA" if device.launcher else device.torch, model_dir, mc.num_layers,
             mc.num_heads, mc.num_kv_heads, mc.head_dim,
-            config.dtype, num_blocks, config.block_size, max_len,
+            self.dtype_name, num_blocks, config.block_size, max_len,
         )
 
     def _capture_graphs(self, config: EngineConfig, max_len: int) -> DecodeGraphs | None:

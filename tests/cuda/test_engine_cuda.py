@@ -22,7 +22,7 @@ def _llm(model_dir, device: str, layerwise: bool) -> LLM:
     cfg = load_config(env={}, chunk_size=32, max_local_cpu_size=0.02, enable_blending=True,
                       blend_recompute_ratio=0.15, use_layerwise=layerwise)
     return LLM(str(model_dir), lmkv_config=cfg, kv_cache_memory=8 << 20,
-               enable_prefix_caching=False, device=device)
+               enable_prefix_caching=False, device=device, dtype="float32")
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -75,7 +75,7 @@ def test_decode_steps_replay_cuda_graphs_with_the_eager_tokens(tiny_model_dir, m
     outs = {}
     for eager in (True, False):
         with LLM(str(tiny_model_dir), kv_cache_memory=8 << 20, device="cuda", enforce_eager=eager,
-                 max_num_seqs=8) as llm:
+                 max_num_seqs=8, dtype="float32") as llm:
             assert (llm.engine.runner.graphs is None) == eager
             outs[eager] = [[o.output_token_ids for o in llm.generate(prompts[:n], greedy)]
                            for n in (4, 3, 1)]  # a captured size, one padded, one alone
