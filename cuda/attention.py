@@ -16,7 +16,7 @@ import torch
 from lmkv_cuda.launcher import CTYPE, FLOAT_DTYPES, Launcher, check_tensor, require
 
 HEAD_DIMS = (64, 128)
-ROWS = 8  # query rows per block sharing each K/V load (template R; R = 1 for decode without GQA)
+ROWS = 8  # query rows per block sharing each K/V load (template R; decode: 1 without GQA, 4 below)
 # decode with a GQA group of at most 4 heads: R = 4 (half the accumulator registers of R = 8,
 # so more blocks per SM and more loads in flight; rows beyond the group would sit idle)
 SMALL_GROUP_ROWS = 4

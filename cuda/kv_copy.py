@@ -11,7 +11,6 @@ The torch twins (same signatures, no launcher) are in ``lmkv.ops_torch``.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -62,7 +61,7 @@ def _launch(
     p = launcher.pointer
     table = slots  # a dummy pointer unless the layers are separate tensors
     if layer_ptrs is not None:
-        table = _pointer_table(tuple(layer_ptrs), slots.device)
+        table = _pointer_table(layer_ptrs, slots.device)
     rows = 2 * num_layers * (num_tokens - skip)
     args = (
         p(table), np.int32(layer_ptrs is not None),
@@ -77,11 +76,14 @@ def _launch(
     kernel((num_blocks_for(rows, _WARPS, cap=16384),), (_WARPS * 32,), args)
 
 
-@functools.lru_cache(maxsize=16)
-def _pointer_table(layer_ptrs: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The layers' addresses as an int64 tensor on their device, built once per set of layers
-    (a blocking host-to-device copy each time otherwise: vLLM's KV tensors never move)."""
-    return torch.tensor(layer_ptrs, dtype=torch.int64, device=device)
+def _pointer_table(layer_ptrs: list[int], device: torch.device) -> torch.Tensor:
+    """The layers' addresses as an int64 tensor on their device, copied from pinned memory
+    without blocking the host (torch's pinned allocator keeps the host side until the copy
+    has run), allocated on the current stream: the stream that reads it."""
+    host = torch.tensor(layer_ptrs, dtype=torch.int64)
+    if device.type != "cuda":  # the CPU emulator
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _check_chunk(

@@ -213,11 +213,16 @@ def paged_attention_prefill(
                 padded, k, v, is_causal=True, scale=scale, enable_gqa=True
             )[:, :, seq_len - q_len :]
         else:
-            # query j sits at position seq_len - q_len + j and sees keys [0, that position]
+            # query j sits at position seq_len - q_len + j and sees keys [0, that position].
+            # K/V expanded to the query heads: with a mask and GQA together, torch (CUDA)
+            # takes its math path, scores [Hq, q_len, seq_len] in memory (4 GiB for 2k new
+            # tokens over 32k); without GQA its memory-efficient kernels take the mask
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+            group = q.shape[1] // k.shape[1]
             o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+                q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                attn_mask=mask, scale=scale,
             )
         out[q_lo:q_hi] = o[0].transpose(0, 1)
     return out

@@ -23,6 +23,7 @@ def open_llm(model_dir: str, max_len: int = 4096, **engine_args) -> LLM:
     by default without prefix caching (each probe computes every token itself)."""
     engine_args.setdefault("kv_cache_memory", 256 << 20)
     engine_args.setdefault("enable_prefix_caching", False)
+    engine_args.setdefault("dtype", "float32")  # the reference precision (auto is bf16 on a GPU)
     return LLM(model_dir, max_model_len=max_len, max_num_batched_tokens=max_len, **engine_args)
 
 

@@ -5,8 +5,9 @@ costs the GPU's time rather than the host's (eager, each layer queues ~40 kernel
 
 The graph reads its inputs from static device buffers that each step overwrites: token ids,
 positions, cache slots, block tables of a fixed width (max_model_len / block_size, so the
-attention kernel's partition count never changes) and context lengths. Rows beyond the
-batch are padding: slot -1 (nothing written), context length 1 over block 0 (read only).
+attention kernel's partition count never changes; a step copies only the columns its
+sequences use) and context lengths. Rows beyond the batch are padding: slot -1 (nothing
+written), context length 1 over the first block id in their row (a valid block: read only).
 Steps that are not pure decodes, that run lmkv's per-layer hooks, or that are larger than
 the largest graph run eagerly."""
 
@@ -88,7 +89,7 @@ class DecodeGraphs:
         h["positions"][:n] = torch.tensor(positions)
         h["slots"][:n] = torch.tensor(slots)
         h["seq_lens"][:n] = torch.tensor(seq_lens)
-        h["block_tables"][:b].zero_()
+        width = max(len(row) for row in tables)  # columns past a row's blocks are never read
         for i, row in enumerate(tables):
             h["block_tables"][i, : len(row)] = torch.tensor(row)
         if b > n:  # padding rows: nothing written, one key read
@@ -97,7 +98,10 @@ class DecodeGraphs:
             h["slots"][n:b] = -1
             h["seq_lens"][n:b] = 1
         for name, host in h.items():
-            getattr(self, name)[:b].copy_(host[:b], non_blocking=True)
-        self._copied.record()
+            if name == "block_tables":  # padding rows keep old ids: valid blocks, read only
+                self.block_tables[:n, :width].copy_(host[:n, :width], non_blocking=True)
+            else:
+                getattr(self, name)[:b].copy_(host[:b], non_blocking=True)
+        self._copied.record(torch.cuda.current_stream(self.kv_cache.device))
         self._graphs[b].replay()
         return self._hidden[b][:n]

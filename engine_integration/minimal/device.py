@@ -41,8 +41,8 @@ def resolve_device(name: str) -> Device:
 
 
 def default_dtype(device: Device) -> str:
-    """The engine's dtype when none is named: bfloat16 on a GPU (float16 where the GPU has no
-    bfloat16), float32 on the CPU and under the emulator."""
+    """The engine's dtype when none is named: bfloat16 on a GPU (float16 before Ampere, whose
+    bfloat16 is emulated), float32 on the CPU and under the emulator."""
     if device.torch.type != "cuda":
         return "float32"
-    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if torch.cuda.get_device_capability(device.torch) >= (8, 0) else "float16"

@@ -99,7 +99,10 @@ class KVConnector:
         )
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv()
-        hooks = _LayerHooks(self.worker) if self.worker.layerwise else None
+        # per-layer hooks only when a layer has something to wait for or to save (a step
+        # without them, most decode steps, can replay a CUDA graph)
+        hooks = (_LayerHooks(self.worker)
+                 if self.worker.layerwise and (meta.loads or meta.saves) else None)
         blended = [s.request for s in sched.scheduled if s.request.blend is not None]
         failed, blocks = [], set()
         ran = False

@@ -211,8 +211,9 @@ RUN_ALL_KERNELS = {
         f"kv_copy<{u}, {d}>" for u in ("uint4", "unsigned int") for d in ("false", "true")
     ],
     "paged_attention.cu": [
-        "paged_attention<__half, 64, 8>", "paged_attention_merge<__half, 64>",
-        "paged_attention<float, 128, 1>", "paged_attention<float, 64, 8>",
+        "paged_attention<__half, 64, 4>", "paged_attention<__half, 64, 8>",
+        "paged_attention_merge<__half, 64>", "paged_attention<float, 128, 1>",
+        "paged_attention<float, 64, 4>", "paged_attention<float, 64, 8>",
         "paged_attention<__nv_bfloat16, 64, 8>",
     ],
     "rope.cu": ["rerotate_keys<__half, 8>"],

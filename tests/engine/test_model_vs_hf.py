@@ -82,7 +82,7 @@ def test_2k_token_prompt_matches_transformers(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs_close_to_fp32(dtype, tiny_model_dir):
     ids = _prompt(40, seed=3)
-    ref = _engine_logits(LLM(str(tiny_model_dir), kv_cache_memory=16 << 20), ids)
+    ref = _engine_logits(LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=16 << 20), ids)
     got = _engine_logits(LLM(str(tiny_model_dir), dtype=dtype, kv_cache_memory=16 << 20), ids)
     assert got.dtype == torch.float32
     # half precision: logits agree to a few percent of their spread
