@@ -18,6 +18,7 @@ int64 (slot = block_id * block_size + offset); tokens [0, skip) of a chunk are n
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -28,6 +29,8 @@ from lmkv import cpu_attention, ops_torch, transfer
 
 if TYPE_CHECKING:
     from lmkv_cuda.launcher import Launcher
+
+log = logging.getLogger(__name__)
 
 
 def kernel_launcher(*tensors: torch.Tensor, launcher: Launcher | None = None) -> Launcher | None:
@@ -147,7 +150,23 @@ def _attention_kernel(query: torch.Tensor, kv_layer: torch.Tensor,
     from lmkv_cuda.attention import HEAD_DIMS
 
     supported = query.shape[-1] in HEAD_DIMS and kv_layer.dtype == query.dtype
+    if not supported:
+        _warn_unsupported(query.shape[-1], query.dtype, kv_layer.dtype)
     return launcher if supported else None
+
+
+_UNSUPPORTED: set[tuple] = set()
+
+
+def _warn_unsupported(head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    """Once per shape: attention on a device runs torch's code instead of lmkv's kernel."""
+    key = (head_dim, q_dtype, kv_dtype)
+    if key not in _UNSUPPORTED:
+        _UNSUPPORTED.add(key)
+        log.warning("lmkv: no attention kernel for head_dim %d (query %s, KV %s; the kernels take "
+                    "head_dim 64 or 128 and equal dtypes): torch's attention runs instead, with "
+                    "a device sync per layer (and no CUDA graphs of decode steps)",
+                    head_dim, q_dtype, kv_dtype)
 
 
 def paged_attention_decode(

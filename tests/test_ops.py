@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -114,3 +115,21 @@ def test_import_stays_light():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.split() == ["False", "False"]
+
+
+def test_attention_without_a_kernel_for_its_shape_warns_once_and_runs_torch(caplog, monkeypatch):
+    class Launcher:  # a device's launcher whose kernels take head_dim 64 / 128 only
+        device_type = "cpu"
+
+    monkeypatch.setattr(ops, "_UNSUPPORTED", set())
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 24, generator=gen)
+    kv = torch.randn(2, 4, 16, 2, 24, generator=gen)
+    tables, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([20, 5])
+    with caplog.at_level(logging.WARNING, logger="lmkv.ops"):
+        out = [ops.paged_attention_decode(query, kv, tables, lens, 0.2, launcher=Launcher())
+               for _ in range(2)]
+    assert sum("no attention kernel for head_dim 24" in r.getMessage() for r in caplog.records) == 1
+    want = attention.paged_attention_decode(query, kv, tables, lens, 0.2)
+    for got in out:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
