@@ -202,19 +202,16 @@ def paged_attention_prefill(
     query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *, check: bool = True,
     out: torch.Tensor | None = None, launcher: Launcher | None = None,
-    max_query_len: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of query [T, Hq, D] (sequence i: rows [query_start_loc[i], [i + 1]))
-    over its paged KV -> [T, Hq, D]. ``max_query_len``: the longest sequence's number of
-    queries when the caller knows it (on a GPU it picks the kernel or torch's attention;
-    unknown, it is read from a host ``query_start_loc``, else the kernel runs)."""
-    if query.is_cuda and launcher is None:
-        if max_query_len is None and not query_start_loc.is_cuda and query_start_loc.numel() > 1:
-            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-        if max_query_len is not None and max_query_len > PREFILL_KERNEL_MAX_QUERY:
-            result = ops_torch.paged_attention_prefill(
-                query, kv_layer, block_tables.to(query.device), seq_lens, query_start_loc, scale)
-            return result if out is None else out.copy_(result)
+    over its paged KV -> [T, Hq, D]. On a GPU, a host ``query_start_loc`` picks the kernel or
+    torch's attention without a device read (on the device, the kernel runs)."""
+    if (query.is_cuda and launcher is None and not query_start_loc.is_cuda
+            and query_start_loc.numel() > 1
+            and int(query_start_loc.diff().max()) > PREFILL_KERNEL_MAX_QUERY):
+        result = ops_torch.paged_attention_prefill(
+            query, kv_layer, block_tables.to(query.device), seq_lens, query_start_loc, scale)
+        return result if out is None else out.copy_(result)
     if (launcher := _attention_kernel(query, kv_layer, launcher)) is not None:
         from lmkv_cuda import attention
 

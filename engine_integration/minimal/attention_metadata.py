@@ -21,7 +21,6 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int64: context length including this step's tokens
     query_start_loc: torch.Tensor  # [B + 1] int64: rows of each sequence's queries
     num_decodes: int  # sequences [0, num_decodes) have exactly one query token
-    max_query_len: int | None = None  # the most query tokens of one sequence (host-side)
     # seq_lens and query_start_loc as host tensors too: code that needs their values reads them
     # without waiting for the device (torch's attention on a GPU loops over sequences)
     host_seq_lens: torch.Tensor | None = None

@@ -72,7 +72,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slots[:b], block_tables=self.block_tables[:b],
             seq_lens=self.seq_lens[:b], query_start_loc=self.query_start_loc[: b + 1],
-            num_decodes=b, max_query_len=1,
+            num_decodes=b,
         )
 
     def fits(self, n: int) -> bool:

@@ -84,7 +84,7 @@ class Attention(nn.Module):
             starts = meta.query_start_loc if meta.host_query_start_loc is None else meta.host_query_start_loc
             out[nd:] = paged_attention_prefill(
                 q[nd:], kv_layer, meta.block_tables[nd:], lens[nd:], starts[nd:] - starts[nd],
-                self.scale, max_query_len=meta.max_query_len, **run,
+                self.scale, **run,
             )
         if hooks is not None:
             hooks.after_attention(self.layer)

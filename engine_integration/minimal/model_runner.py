@@ -136,7 +136,6 @@ class ModelRunner:
             seq_lens=on(seq_lens),
             query_start_loc=on(starts),
             num_decodes=sum(1 for s in batch if s.num_new_tokens == 1),
-            max_query_len=max(s.num_new_tokens for s in batch),
             host_seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
             host_query_start_loc=torch.tensor(starts, dtype=torch.int64),
             launcher=self.launcher,

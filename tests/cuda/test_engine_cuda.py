@@ -11,38 +11,18 @@ from collections import Counter
 import pytest
 import torch
 
-from lmkv.config import load_config
 from lmkv_engines.minimal.llm import LLM
 from lmkv_engines.minimal.sampling_params import SamplingParams
-from tests.cuda.test_engine_emulated import _workload
+from tests.cuda.test_engine_emulated import _llm, _workload, count_launches
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _llm(model_dir, device: str, layerwise: bool) -> LLM:
-    cfg = load_config(env={}, chunk_size=32, max_local_cpu_size=0.02, enable_blending=True,
-                      blend_recompute_ratio=0.15, use_layerwise=layerwise)
-    return LLM(str(model_dir), lmkv_config=cfg, kv_cache_memory=8 << 20,
-               enable_prefix_caching=False, device=device, dtype="float32")
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_the_engine_on_cuda_gives_the_cpu_paths_tokens(tiny_model_dir, monkeypatch, layerwise):
     from lmkv_cuda.launcher import CupyLauncher
 
-    launched: Counter[str] = Counter()
-    real = CupyLauncher.kernel
-
-    def counting(self, file, name):
-        kernel = real(self, file, name)
-
-        def launch(*args, **kwargs):
-            launched[file] += 1
-            return kernel(*args, **kwargs)
-
-        return launch
-
-    monkeypatch.setattr(CupyLauncher, "kernel", counting)
+    launched = count_launches(monkeypatch, CupyLauncher)
     with _llm(tiny_model_dir, "cpu", layerwise) as cpu:
         want = _workload(cpu)
         want_kv = cpu.engine.kv_cache.clone()

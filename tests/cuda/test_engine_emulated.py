@@ -22,11 +22,30 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulato
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 
 
-def _llm(model_dir, device: str) -> LLM:
+def _llm(model_dir, device: str, layerwise: bool = False) -> LLM:
     cfg = load_config(env={}, chunk_size=32, max_local_cpu_size=0.02, enable_blending=True,
-                      blend_recompute_ratio=0.15)
+                      blend_recompute_ratio=0.15, use_layerwise=layerwise)
     return LLM(str(model_dir), lmkv_config=cfg, kv_cache_memory=8 << 20,
-               enable_prefix_caching=False, device=device)
+               enable_prefix_caching=False, device=device, dtype="float32")
+
+
+def count_launches(monkeypatch, launcher_cls) -> Counter[str]:
+    """Launches of ``launcher_cls``'s kernels from now on, by source file and by name."""
+    launched: Counter[str] = Counter()
+    real = launcher_cls.kernel
+
+    def counting(self, file, name):
+        kernel = real(self, file, name)
+
+        def launch(*args, **kwargs):
+            launched[file] += 1
+            launched[name] += 1
+            return kernel(*args, **kwargs)
+
+        return launch
+
+    monkeypatch.setattr(launcher_cls, "kernel", counting)
+    return launched
 
 
 def _workload(llm: LLM) -> list[list[int]]:
@@ -45,20 +64,7 @@ def _workload(llm: LLM) -> list[list[int]]:
 def test_the_whole_engine_step_through_the_emulated_kernels(tiny_model_dir, monkeypatch):
     from lmkv_cuda.emu import EmuLauncher
 
-    launched: Counter[str] = Counter()
-    real = EmuLauncher.kernel
-
-    def counting(self, file, name):
-        kernel = real(self, file, name)
-
-        def launch(*args, **kwargs):
-            launched[file] += 1
-            launched[name] += 1
-            return kernel(*args, **kwargs)
-
-        return launch
-
-    monkeypatch.setattr(EmuLauncher, "kernel", counting)
+    launched = count_launches(monkeypatch, EmuLauncher)
     from lmkv_cuda import attention
 
     for fn in ("paged_attention_decode", "paged_attention_prefill"):
