@@ -116,8 +116,8 @@ class LLMEngine:
             self.kv_connector.scheduler if self.kv_connector else None,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size, device.launcher)
-        if device.torch.type == "cuda" and not config.enforce_eager:
-            self.runner.graphs = self._capture_graphs(config, max_len)
+        if (device.torch.type == "cuda" or device.launcher is not None) and not config.enforce_eager:
+            self.runner.graphs = self._capture_graphs(config, max_len, device.launcher)
         self.requests: dict[str, Request] = {}
         log.info(
             "engine ready on %s: model %s (%d layers, %d/%d heads, head_dim %d, %s), KV memory %d "
@@ -127,9 +127,9 @@ class LLMEngine:
             self.dtype_name, num_blocks, config.block_size, max_len,
         )
 
-    def _capture_graphs(self, config: EngineConfig, max_len: int) -> DecodeGraphs | None:
+    def _capture_graphs(self, config: EngineConfig, max_len: int, launcher) -> DecodeGraphs | None:
         graphs = DecodeGraphs(self.model, self.kv_cache, config.block_size, max_len,
-                              config.max_num_seqs)
+                              config.max_num_seqs, launcher)
         try:
             graphs.capture()
         except Exception as e:  # noqa: BLE001 - the engine still runs, eagerly

@@ -89,3 +89,58 @@ def test_the_whole_engine_step_through_the_emulated_kernels(tiny_model_dir, monk
     copies = {n for n in launched if n.startswith("kv_copy<")}
     assert {n.endswith("true>") for n in copies} == {True, False}, copies  # both directions
     assert launched["paged_attention_decode"] > 0 and launched["paged_attention_prefill"] > 0
+
+
+def _graph_runs(model_dir, prompts, params, monkeypatch, **engine_args):
+    """Tokens of ``prompts`` eager and through the decode graphs (the emulator's stand-ins,
+    which re-run the forward pass over the graphs' static buffers), and the (batch size,
+    width) of every replay."""
+    from lmkv_engines.minimal import cuda_graphs
+
+    replays: Counter[tuple[int, int]] = Counter()
+    real = cuda_graphs._Rerun.replay
+
+    def counting(self):
+        meta = self.run.__defaults__[1]
+        replays[meta.slot_mapping.shape[0], meta.block_tables.shape[1]] += 1
+        real(self)
+
+    monkeypatch.setattr(cuda_graphs._Rerun, "replay", counting)
+    outs = {}
+    for eager in (True, False):
+        with LLM(str(model_dir), device="emulate", dtype="float32", enforce_eager=eager,
+                 **engine_args) as llm:
+            assert (llm.engine.runner.graphs is None) == eager
+            outs[eager] = [o.output_token_ids for o in llm.generate(prompts, params)]
+            preempted = llm.engine.scheduler.num_preemptions
+    assert outs[False] == outs[True]
+    return replays, preempted
+
+
+def test_decode_graphs_give_the_eager_tokens(tiny_model_dir, monkeypatch):
+    """Requests finishing mid-batch (padded sizes), sequences growing from one block-table
+    width bucket into the next, a context limit that is not whole blocks, preemption, and
+    one-token prefill chunks beside decodes."""
+    from lmkv_engines.minimal import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "WIDTH_TOKENS", 32)  # buckets of 32, 128 and 300 tokens
+    g = torch.Generator().manual_seed(1)
+
+    def prompts(*lens):
+        return [torch.randint(5, 4000, (n,), generator=g).tolist() for n in lens]
+
+    def greedy(n):
+        return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+    replays, _ = _graph_runs(tiny_model_dir, prompts(9, 30, 17, 5, 40),
+                             [greedy(n) for n in (3, 9, 5, 12, 7)], monkeypatch,
+                             kv_cache_memory=8 << 20, max_num_seqs=8, max_model_len=300)
+    assert {b for b, _ in replays} >= {8, 4, 2, 1}  # 5 sequences padded to 8, then fewer
+    assert {w for _, w in replays} == {32 // 16, 128 // 16}  # 40 + 7 tokens: the 2nd bucket
+    replays, preempted = _graph_runs(tiny_model_dir, prompts(10, 14, 12, 9), [greedy(14)] * 4,
+                                     monkeypatch, num_kv_blocks=14, block_size=4, max_num_seqs=4,
+                                     max_model_len=37)
+    assert preempted > 0 and replays
+    replays, _ = _graph_runs(tiny_model_dir, prompts(7, 5, 6), [greedy(6)] * 3, monkeypatch,
+                             kv_cache_memory=8 << 20, max_num_batched_tokens=3, max_num_seqs=4)
+    assert replays
