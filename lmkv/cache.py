@@ -24,6 +24,8 @@ from .storage.tier import Tier
 
 log = logging.getLogger(__name__)
 
+DRAIN_TIMEOUT = 60.0  # seconds drain waits for the writes queued below the hot cache
+
 
 class LMKVCache:
     def __init__(self, config: LMKVConfig, layout: KVLayout, model: str,
@@ -153,11 +155,17 @@ class LMKVCache:
     def count_error(self, where: str, kind: str) -> None:
         self.metrics.errors.labels(where, kind).inc()
 
-    def drain(self) -> None:
-        """Wait until every queued write below the hot cache has finished."""
-        self.storage.io.drain()
+    def drain(self, timeout: float = DRAIN_TIMEOUT) -> bool:
+        """Wait until every queued write below the hot cache has finished; False (logged)
+        if they have not within ``timeout`` seconds (a tier call is stuck)."""
+        if self.storage.io.drain(timeout):
+            return True
+        log.error("lmkv: %d background writes still queued after %.0f s (a tier call is "
+                  "stuck?); going on without them", self.storage.io.pending(), timeout)
+        return False
 
     def allocate(self) -> ChunkBuffer | None:
+        self.pins.sweep()  # stale pins hold slots that saves need
         return self.storage.allocate()
 
     def store(self, key: str, buf: ChunkBuffer, parent: str | None = None) -> None:

@@ -21,7 +21,8 @@ class LMKVMetrics:
             "lmkv's lookups (lmkv loads none of them)", registry=r)
         self.loaded_tokens = Counter("lmkv_loaded_tokens",
                                      "Tokens whose KV lmkv wrote into the engine", registry=r)
-        self.stored_chunks = Counter("lmkv_stored_chunks", "Chunks stored in the hot cache",
+        self.stored_chunks = Counter("lmkv_stored_chunks",
+                                     "Chunks stored: kept hot or queued for a lower tier",
                                      registry=r)
         self.hit_rate = Gauge("lmkv_hit_rate", "hit_tokens / lookup_tokens since start",
                               registry=r)

@@ -112,7 +112,8 @@ class SchedulerConnector:
         lossy = self.cache.pin(st.keys[first:full]) if full > first else []
         # at once: whatever follows, these pins are given back or loaded
         st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
-        found = first + len(lossy) if lossy else below
+        # saved up to here: a chunk lmkv lacks below the engine's hit is saved again
+        found = first + len(lossy) if lossy and below == first else below
         if (st.tail is not None and first + len(lossy) == full
                 and len(request.prompt_token_ids) - full * c > 1):  # a tail of 1: nothing to load
             tail = self.cache.pin([st.tail])  # the same prompt again: its partial last chunk

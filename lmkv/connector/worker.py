@@ -257,6 +257,7 @@ class WorkerConnector:
             for i, (name, slots) in enumerate(zip(spec.keys, spec.slot_mappings, strict=True)):
                 key = self._key(name)
                 if self.cache.storage.hot.contains(key):  # stored already: skip the gather
+                    self.cache.storage.written_below(key)
                     continue
                 buf = self.cache.allocate()
                 if buf is None:  # the hot cache is full of pinned chunks: skip this save

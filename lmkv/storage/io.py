@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -47,29 +49,46 @@ class IOWorker:
     def pending(self) -> int:
         return self._urgent.qsize() + self._background.qsize()
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Wait until everything queued so far has run (at once once closed: close runs it)."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far has run (at once once closed: close runs it);
+        False if that took longer than ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left = lambda: None if deadline is None else max(0.0, deadline - time.monotonic())  # noqa: E731
         if self._closed:
-            return
+            return True
         fut = self.submit(lambda: None, urgent=False)
         while fut is None:  # queue full: wait for room
+            if left() == 0.0:
+                return False
             threading.Event().wait(0.01)
             fut = self.submit(lambda: None, urgent=False)
-        fut.result(timeout)
+        try:
+            fut.result(left())
+        except FuturesTimeout:
+            return False
+        return True
 
-    def close(self) -> None:
-        """Run everything queued (each job releases what it holds), then stop."""
+    def close(self, timeout: float = 30.0) -> bool:
+        """Run everything queued (each job releases what it holds), then stop; False (and
+        an error logged) if the worker has not stopped within ``timeout`` seconds (a job is
+        stuck: the thread is left behind, a daemon)."""
+        deadline = time.monotonic() + timeout
         with self._lock:
             if self._closed:
-                return
+                return True
             self._closed = True
         try:  # behind every queued job (waits for room if full)
-            self._background.put(None, timeout=30)
-        except queue.Full:  # the worker is stuck in a job: leave it (a daemon thread)
-            log.error("lmkv: the I/O worker did not stop: a job has run for over 30 s")
-            return
+            self._background.put(None, timeout=timeout)
+        except queue.Full:
+            log.error("lmkv: the I/O worker did not stop: a job has run for over %.0f s", timeout)
+            return False
         self._wake.release()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            log.error("lmkv: the I/O worker did not stop within %.0f s: a job is stuck "
+                      "(%d left queued)", timeout, self.pending())
+            return False
+        return True
 
     def _run(self) -> None:
         while True:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 from ..memory import ChunkBuffer, MemoryPool
 from ..metrics import LMKVMetrics
@@ -26,6 +28,8 @@ log = logging.getLogger(__name__)
 
 
 LOAD_BATCH = 8  # chunks asked of a tier at once when loading a run of them
+FETCH_TIMEOUT = 10.0  # seconds a load waits for the I/O worker before the chunks are recomputed
+CLOSE_TIMEOUT = 30.0  # seconds close waits for queued writes and the I/O worker
 DECODE_THREADS = min(4, len(os.sched_getaffinity(0)))  # frames of a batch decoded at once
 
 
@@ -48,6 +52,9 @@ class StorageManager:
             tier.decoders = self.decoders
             tier.backend.register_memory(region)
         self._inflight: set[str] = set()  # keys a background prefetch is bringing up
+        # hot chunks whose write below was dropped or failed: written again when next used
+        self._unwritten: set[str] = set()
+        self._stuck: Future | None = None  # a load that timed out, while it still runs
         self._lock = threading.Lock()
         self._closed = False
 
@@ -63,36 +70,72 @@ class StorageManager:
         """Store ``buf`` under ``key`` (the chunk after ``parent`` in its prompt; None for a
         first or content-keyed chunk): hot now if the policy keeps it, lower tiers in the
         background. The caller keeps its own reference and releases it as usual."""
-        if self.keep_hot:
-            self.hot.put(key, buf, parent)
-        self.metrics.stored_chunks.inc()
+        hot = self.keep_hot and self.hot.put(key, buf, parent)
         self.metrics.hot_chunks.set(len(self.hot))
-        if not self.tiers:
-            return
+        queued = bool(self.tiers) and self._submit_write(key, buf)
+        if hot or queued:
+            self.metrics.stored_chunks.inc()
+
+    def _submit_write(self, key: str, buf: ChunkBuffer) -> bool:
+        """Queue ``buf``'s write to the tiers below; False (counted) if the queue is full,
+        and a hot chunk is then written when it is next used (``_write_again``)."""
         buf.retain()
-        if self.io.submit(lambda: self._write(key, buf)) is None:
+        if self.io.submit(lambda: self._write(key, buf)) is not None:
+            return True
+        buf.release()
+        for tier in self.tiers:
+            self.metrics.dropped.labels(f"save_{tier.name}").inc()
+        self._note_unwritten(key)
+        return False
+
+    def _note_unwritten(self, key: str) -> None:
+        with self._lock:
+            if len(self._unwritten) >= 2 * self.hot.pool.num_slots:  # bounded: forget evicted
+                self._unwritten = {k for k in self._unwritten if self.hot.contains(k)}
+            if self.hot.contains(key):
+                self._unwritten.add(key)
+
+    def _write_again(self, key: str, buf: ChunkBuffer) -> None:
+        """A hot chunk being used whose earlier write below was lost: queue it again while
+        some tier takes writes."""
+        with self._lock:
+            if key not in self._unwritten or not any(t.writable for t in self.tiers):
+                return
+            self._unwritten.discard(key)
+        self._submit_write(key, buf)
+
+    def written_below(self, key: str) -> None:
+        """A save of ``key`` found it hot already: if its write below was lost, queue it again."""
+        if key not in self._unwritten:
+            return
+        buf = self.hot.get(key)
+        if buf is not None:
+            self._write_again(key, buf)
             buf.release()
-            for tier in self.tiers:
-                self.metrics.dropped.labels(f"save_{tier.name}").inc()
 
     def _write(self, key: str, buf: ChunkBuffer) -> None:
         """On the I/O thread: the chunk into every tier, encoded once per codec."""
+        written = True
         try:
             frames: dict[tuple, memoryview] = {}
             for tier in self.tiers:
                 if not tier.writable:
                     self.metrics.dropped.labels(f"save_{tier.name}").inc()
+                    written = False
                     continue
                 try:  # a failure its backend did not report (a bug): logged, counted, and
                     how = (tier.codec, id(tier.table))  # the other tiers still get the chunk
                     if how not in frames:
                         frames[how] = tier.encode(key, buf)
-                    tier.write(key, frames[how])
+                    written = tier.write(key, frames[how]) and written
                 except Exception:
                     log.exception("lmkv: writing a chunk to the %s tier failed", tier.name)
                     self.metrics.errors.labels(tier.name, "put").inc()
+                    written = False
         finally:
             buf.release()
+            if not written:
+                self._note_unwritten(key)
 
     # ---- reads --------------------------------------------------------------------
     def lookup(self, keys: list[str]) -> int:
@@ -118,25 +161,65 @@ class StorageManager:
     def fetch(self, keys: list[str]) -> list[ChunkBuffer]:
         """The longest prefix of ``keys`` that can be had, as chunks in the hot cache with a
         reference for the caller each. Chunks below the hot cache are read in one job on
-        the I/O worker, ahead of background work."""
+        the I/O worker, ahead of background work; a job that has not finished within
+        FETCH_TIMEOUT (the worker is stuck in a tier call) ends the prefix, and until it
+        finishes later loads take hot chunks only. A key repeated in ``keys`` (content keys
+        of repeated text) gets one more reference to the same chunk."""
+        unique = list(dict.fromkeys(keys))
+        if len(unique) < len(keys):
+            got = dict(zip(unique, self.fetch(unique), strict=False))
+            out, used = [], set()
+            for key in keys:
+                if key not in got:
+                    break
+                out.append(got[key].retain() if key in used else got[key])
+                used.add(key)  # (every chunk fetched is reached before the first key missed)
+            return out
         out: list[ChunkBuffer] = []
         for key in keys:
             buf = self.hot.get(key)
             if buf is None:
                 break
             self.metrics.tier_hits.labels("hot").inc()
+            if self._unwritten:
+                self._write_again(key, buf)
             out.append(buf)
         rest = keys[len(out):]
-        if rest and self.tiers:
+        if rest and self.tiers and not self._io_stuck():
             parent = keys[len(out) - 1] if out else None
             try:
-                out += self.io.submit(lambda: self._load_run(rest, parent=parent),
-                                      urgent=True).result()
+                out += self._wait_load(self.io.submit(lambda: self._load_run(rest, parent=parent),
+                                                      urgent=True))
             except BaseException:  # the chunks retained here go back before the error does
                 for buf in out:
                     buf.release()
                 raise
         return out
+
+    def _io_stuck(self) -> bool:
+        with self._lock:
+            if self._stuck is not None and self._stuck.done():
+                self._stuck = None
+            return self._stuck is not None
+
+    def _wait_load(self, fut: Future) -> list[ChunkBuffer]:
+        try:
+            return fut.result(FETCH_TIMEOUT)
+        except FuturesTimeout:
+            pass
+        if not fut.cancel():  # it runs: what it loads goes back when it ends
+            def give_back(f: Future) -> None:
+                if f.exception() is None:
+                    for buf in f.result():
+                        buf.release()
+            fut.add_done_callback(give_back)
+        with self._lock:  # done when the worker is free again (urgent jobs run first)
+            self._stuck = self.io.submit(lambda: None, urgent=True)
+        log.error("lmkv: a load waited %.0f s for the I/O worker (a tier call is stuck); its "
+                  "chunks are recomputed, and loads take hot chunks only until it ends",
+                  FETCH_TIMEOUT)
+        self.metrics.errors.labels("io", "timeout").inc()
+        return []
 
     def _load_run(self, keys: list[str], prefetch: bool = False,
                   parent: str | None = None) -> list[ChunkBuffer]:
@@ -277,17 +360,20 @@ class StorageManager:
         self.metrics.hot_chunks.set(len(self.hot))
         return changed
 
-    def close(self) -> None:
-        """Finish background writes, then stop the I/O worker and drop the hot cache. A
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Finish background writes (for up to ``timeout`` seconds: what is still queued
+        then is lost, and logged), then stop the I/O worker and drop the hot cache. A
         second call does nothing."""
         if self._closed:
             return
         self._closed = True
-        self.io.drain()
-        self.io.close()
-        self.decoders.shutdown(wait=True)
+        deadline = time.monotonic() + timeout
+        if not self.io.drain(timeout):
+            log.error("lmkv: closing with %d background writes unfinished after %.0f s",
+                      self.io.pending(), timeout)
+        stopped = self.io.close(max(0.0, deadline - time.monotonic()))
+        self.decoders.shutdown(wait=stopped)
         self.hot.clear()
         self.metrics.hot_chunks.set(0)
-        for tier in self.tiers:
+        for tier in self.tiers if stopped else ():  # (a stuck job holds its tier's lock)
             tier.close()
-

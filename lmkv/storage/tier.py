@@ -94,9 +94,10 @@ class Tier:
             except BackendError as e:
                 self._failed("put", e)
                 return False
+            finally:  # failed calls too: a timeout shows as the time it took
+                self._timed("put", start)
             self.write_breaker.success()
             evicted = self.backend.num_evictions - before
-        self.metrics.tier_seconds.labels(self.name, "put").observe(time.perf_counter() - start)
         self.metrics.tier_bytes.labels(self.name, "put").inc(len(frame))
         self.metrics.evictions.labels(self.name).inc(max(0, evicted))
         return True
@@ -113,11 +114,14 @@ class Tier:
             return self._contains(keys)
 
     def _contains(self, keys: list[str]) -> list[bool] | None:
+        start = time.perf_counter()
         try:
             found = self.backend.contains(keys)
         except BackendError as e:
             self._failed("contains", e)
             return None
+        finally:
+            self._timed("contains", start)
         self.breaker.success()
         return found
 
@@ -152,8 +156,9 @@ class Tier:
             except BackendError as e:
                 self._failed("get", e)
                 return [False] * len(keys)
+            finally:
+                self._timed("get", start)
             self.breaker.success()
-        self.metrics.tier_seconds.labels(self.name, "get").observe(time.perf_counter() - start)
         if not raw:
             checked = self._check_all(keys, bufs, values)
         ok = []
@@ -202,6 +207,9 @@ class Tier:
         self.metrics.tier_bytes.labels(self.name, "get").inc(len(data))
         self.metrics.tier_hits.labels(self.name).inc()
         return True
+
+    def _timed(self, op: str, start: float) -> None:
+        self.metrics.tier_seconds.labels(self.name, op).observe(time.perf_counter() - start)
 
     def _failed(self, op: str, error: BackendError) -> None:
         pause = (self.write_breaker if op in ("put", "remove") else self.breaker).failure()

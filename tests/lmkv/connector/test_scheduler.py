@@ -29,8 +29,8 @@ class Request:
         return self.prompt_token_ids
 
 
-def _engine() -> LMKVCache:
-    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
+def _engine(**config) -> LMKVCache:
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001, **config)
     return LMKVCache(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
 
 
@@ -159,4 +159,44 @@ def test_saves_name_the_position_of_their_first_chunk_and_the_worker_sets_it():
         assert buf is not None and buf.position == i * CHUNK
         buf.release()
     sched.request_finished(req)
+    engine.close()
+
+
+def test_chunks_lmkv_lacks_below_the_engines_hit_are_saved_though_it_holds_later_ones():
+    """lmkv holds chunks 2 and 3 but not 0 and 1 (their save was dropped, or a tier evicted
+    them), the engine's own prefix cache holds 0 and 1: lmkv loads 2..3 and saves 0 and 1,
+    so that another instance can load the whole prompt."""
+    engine = _engine(cache_policy="lru")  # (a prefix policy keeps no chunk without its parent)
+    prompt = list(range(2000, 2000 + 4 * CHUNK))
+    keys = engine.keys(prompt)
+    for key in keys[2:]:
+        buf = engine.allocate()
+        engine.store(key, buf)
+        buf.release()
+    assert engine.lookup(keys) == 0
+    sched = SchedulerConnector(engine, BLOCK)
+    offered, meta = _schedule(sched, Request("a", prompt), computed=2 * CHUNK)
+    assert offered == 2 * CHUNK - 1
+    assert [k for s in meta.saves for k in s.keys][:2] == keys[:2]
+    worker = WorkerConnector(engine)
+    worker.register_kv_caches(BlockPagedMemory(torch.randn(2, 2, 200, BLOCK, 1, 4)))
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv()
+    worker.wait_for_save()
+    assert engine.lookup(keys) == 4
+    engine.close()
+
+
+def test_a_stale_pin_is_dropped_when_a_save_needs_its_slot(monkeypatch):
+    """A pin never taken nor given back (its scheduler went away) holds a slot only until
+    its ttl has passed and lmkv needs a slot, even with no new pins."""
+    engine = _engine()
+    prompt = list(range(5000, 5000 + CHUNK))
+    _store(engine, prompt)
+    engine.pin(engine.keys(prompt))
+    engine.storage.hot.clear()
+    slots = [engine.allocate() for _ in range(engine.pool.num_slots)]
+    assert slots[-1] is None  # the pinned slot is held
+    monkeypatch.setattr(engine.pins, "ttl", -1.0)
+    assert engine.allocate() is not None and len(engine.pins) == 0
     engine.close()

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from lmkv.backends.base import StorageBackend
+from lmkv.backends.base import BackendError, StorageBackend
 from lmkv.layout import KVLayout
 from lmkv.memory import HEADER_BYTES, MemoryPool
 from lmkv.metrics import LMKVMetrics
@@ -236,4 +236,137 @@ def test_corrupt_chunks_are_each_counted_but_logged_once_a_minute(caplog):
             assert m.fetch([key]) == []
     assert metric(m, "lmkv_errors_total", tier="t0", kind="corrupt") == 20
     assert caplog.text.count("is corrupt") == 1
+    m.close()
+
+
+class Stuck(Memory):
+    """A backend whose writes hang until released (a dead NFS mount, a hung server)."""
+
+    def __init__(self):
+        super().__init__()
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def put(self, items):
+        self.started.set()
+        self.release.wait()
+        super().put(items)
+
+
+def put_one(pool, m, key, parent=None):
+    buf = pool.allocate()
+    m.put(key, buf, parent)
+    buf.release()
+
+
+def test_a_write_dropped_by_a_full_queue_is_written_when_the_hot_chunk_is_next_used():
+    """A hot chunk whose write below was dropped is written when a load hits it, or when a
+    save finds it hot already, once."""
+    pool, (tier,), m = manager(queue=1, policy="lru")
+    gate = threading.Event()
+    m.io.submit(gate.wait)  # the worker is busy ...
+    while m.io.pending():
+        pass
+    m.io.submit(lambda: None)  # ... and its queue full
+    put_one(pool, m, "a")
+    put_one(pool, m, "b")
+    assert m.metrics.registry.get_sample_value("lmkv_dropped_total", {"what": "save_t0"}) == 2
+    gate.set()
+    m.io.drain()
+    assert tier.contains(["a", "b"]) == [False, False]
+    for buf in m.fetch(["a"]):  # a hit on the hot chunk queues the lost write again
+        buf.release()
+    m.io.drain()  # (a queue of one)
+    m.written_below("b")  # a save that found "b" hot
+    m.io.drain()
+    assert tier.contains(["a", "b"]) == [True, True]
+    for buf in m.fetch(["a"]):  # once
+        buf.release()
+    m.written_below("b")
+    assert m.io.drain() and m.metrics.registry.get_sample_value(
+        "lmkv_tier_seconds_count", {"tier": "t0", "op": "put"}) == 2
+    m.close()
+
+
+def test_a_key_twice_in_one_fetch_gets_two_references_and_leaks_nothing():
+    pool, (tier,), m = manager(slots=6, policy="lru")
+    seed(pool, tier, ["b"])
+    put_one(pool, m, "a")
+    got = m.fetch(["b", "a", "a", "b"])
+    assert len(got) == 4 and got[1] is got[2] and got[0] is got[3]
+    for buf in got:
+        buf.release()
+    m.io.drain()  # (the write of "a" holds it until done)
+    m.hot.clear()
+    assert pool.num_free == pool.num_slots
+    m.close()
+
+
+def test_close_and_loads_return_while_a_tier_call_is_stuck(monkeypatch, caplog):
+    """A write hangs in its backend: a load waits FETCH_TIMEOUT, then the prefix ends (the
+    chunks are recomputed), later loads serve hot chunks only until the stuck job ends,
+    what the timed-out load reads goes back to the pool, and close gives up after its
+    timeout instead of hanging."""
+    from lmkv.storage import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "FETCH_TIMEOUT", 0.2)
+    pool = MemoryPool(LAYOUT, 8 * SLOT, pin=False)
+    backend = Stuck()
+    tier = Tier("t", backend, "raw")
+    buf = pool.allocate()
+    backend.values["x"] = bytes(tier.encode("x", buf))  # a chunk only the tier holds
+    buf.release()
+    m = StorageManager(pool, [tier], LMKVMetrics(), 16, policy="lru")
+    put_one(pool, m, "hot")  # its write hangs in the backend, holding the I/O worker
+    assert backend.started.wait(5)
+    got = m.fetch(["hot", "x"])  # "x" waits 0.2 s for the worker, then is a miss
+    assert len(got) == 1
+    got[0].release()
+    assert m.metrics.registry.get_sample_value("lmkv_errors_total",
+                                               {"tier": "io", "kind": "timeout"}) == 1
+    got = m.fetch(["hot", "x"])  # the worker is still stuck: hot chunks only, no wait
+    assert len(got) == 1
+    got[0].release()
+    assert m.metrics.registry.get_sample_value("lmkv_errors_total",
+                                               {"tier": "io", "kind": "timeout"}) == 1
+    closer = threading.Thread(target=m.close, kwargs={"timeout": 0.3})
+    closer.start()
+    closer.join(5)
+    assert not closer.is_alive()
+    assert "unfinished" in caplog.text or "did not stop" in caplog.text
+    backend.release.set()  # the stuck write ends; the load queued behind it had been cancelled
+    m.io._thread.join(5)
+    assert pool.num_free == pool.num_slots  # nothing held by the abandoned jobs
+
+
+def test_failed_tier_calls_are_timed_and_so_are_contains():
+    class Failing(Memory):
+        def put(self, items):
+            raise BackendError("timed out")
+
+        def get(self, keys):
+            raise BackendError("timed out")
+
+    pool = MemoryPool(LAYOUT, 4 * SLOT, pin=False)
+    tier = Tier("t", Failing(), "zstd")
+    buf = pool.allocate()
+    tier.write("a", tier.encode("a", buf))
+    tier.read(["a"], [buf])
+    buf.release()
+    count = lambda op: tier.metrics.registry.get_sample_value(  # noqa: E731
+        "lmkv_tier_seconds_count", {"tier": "t", "op": op})
+    assert count("put") == 1 and count("get") == 1
+    tier2 = Tier("t2", Memory(), "raw")
+    tier2.contains(["a"])
+    assert tier2.metrics.registry.get_sample_value(
+        "lmkv_tier_seconds_count", {"tier": "t2", "op": "contains"}) == 1
+
+
+def test_stored_chunks_counts_only_chunks_kept_or_queued_below():
+    pool = MemoryPool(LAYOUT, 4 * SLOT, pin=False)
+    metrics = LMKVMetrics()
+    m = StorageManager(pool, [], metrics, 16)  # a prefix policy, no tier below
+    put_one(pool, m, "child", parent="gone")  # refused: its parent is not held
+    put_one(pool, m, "root")
+    assert len(m.hot) == 1
+    assert metrics.registry.get_sample_value("lmkv_stored_chunks_total") == 1
     m.close()
