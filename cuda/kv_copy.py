@@ -34,7 +34,8 @@ def _launch(
     launcher: Launcher,
     to_paged: bool,
     *,
-    layer_ptrs: list[int] | None,
+    layer_table: torch.Tensor | None,
+    layer_align: int,
     paged: torch.Tensor,
     flat_k: torch.Tensor,
     flat_v: torch.Tensor,
@@ -47,24 +48,23 @@ def _launch(
     num_tokens: int,
     skip: int,
 ) -> None:
-    """strides: byte strides paged_layer, paged_kv, slot, head, flat_layer, flat_token."""
+    """strides: byte strides paged_layer, paged_kv, slot, head, flat_layer, flat_token.
+    layer_table: the layers' addresses (int64, on the kernel's device) when the layers are
+    separate tensors, all aligned to ``layer_align`` bytes."""
     if 2 * num_layers * (num_tokens - skip) == 0:
         return
-    addresses = [paged.data_ptr(), flat_k.data_ptr(), flat_v.data_ptr(), *(layer_ptrs or ())]
+    addresses = [paged.data_ptr(), flat_k.data_ptr(), flat_v.data_ptr()]
     unit = next(
         u for u in _UNITS
-        if all(x % u == 0 for x in (*addresses, *strides.values(), head_bytes))
+        if layer_align % u == 0 and all(x % u == 0 for x in (*addresses, *strides.values(), head_bytes))
     )  # fmt: skip
     kernel = launcher.kernel(
         "kv_copy.cu", f"kv_copy<{_UNITS[unit]}, {'true' if to_paged else 'false'}>"
     )
     p = launcher.pointer
-    table = slots  # a dummy pointer unless the layers are separate tensors
-    if layer_ptrs is not None:
-        table = _pointer_table(layer_ptrs, slots.device)
     rows = 2 * num_layers * (num_tokens - skip)
     args = (
-        p(table), np.int32(layer_ptrs is not None),
+        p(slots if layer_table is None else layer_table), np.int32(layer_table is not None),
         p(paged), np.int64(strides["paged_layer"] // unit), np.int64(strides["paged_kv"] // unit),
         np.int64(strides["slot"] // unit), np.int64(strides["head"] // unit),
         np.int32(head_bytes // unit), np.int32(heads),
@@ -84,6 +84,46 @@ def _pointer_table(layer_ptrs: list[int], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":  # the CPU emulator
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def _alignment(ptrs: Sequence[int]) -> int:
+    """The largest copy unit (16 bytes at most) that every address is aligned to."""
+    return next(u for u in _UNITS if all(x % u == 0 for x in ptrs))
+
+
+def _check_layers(launcher: Launcher, kv_caches: Sequence[torch.Tensor]) -> None:
+    require(len(kv_caches) > 0, "kv_caches is empty")
+    first = kv_caches[0]
+    for i, t in enumerate(kv_caches):
+        check_tensor(t, f"kv_caches[{i}]", launcher, ndim=4)
+        require(
+            t.shape == first.shape and t.dtype == first.dtype and t.device == first.device,
+            f"kv_caches[{i}] {tuple(t.shape)} {t.dtype} differs from kv_caches[0]",
+        )
+    require(first.shape[3] % 2 == 0,
+            f"last dim of a vLLM KV tensor is 2 * head_dim, got {first.shape[3]}")
+
+
+class VllmLayers:
+    """vLLM's per-layer KV tensors ``[num_blocks, block_size, Hkv, 2 * D]``, checked once
+    (the copies then check none of them per call: 32 layers cost ~100 us of Python each
+    call), with their addresses in a device table that lives as long as this object, so
+    that copies on any stream may read it."""
+
+    def __init__(self, launcher: Launcher, kv_caches: Sequence[torch.Tensor]):
+        _check_layers(launcher, kv_caches)
+        first = kv_caches[0]
+        self.tensors = list(kv_caches)
+        ptrs = [t.data_ptr() for t in kv_caches]
+        self.align = _alignment(ptrs)
+        self.table = torch.tensor(ptrs, dtype=torch.int64).to(first.device)  # once: may block
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def layers(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first tensor and the address table of layers [first, first + count)."""
+        return self.tensors[first], self.table[first : first + count]
 
 
 def _check_chunk(
@@ -128,7 +168,8 @@ def _engine(
         flat_layer=tokens * row, flat_token=row,
     )  # fmt: skip
     _launch(
-        launcher, to_paged, layer_ptrs=None, paged=kv_cache, flat_k=chunk[0], flat_v=chunk[1],
+        launcher, to_paged, layer_table=None, layer_align=16, paged=kv_cache, flat_k=chunk[0],
+        flat_v=chunk[1],
         slots=slot_mapping, num_slots=nb * bs, strides=strides, heads=1, head_bytes=row,
         num_layers=num_layers, num_tokens=tokens, skip=skip,
     )  # fmt: skip
@@ -151,53 +192,53 @@ def chunk_to_paged(
 
 
 def _vllm(
-    launcher: Launcher, to_paged: bool, kv_caches: Sequence[torch.Tensor],
-    slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int, check: bool,
+    launcher: Launcher, to_paged: bool, kv_caches: Sequence[torch.Tensor] | VllmLayers,
+    slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int, check: bool, layer: int | None,
 ) -> None:  # fmt: skip
-    require(len(kv_caches) > 0, "kv_caches is empty")
-    first = kv_caches[0]
-    for i, t in enumerate(kv_caches):
-        check_tensor(t, f"kv_caches[{i}]", launcher, ndim=4)
-        require(
-            t.shape == first.shape and t.dtype == first.dtype and t.device == first.device,
-            f"kv_caches[{i}] {tuple(t.shape)} {t.dtype} differs from kv_caches[0]",
-        )
-    nb, bs, heads, two_d = first.shape
-    require(two_d % 2 == 0, f"last dim of a vLLM KV tensor is 2 * head_dim, got {two_d}")
+    if isinstance(kv_caches, VllmLayers):
+        layers = kv_caches
+        first, count = (0, len(layers)) if layer is None else (layer, 1)
+        paged, table = layers.layers(first, count)
+        align = layers.align
+    else:  # checked now, with a table for this call
+        require(layer is None, "layer= needs kv_caches prepared as VllmLayers")
+        _check_layers(launcher, kv_caches)
+        paged, count = kv_caches[0], len(kv_caches)
+        ptrs = [t.data_ptr() for t in kv_caches]
+        table, align = _pointer_table(ptrs, slot_mapping.device), _alignment(ptrs)
+    nb, bs, heads, two_d = paged.shape
     head_dim = two_d // 2
-    tokens = _check_chunk(
-        launcher, chunk, slot_mapping, skip, len(kv_caches), heads, head_dim, first.dtype
-    )
+    tokens = _check_chunk(launcher, chunk, slot_mapping, skip, count, heads, head_dim, paged.dtype)
     if check:
         _check_slots(slot_mapping[skip:], nb * bs, allow_negative=False)
-    e = first.element_size()
+    e = paged.element_size()
     strides = dict(
         paged_layer=0, paged_kv=head_dim * e, slot=heads * two_d * e, head=two_d * e,
         flat_layer=tokens * heads * head_dim * e, flat_token=heads * head_dim * e,
     )  # fmt: skip
     _launch(
-        launcher, to_paged, layer_ptrs=[t.data_ptr() for t in kv_caches], paged=first,
+        launcher, to_paged, layer_table=table, layer_align=align, paged=paged,
         flat_k=chunk[0], flat_v=chunk[1], slots=slot_mapping, num_slots=nb * bs, strides=strides,
-        heads=heads, head_bytes=head_dim * e, num_layers=len(kv_caches), num_tokens=tokens,
-        skip=skip,
+        heads=heads, head_bytes=head_dim * e, num_layers=count, num_tokens=tokens, skip=skip,
     )  # fmt: skip
 
 
 def paged_to_chunk_vllm(
-    launcher: Launcher, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
-    chunk: torch.Tensor, skip: int = 0, *, check: bool = True,
+    launcher: Launcher, kv_caches: Sequence[torch.Tensor] | VllmLayers, slot_mapping: torch.Tensor,
+    chunk: torch.Tensor, skip: int = 0, *, check: bool = True, layer: int | None = None,
 ) -> None:  # fmt: skip
     """chunk[0, l, t] = kv_caches[l][slot t][..., :D], chunk[1, l, t] = [..., D:], for t in
-    [skip, T)."""
-    _vllm(launcher, False, kv_caches, slot_mapping, chunk, skip, check)
+    [skip, T). With ``layer`` (kv_caches prepared as VllmLayers), that layer only, into a
+    chunk of one layer."""
+    _vllm(launcher, False, kv_caches, slot_mapping, chunk, skip, check, layer)
 
 
 def chunk_to_paged_vllm(
-    launcher: Launcher, chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor],
-    slot_mapping: torch.Tensor, skip: int = 0, *, check: bool = True,
+    launcher: Launcher, chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor] | VllmLayers,
+    slot_mapping: torch.Tensor, skip: int = 0, *, check: bool = True, layer: int | None = None,
 ) -> None:  # fmt: skip
     """The inverse of paged_to_chunk_vllm."""
-    _vllm(launcher, True, kv_caches, slot_mapping, chunk, skip, check)
+    _vllm(launcher, True, kv_caches, slot_mapping, chunk, skip, check, layer)
 
 
 def reshape_and_cache(
@@ -239,7 +280,7 @@ def reshape_and_cache(
         flat_token=key.stride(0) * kv_layer.element_size(),
     )  # fmt: skip
     _launch(
-        launcher, True, layer_ptrs=None, paged=kv_layer, flat_k=key, flat_v=value,
+        launcher, True, layer_table=None, layer_align=16, paged=kv_layer, flat_k=key, flat_v=value,
         slots=slot_mapping, num_slots=nb * bs, strides=strides, heads=1, head_bytes=row,
         num_layers=1, num_tokens=tokens, skip=0,
     )  # fmt: skip

@@ -84,32 +84,61 @@ def chunk_to_paged(
         ops_torch.chunk_to_paged(chunk, kv_cache, slot_mapping, skip)
 
 
+def vllm_layers(kv_caches: Sequence[torch.Tensor], *, launcher: Launcher | None = None):
+    """``kv_caches`` (vLLM's per-layer tensors) prepared once for the *_vllm copies: checked
+    and with their address table on the device where lmkv's kernels take them (no per-call
+    checks of every layer, and ``layer=`` copies one layer), else the list itself."""
+    if (launcher := kernel_launcher(kv_caches[0], launcher=launcher)) is None:
+        return list(kv_caches)
+    from lmkv_cuda import kv_copy
+
+    return kv_copy.VllmLayers(launcher, kv_caches)
+
+
+def _vllm_args(kv_caches, layer: int | None, *others: torch.Tensor, launcher: Launcher | None):
+    """(the kernels' launcher or None for the torch twins, the layers as the kernel wrapper
+    takes them, its ``layer``, the layers' tensors as the twins take them)."""
+    prepared = hasattr(kv_caches, "tensors")
+    tensors = kv_caches.tensors if prepared else list(kv_caches)
+    if layer is not None:
+        tensors = tensors[layer : layer + 1]
+    launcher = kernel_launcher(tensors[0], *others, launcher=launcher)
+    return launcher, kv_caches if prepared else tensors, layer if prepared else None, tensors
+
+
 def paged_to_chunk_vllm(
-    kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor, chunk: torch.Tensor,
-    skip: int = 0, *, check: bool = True, launcher: Launcher | None = None,
+    kv_caches, slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int = 0, *,
+    check: bool = True, layer: int | None = None, launcher: Launcher | None = None,
 ) -> None:  # fmt: skip
-    """chunk[0 / 1, l, t] = K / V of kv_caches[l] at slot_mapping[t], t in [skip, T)."""
-    if (launcher := kernel_launcher(*kv_caches, chunk, slot_mapping, launcher=launcher)) is not None:
+    """chunk[0 / 1, l, t] = K / V of kv_caches[l] at slot_mapping[t], t in [skip, T).
+    kv_caches: the per-layer tensors, or ``vllm_layers`` of them; with ``layer``, that layer
+    only, into a chunk of one layer."""
+    launcher, kv, kv_layer, tensors = _vllm_args(kv_caches, layer, chunk, slot_mapping,
+                                                 launcher=launcher)
+    if launcher is not None:
         from lmkv_cuda import kv_copy
 
         with _dense(chunk) as out:
-            kv_copy.paged_to_chunk_vllm(launcher, kv_caches, slot_mapping, out, skip, check=check)
+            kv_copy.paged_to_chunk_vllm(launcher, kv, slot_mapping, out, skip, check=check,
+                                        layer=kv_layer)
         return
-    ops_torch.paged_to_chunk_vllm(kv_caches, slot_mapping, chunk, skip)
+    ops_torch.paged_to_chunk_vllm(tensors, slot_mapping, chunk, skip)
 
 
 def chunk_to_paged_vllm(
-    chunk: torch.Tensor, kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
-    skip: int = 0, *, check: bool = True, launcher: Launcher | None = None,
+    chunk: torch.Tensor, kv_caches, slot_mapping: torch.Tensor, skip: int = 0, *,
+    check: bool = True, layer: int | None = None, launcher: Launcher | None = None,
 ) -> None:  # fmt: skip
-    """K / V of kv_caches[l] at slot_mapping[t] = chunk[0 / 1, l, t], t in [skip, T)."""
-    if (launcher := kernel_launcher(*kv_caches, chunk, slot_mapping, launcher=launcher)) is not None:
+    """K / V of kv_caches[l] at slot_mapping[t] = chunk[0 / 1, l, t], t in [skip, T)
+    (kv_caches and ``layer`` as in paged_to_chunk_vllm)."""
+    launcher, kv, kv_layer, tensors = _vllm_args(kv_caches, layer, chunk, slot_mapping,
+                                                 launcher=launcher)
+    if launcher is not None:
         from lmkv_cuda import kv_copy
 
-        return kv_copy.chunk_to_paged_vllm(
-            launcher, chunk.contiguous(), kv_caches, slot_mapping, skip, check=check
-        )
-    ops_torch.chunk_to_paged_vllm(chunk, kv_caches, slot_mapping, skip)
+        return kv_copy.chunk_to_paged_vllm(launcher, chunk.contiguous(), kv, slot_mapping, skip,
+                                           check=check, layer=kv_layer)
+    ops_torch.chunk_to_paged_vllm(chunk, tensors, slot_mapping, skip)
 
 
 @contextmanager

@@ -8,6 +8,7 @@ layer (layer-wise mode), None = all layers.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -73,7 +74,7 @@ class BlockPagedMemory(PagedMemory):
         ops.paged_to_chunk(pages, on_device(slots, dev), stage, skip, check=check,
                            launcher=self.launcher)
         if stage is not dst:
-            dst[:, :, skip:].copy_(stage[:, :, skip:])
+            copy_to_host(dst[:, :, skip:], stage[:, :, skip:])
 
 
 def checked_on_host(slots: torch.Tensor, skip: int, num_slots: int) -> bool:
@@ -91,8 +92,42 @@ def checked_on_host(slots: torch.Tensor, skip: int, num_slots: int) -> bool:
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``: itself, or a staged copy (asynchronous from pinned host memory)."""
-    return t if t.device == device else t.to(device, non_blocking=True)
+    """``t`` on ``device``: itself, or a staged copy (asynchronous from pinned host memory).
+    A host view that is not contiguous (one layer of a chunk) goes over as its contiguous
+    pieces, each copied asynchronously: torch would stage it whole through pageable memory,
+    synchronously."""
+    if t.device == device:
+        return t
+    pieces = contiguous_pieces(t)
+    if len(pieces) == 1 or len(pieces) > MAX_PIECES:
+        return t.to(device, non_blocking=True)
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    for idx in pieces:
+        out[idx].copy_(t[idx], non_blocking=True)
+    return out
+
+
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst (host, maybe a non-contiguous view) = src (a device tensor of its shape), piece by
+    contiguous piece of ``dst`` where there are few (no pageable temporary)."""
+    pieces = contiguous_pieces(dst)
+    if len(pieces) == 1 or len(pieces) > MAX_PIECES:
+        dst.copy_(src)
+        return
+    for idx in pieces:
+        dst[idx].copy_(src[idx])
+
+
+MAX_PIECES = 8  # more pieces than this cost more in copies than the pageable temporary
+
+
+def contiguous_pieces(t: torch.Tensor) -> list[tuple[int, ...]]:
+    """Indices over the fewest leading dims of ``t`` whose sub-tensors are each contiguous
+    (a chunk's layer view [2, 1, T, Hkv, D]: its K and V; a contiguous tensor: itself)."""
+    for k in range(t.dim() + 1):
+        if t.numel() == 0 or t[(0,) * k].is_contiguous():
+            return list(itertools.product(*(range(n) for n in t.shape[:k])))
+    raise AssertionError("a 0-dim tensor is contiguous")
 
 
 def staging_for(t: torch.Tensor, device: torch.device) -> torch.Tensor:

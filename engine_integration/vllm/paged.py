@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from lmkv import ops
-from lmkv.paged import PagedMemory, checked_on_host, on_device, staging_for
+from lmkv.paged import PagedMemory, checked_on_host, copy_to_host, on_device, staging_for
 
 
 class StridedPagedMemory(PagedMemory):
@@ -159,26 +159,28 @@ class DevicePagedMemory(PagedMemory):
         self.dtype = layers[0].dtype
         self.device = layers[0].device
         self.launcher = launcher  # the kernels' launcher where the device does not say (tests)
+        self._prepared: tuple[object, object] | None = None  # (launcher, ops.vllm_layers)
 
     def load(self, chunk, slots, skip=0, layer=None):
-        layers, src = self._layers(chunk, layer)
+        src = chunk if layer is None else chunk[:, layer : layer + 1]
         check = not checked_on_host(slots, skip, self.num_blocks * self.block_size)
-        ops.chunk_to_paged_vllm(on_device(src, self.device), layers, on_device(slots, self.device),
-                                skip, check=check, launcher=self.launcher)
+        ops.chunk_to_paged_vllm(on_device(src, self.device), self._kv(), on_device(slots, self.device),
+                                skip, check=check, layer=layer, launcher=self.launcher)
 
     def save(self, slots, chunk, skip=0, layer=None):
-        layers, dst = self._layers(chunk, layer)
+        dst = chunk if layer is None else chunk[:, layer : layer + 1]
         stage = staging_for(dst, self.device)
         check = not checked_on_host(slots, skip, self.num_blocks * self.block_size)
-        ops.paged_to_chunk_vllm(layers, on_device(slots, self.device), stage, skip, check=check,
-                                launcher=self.launcher)
+        ops.paged_to_chunk_vllm(self._kv(), on_device(slots, self.device), stage, skip, check=check,
+                                layer=layer, launcher=self.launcher)
         if stage is not dst:
-            dst[:, :, skip:].copy_(stage[:, :, skip:])
+            copy_to_host(dst[:, :, skip:], stage[:, :, skip:])
 
-    def _layers(self, chunk: torch.Tensor, layer: int | None):
-        if layer is None:
-            return self.layers, chunk
-        return self.layers[layer : layer + 1], chunk[:, layer : layer + 1]
+    def _kv(self):
+        """The layers as the copies take them, checked once per launcher (lmkv.ops.vllm_layers)."""
+        if self._prepared is None or self._prepared[0] is not self.launcher:
+            self._prepared = (self.launcher, ops.vllm_layers(self.layers, launcher=self.launcher))
+        return self._prepared[1]
 
 
 def gpu_paged_memory(layers: list[torch.Tensor]) -> DevicePagedMemory:

@@ -175,3 +175,44 @@ def test_the_gpu_layout_moves_chunks_with_the_transfer_kernels(emu):
     back = torch.zeros_like(chunk)
     paged.save(slots, back, 0, layer=2)
     assert torch.equal(back[:, 2, 4:], chunk[:, 2, 4:]) and not back[:, :2].any()
+
+
+def test_the_gpu_layouts_layers_are_checked_once_not_per_copy(emu, monkeypatch):
+    """The transfer kernels' wrapper checks vLLM's layers (and builds their address table)
+    once per registered cache; each copy, all layers or one, checks only its chunk and
+    slots, and layer-wise copies land where whole-chunk ones do."""
+    from lmkv_cuda import kv_copy
+
+    checked = []
+    real = kv_copy.check_tensor
+    monkeypatch.setattr(kv_copy, "check_tensor", lambda t, name, *a, **k: checked.append(name)
+                        or real(t, name, *a, **k))
+    raw, paged, reference = _memories("gpu")
+    paged.launcher = emu
+    g = torch.Generator().manual_seed(6)
+    chunk = torch.randn(2, L, T, H, D, generator=g)
+    slots = torch.randperm(NB * BS, generator=g)[:T]
+    paged.load(chunk, slots, 0, layer=0)
+    assert sum(n.startswith("kv_caches") for n in checked) == L  # once, at the first copy
+    checked.clear()
+    for layer in range(1, L):
+        paged.load(chunk, slots, 0, layer=layer)
+    paged.load(chunk, slots, 0)
+    assert not any(n.startswith("kv_caches") for n in checked)
+    assert torch.equal(reference(raw, slots // BS, slots % BS), chunk)
+    back = torch.zeros_like(chunk)
+    for layer in range(L):
+        paged.save(slots, back, 0, layer=layer)
+    assert torch.equal(back, chunk)
+
+
+def test_a_host_view_goes_to_a_device_in_few_contiguous_pieces():
+    from lmkv.paged import MAX_PIECES, contiguous_pieces, on_device
+
+    chunk = torch.randn(2, L, T, H, D)
+    assert contiguous_pieces(chunk) == [()]
+    layer = chunk[:, 1:2]  # K and V of one layer
+    assert contiguous_pieces(layer) == [(0,), (1,)]
+    assert all(layer[i].is_contiguous() for i in contiguous_pieces(layer))
+    assert len(contiguous_pieces(chunk[:, :, 4:])) == 2 * L <= MAX_PIECES
+    assert on_device(layer, torch.device("meta")).shape == layer.shape
