@@ -35,7 +35,9 @@ class PagedMemory(ABC):
     @abstractmethod
     def save(self, slots: torch.Tensor, chunk: torch.Tensor, skip: int = 0,
              layer: int | None = None) -> None:
-        """Read tokens [skip, T) from paged memory into ``chunk``."""
+        """Read tokens [skip, T) from paged memory into ``chunk``. From a device into pinned
+        host memory this may finish later, on the current stream: synchronize it before
+        reading ``chunk`` (lmkv's worker synchronizes its save stream before storing)."""
 
 
 class BlockPagedMemory(PagedMemory):
@@ -109,13 +111,16 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst (host, maybe a non-contiguous view) = src (a device tensor of its shape), piece by
-    contiguous piece of ``dst`` where there are few (no pageable temporary)."""
+    contiguous piece of ``dst`` where there are few (no pageable temporary). Into pinned
+    memory the copies are asynchronous on the current stream: synchronize it before
+    reading ``dst``."""
     pieces = contiguous_pieces(dst)
-    if len(pieces) == 1 or len(pieces) > MAX_PIECES:
+    if len(pieces) > MAX_PIECES:
         dst.copy_(src)
         return
+    pinned = dst.is_pinned()
     for idx in pieces:
-        dst[idx].copy_(src[idx])
+        dst[idx].copy_(src[idx], non_blocking=pinned)
 
 
 MAX_PIECES = 8  # more pieces than this cost more in copies than the pageable temporary
