@@ -21,6 +21,7 @@ ROWS = 8  # query rows per block sharing each K/V load (template R; decode: 1 wi
 # so more blocks per SM and more loads in flight; rows beyond the group would sit idle)
 SMALL_GROUP_ROWS = 4
 THREADS = 128
+MAX_PARTITIONS = 64  # splits of one decode's keys, at most
 _NO_SPLIT = 1 << 30
 
 
@@ -121,7 +122,9 @@ def paged_attention_decode(
     partition_size: int = 512,
 ) -> torch.Tensor:  # fmt: skip
     """query [B, Hq, D] at positions seq_len - 1; block_tables [B, max_blocks]; seq_lens [B].
-    Returns [B, Hq, D]. Contexts longer than partition_size keys are split (flash-decoding)."""
+    Returns [B, Hq, D]. Contexts longer than partition_size keys are split (flash-decoding),
+    into MAX_PARTITIONS at most (longer partitions beyond): the split's workspace
+    [B, Hq, partitions, D + 2] fp32 stays bounded at any context length."""
     out, block_tables, seq_lens = _common(launcher, query, kv_layer, block_tables, seq_lens, out)
     _, nb, bs, hkv, _ = kv_layer.shape
     batch, hq, _ = query.shape
@@ -136,6 +139,7 @@ def paged_attention_decode(
         require(bad_block == 0, f"{bad_block} block_tables entries in use are outside [0, {nb})")
     group = hq // hkv
     rows = 1 if group == 1 else SMALL_GROUP_ROWS if group <= SMALL_GROUP_ROWS else ROWS
+    partition_size = max(partition_size, -(-max_len // MAX_PARTITIONS))
     num_partitions = -(-max_len // partition_size)
     _launch(
         launcher, query, kv_layer, out, block_tables, seq_lens, None, None, batch, rows,

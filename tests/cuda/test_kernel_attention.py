@@ -97,3 +97,16 @@ def test_wrapper_rejects_bad_arguments(emu):
         attention.paged_attention_prefill(
             emu, torch.zeros(3, 4, 64), kv, tables, torch.tensor([1, 4]), starts, 0.125
         )
+
+
+def test_decode_splits_into_at_most_max_partitions(emu, monkeypatch):
+    """Past MAX_PARTITIONS x partition_size keys the partitions grow instead of multiplying:
+    the split's workspace stays bounded, and the result is the same attention."""
+    from lmkv_cuda import attention
+
+    monkeypatch.setattr(attention, "MAX_PARTITIONS", 2)
+    launches = []
+    real = attention._launch
+    monkeypatch.setattr(attention, "_launch", lambda *a: launches.append(a[-2]) or real(*a))
+    error = decode(emu, torch.float32, 64, 16, 2, [1, 48, 49, 150], partition_size=16)
+    assert error < TOLERANCE[torch.float32] and launches == [2]
