@@ -53,6 +53,9 @@ class _RequestState:
     load_from: int = 0  # tokens [load_from, load_to) come from lmkv this step
     load_to: int = 0
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being stored
+    # chunks under the engine's own hit that lmkv lacks while it holds later ones: saved at
+    # the next step, apart from the chunks being loaded (never saved back)
+    gap: range = range(0)
     plan: BlendPlan | None = None  # found by get_blend_plan, until the engine takes it
     blended: bool = False  # its KV is approximate: never saved as prefix chunks
     lossy: bool = False  # some loaded chunk was decoded from a lossy codec
@@ -112,8 +115,8 @@ class SchedulerConnector:
         lossy = self.cache.pin(st.keys[first:full]) if full > first else []
         # at once: whatever follows, these pins are given back or loaded
         st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
-        # saved up to here: a chunk lmkv lacks below the engine's hit is saved again
-        found = first + len(lossy) if lossy and below == first else below
+        found = first + len(lossy) if lossy else below
+        st.gap = range(below, first) if lossy else range(0)
         if (st.tail is not None and first + len(lossy) == full
                 and len(request.prompt_token_ids) - full * c > 1):  # a tail of 1: nothing to load
             tail = self.cache.pin([st.tail])  # the same prompt again: its partial last chunk
@@ -185,6 +188,12 @@ class SchedulerConnector:
                 st.pinned = []
             if st.blended or not self.saves or not request.prompt_token_ids:
                 continue  # (no prompt: a request whose KV lmkv cannot key, decode chunks included)
+            if st.gap:
+                meta.saves.append(SaveSpec(
+                    request.request_id, [st.keys[i] for i in st.gap],
+                    [self._slots(request.block_ids, i * c, (i + 1) * c) for i in st.gap],
+                    st.keys[st.gap[0] - 1] if st.gap[0] else None, st.gap[0] * c))
+                st.gap = range(0)
             done = request.num_computed_tokens + num_new
             if not self.save_decode_cache:
                 done = min(done, len(request.prompt_token_ids))

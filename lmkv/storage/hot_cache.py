@@ -15,9 +15,9 @@ class HotCache:
     Only entries nobody else references can be evicted."""
 
     def __init__(self, pool: MemoryPool, policy: CachePolicy | str = DEFAULT_POLICY,
-                 on_evict: Callable[[], None] | None = None):
+                 on_evict: Callable[[str], None] | None = None):
         self.pool = pool
-        self.on_evict = on_evict  # told of each eviction (lmkv's metrics)
+        self.on_evict = on_evict  # told the key of each eviction
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.entries: dict[str, ChunkBuffer] = {}
         self.num_evictions = 0
@@ -77,7 +77,7 @@ class HotCache:
             self.num_evictions += 1
         buf.release()
         if self.on_evict is not None:
-            self.on_evict()
+            self.on_evict(key)
         return True
 
     def drop_lossy(self) -> int:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 LOAD_BATCH = 8  # chunks asked of a tier at once when loading a run of them
-FETCH_TIMEOUT = 10.0  # seconds a load waits for the I/O worker before the chunks are recomputed
+FETCH_TIMEOUT = 10.0  # seconds a load waits for the I/O worker (a stuck tier call: recompute)
 CLOSE_TIMEOUT = 30.0  # seconds close waits for queued writes and the I/O worker
 DECODE_THREADS = min(4, len(os.sched_getaffinity(0)))  # frames of a batch decoded at once
 
@@ -36,7 +37,7 @@ DECODE_THREADS = min(4, len(os.sched_getaffinity(0)))  # frames of a batch decod
 class StorageManager:
     def __init__(self, pool: MemoryPool, tiers: list[Tier], metrics: LMKVMetrics,
                  io_queue_size: int = 256, keep_hot: bool = True, policy: str = DEFAULT_POLICY):
-        self.hot = HotCache(pool, policy, on_evict=metrics.evictions.labels("hot").inc)
+        self.hot = HotCache(pool, policy, on_evict=self._evicted)
         # keep_hot False (LMCache's local_cpu: false): the pool only stages loads and saves;
         # no chunk stays in it, and the tiers below serve every hit
         self.keep_hot = keep_hot
@@ -52,8 +53,9 @@ class StorageManager:
             tier.decoders = self.decoders
             tier.backend.register_memory(region)
         self._inflight: set[str] = set()  # keys a background prefetch is bringing up
-        # hot chunks whose write below was dropped or failed: written again when next used
-        self._unwritten: set[str] = set()
+        # hot chunks whose write below was dropped or failed -> the tiers that lack them:
+        # written there when next used (at most one entry per hot chunk)
+        self._unwritten: dict[str, set[str]] = {}
         self._stuck: Future | None = None  # a load that timed out, while it still runs
         self._lock = threading.Lock()
         self._closed = False
@@ -76,33 +78,59 @@ class StorageManager:
         if hot or queued:
             self.metrics.stored_chunks.inc()
 
-    def _submit_write(self, key: str, buf: ChunkBuffer) -> bool:
-        """Queue ``buf``'s write to the tiers below; False (counted) if the queue is full,
-        and a hot chunk is then written when it is next used (``_write_again``)."""
+    def _submit_write(self, key: str, buf: ChunkBuffer, tiers: list[Tier] | None = None) -> bool:
+        """Queue ``buf``'s write to ``tiers`` (default: all below); False (counted) if the
+        queue is full, and a hot chunk is then written when it is next used
+        (``_write_again``)."""
+        tiers = self.tiers if tiers is None else tiers
         buf.retain()
-        if self.io.submit(lambda: self._write(key, buf)) is not None:
-            return True
+        try:
+            if self.io.submit(lambda: self._write(key, buf, tiers)) is not None:
+                return True
+        except RuntimeError:  # closed
+            buf.release()
+            return False
         buf.release()
-        for tier in self.tiers:
+        for tier in tiers:
             self.metrics.dropped.labels(f"save_{tier.name}").inc()
-        self._note_unwritten(key)
+        self._note_unwritten(key, tiers)
         return False
 
-    def _note_unwritten(self, key: str) -> None:
+    def _note_unwritten(self, key: str, tiers: list[Tier], written: list[Tier] = ()) -> None:
+        """``tiers`` lack the hot chunk ``key`` (a dropped or failed write); ``written``
+        have it now."""
         with self._lock:
-            if len(self._unwritten) >= 2 * self.hot.pool.num_slots:  # bounded: forget evicted
-                self._unwritten = {k for k in self._unwritten if self.hot.contains(k)}
-            if self.hot.contains(key):
-                self._unwritten.add(key)
+            buf = self.hot.entries.get(key)
+            if buf is None or buf.lossy:  # gone, or decoded lossy (never coded again)
+                self._unwritten.pop(key, None)
+                return
+            names = (self._unwritten.get(key, set()) - {t.name for t in written}) | {
+                t.name for t in tiers}
+            if names:
+                self._unwritten[key] = names
+            else:
+                self._unwritten.pop(key, None)
+
+    def _evicted(self, key: str) -> None:
+        self.metrics.evictions.labels("hot").inc()
+        if self._unwritten:
+            with self._lock:
+                self._unwritten.pop(key, None)
 
     def _write_again(self, key: str, buf: ChunkBuffer) -> None:
-        """A hot chunk being used whose earlier write below was lost: queue it again while
-        some tier takes writes."""
+        """A hot chunk being used whose earlier write to some tiers was lost: queue it again
+        to those of them that take writes now."""
         with self._lock:
-            if key not in self._unwritten or not any(t.writable for t in self.tiers):
+            names = self._unwritten.get(key)
+            if not names:
                 return
-            self._unwritten.discard(key)
-        self._submit_write(key, buf)
+            tiers = [t for t in self.tiers if t.name in names and t.writable]
+            if not tiers:
+                return
+            names.difference_update(t.name for t in tiers)
+            if not names:
+                del self._unwritten[key]
+        self._submit_write(key, buf, tiers)
 
     def written_below(self, key: str) -> None:
         """A save of ``key`` found it hot already: if its write below was lost, queue it again."""
@@ -113,29 +141,30 @@ class StorageManager:
             self._write_again(key, buf)
             buf.release()
 
-    def _write(self, key: str, buf: ChunkBuffer) -> None:
-        """On the I/O thread: the chunk into every tier, encoded once per codec."""
-        written = True
+    def _write(self, key: str, buf: ChunkBuffer, tiers: list[Tier]) -> None:
+        """On the I/O thread: the chunk into ``tiers``, encoded once per codec."""
+        failed = []
         try:
             frames: dict[tuple, memoryview] = {}
-            for tier in self.tiers:
+            for tier in tiers:
                 if not tier.writable:
                     self.metrics.dropped.labels(f"save_{tier.name}").inc()
-                    written = False
+                    failed.append(tier)
                     continue
                 try:  # a failure its backend did not report (a bug): logged, counted, and
                     how = (tier.codec, id(tier.table))  # the other tiers still get the chunk
                     if how not in frames:
                         frames[how] = tier.encode(key, buf)
-                    written = tier.write(key, frames[how]) and written
+                    if not tier.write(key, frames[how]):
+                        failed.append(tier)
                 except Exception:
                     log.exception("lmkv: writing a chunk to the %s tier failed", tier.name)
                     self.metrics.errors.labels(tier.name, "put").inc()
-                    written = False
+                    failed.append(tier)
         finally:
             buf.release()
-            if not written:
-                self._note_unwritten(key)
+            if failed or key in self._unwritten:
+                self._note_unwritten(key, failed, [t for t in tiers if t not in failed])
 
     # ---- reads --------------------------------------------------------------------
     def lookup(self, keys: list[str]) -> int:
@@ -187,9 +216,10 @@ class StorageManager:
         rest = keys[len(out):]
         if rest and self.tiers and not self._io_stuck():
             parent = keys[len(out) - 1] if out else None
+            deadline = time.monotonic() + FETCH_TIMEOUT / 2  # no batch starts after it
             try:
-                out += self._wait_load(self.io.submit(lambda: self._load_run(rest, parent=parent),
-                                                      urgent=True))
+                out += self._wait_load(self.io.submit(
+                    lambda: self._load_run(rest, parent=parent, deadline=deadline), urgent=True))
             except BaseException:  # the chunks retained here go back before the error does
                 for buf in out:
                     buf.release()
@@ -221,11 +251,12 @@ class StorageManager:
         self.metrics.errors.labels("io", "timeout").inc()
         return []
 
-    def _load_run(self, keys: list[str], prefetch: bool = False,
-                  parent: str | None = None) -> list[ChunkBuffer]:
+    def _load_run(self, keys: list[str], prefetch: bool = False, parent: str | None = None,
+                  deadline: float = math.inf) -> list[ChunkBuffer]:
         """On the I/O thread: the leading ``keys`` that some tier has, each retained (in the
         hot cache as the chunks after ``parent`` in their prompt). Each tier is asked for a
-        batch of chunks at once (one pipelined round trip)."""
+        batch of chunks at once (one pipelined round trip); no batch starts after
+        ``deadline`` (a slow tier: the chunks loaded so far are the prefix)."""
         out: list[ChunkBuffer] = []
         parents = dict(zip(keys, [parent, *keys[:-1]], strict=True))
         try:
@@ -233,6 +264,8 @@ class StorageManager:
                 for tier in self.tiers:  # the whole run, so that reads queue ahead of the batches
                     tier.will_get(keys)
             for start in range(0, len(keys), LOAD_BATCH):
+                if start and time.monotonic() > deadline:
+                    break
                 batch = keys[start : start + LOAD_BATCH]
                 loaded = self._load_batch(batch, prefetch, parents)
                 for key in batch:

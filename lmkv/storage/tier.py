@@ -24,6 +24,8 @@ from .breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 
+LOCK_WAIT = 5.0  # seconds a lookup waits for the backend while another call holds it
+
 
 @dataclass(eq=False)
 class Tier:
@@ -103,15 +105,24 @@ class Tier:
         return True
 
     def contains(self, keys: list[str]) -> list[bool] | None:
-        """Which keys the tier holds; None if it could not be asked."""
+        """Which keys the tier holds; None if it could not be asked (nor within LOCK_WAIT
+        seconds, while another call to the backend hangs)."""
         if not self.available:
             return None
         if self.backend.concurrent_contains:
             return self._contains(keys)
-        with self._lock:
+        if not self._lock.acquire(timeout=LOCK_WAIT):
+            self._quiet.log(log, logging.WARNING, "busy", "lmkv: %s did not answer a lookup "
+                            "within %.0f s (a call to it hangs); counted as a miss", self.name,
+                            LOCK_WAIT)
+            self.metrics.errors.labels(self.name, "busy").inc()
+            return None
+        try:
             if not self.available:  # the call it waited for failed: do not ask again now
                 return None
             return self._contains(keys)
+        finally:
+            self._lock.release()
 
     def _contains(self, keys: list[str]) -> list[bool] | None:
         start = time.perf_counter()

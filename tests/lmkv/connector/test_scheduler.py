@@ -164,8 +164,8 @@ def test_saves_name_the_position_of_their_first_chunk_and_the_worker_sets_it():
 
 def test_chunks_lmkv_lacks_below_the_engines_hit_are_saved_though_it_holds_later_ones():
     """lmkv holds chunks 2 and 3 but not 0 and 1 (their save was dropped, or a tier evicted
-    them), the engine's own prefix cache holds 0 and 1: lmkv loads 2..3 and saves 0 and 1,
-    so that another instance can load the whole prompt."""
+    them), the engine's own prefix cache holds 0 and 1: lmkv loads 2..3 and saves 0 and 1
+    (not the chunks it loads), so that another instance can load the whole prompt."""
     engine = _engine(cache_policy="lru")  # (a prefix policy keeps no chunk without its parent)
     prompt = list(range(2000, 2000 + 4 * CHUNK))
     keys = engine.keys(prompt)
@@ -177,7 +177,7 @@ def test_chunks_lmkv_lacks_below_the_engines_hit_are_saved_though_it_holds_later
     sched = SchedulerConnector(engine, BLOCK)
     offered, meta = _schedule(sched, Request("a", prompt), computed=2 * CHUNK)
     assert offered == 2 * CHUNK - 1
-    assert [k for s in meta.saves for k in s.keys][:2] == keys[:2]
+    assert [k for s in meta.saves for k in s.keys] == keys[:2]  # not the chunks it loads
     worker = WorkerConnector(engine)
     worker.register_kv_caches(BlockPagedMemory(torch.randn(2, 2, 200, BLOCK, 1, 4)))
     worker.bind_connector_metadata(meta)

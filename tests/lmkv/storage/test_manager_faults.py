@@ -6,6 +6,7 @@ the metrics follow evictions and failed writes."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -369,4 +370,109 @@ def test_stored_chunks_counts_only_chunks_kept_or_queued_below():
     put_one(pool, m, "root")
     assert len(m.hot) == 1
     assert metrics.registry.get_sample_value("lmkv_stored_chunks_total") == 1
+    m.close()
+
+
+class Refusing(Memory):
+    """A tier that takes no writes (a read-only or full disk)."""
+
+    def __init__(self):
+        super().__init__()
+        self.puts = 0
+
+    def put(self, items):
+        self.puts += 1
+        raise BackendError("read-only file system")
+
+
+class Counting(Memory):
+    def __init__(self):
+        super().__init__()
+        self.puts = 0
+
+    def put(self, items):
+        self.puts += 1
+        super().put(items)
+
+
+def test_a_tier_that_takes_no_writes_does_not_make_hot_hits_rewrite_the_others():
+    pool = MemoryPool(LAYOUT, 8 * SLOT, pin=False)
+    refusing, healthy = Refusing(), Counting()
+    tiers = [Tier("ro", refusing, "raw"), Tier("ok", healthy, "raw")]
+    m = StorageManager(pool, tiers, LMKVMetrics(), 16, policy="lru")
+    put_one(pool, m, "a")
+    m.io.drain()
+    for _ in range(50):  # hits while the read-only tier's write breaker holds writes off
+        for buf in m.fetch(["a"]):
+            buf.release()
+        m.io.drain()
+    assert healthy.puts == 1 and refusing.puts == 1
+    tiers[0].write_breaker = type(tiers[0].write_breaker)()  # its pause over: tried again, alone
+    for buf in m.fetch(["a"]):
+        buf.release()
+    m.io.drain()
+    assert healthy.puts == 1 and refusing.puts == 2
+    m.close()
+
+
+def test_a_lost_write_is_forgotten_with_its_chunk_and_lossy_chunks_are_never_written_again():
+    pool, (tier,), m = manager(slots=4, queue=1, policy="lru")
+    gate = threading.Event()
+    m.io.submit(gate.wait)
+    while m.io.pending():
+        pass
+    m.io.submit(lambda: None)
+    put_one(pool, m, "a")  # dropped
+    buf = pool.allocate()
+    buf.lossy = True  # as if decoded from a cachegen frame
+    m.put("b", buf)  # dropped
+    buf.release()
+    gate.set()
+    m.io.drain()
+    assert set(m._unwritten) == {"a"}
+    for _ in range(pool.num_slots):  # "a" is evicted for new chunks
+        m.allocate()
+    assert not m.hot.contains("a") and not m._unwritten
+    m.close()
+
+
+def test_a_slow_tier_gives_the_chunks_read_by_the_deadline(monkeypatch):
+    """A tier that answers, slowly: the load returns the prefix read by FETCH_TIMEOUT / 2
+    instead of throwing all of it away."""
+    from lmkv.storage import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "FETCH_TIMEOUT", 2.0)
+    pool, (tier,), m = manager(slots=40, policy="lru")
+    keys = [f"k{i}" for i in range(32)]
+    seed(pool, tier, keys)
+    real = tier.backend.get_into_many
+
+    def slow(*args, **kwargs):
+        time.sleep(0.4)
+        return real(*args, **kwargs)
+
+    tier.backend.get_into_many = slow
+    got = m.fetch(keys)
+    assert 0 < len(got) < len(keys)  # 8 chunks a batch, one every 0.4 s, none after 1 s
+    assert m.metrics.registry.get_sample_value("lmkv_errors_total",
+                                               {"tier": "io", "kind": "timeout"}) is None
+    for buf in got:
+        buf.release()
+    m.close()
+
+
+def test_a_lookup_returns_while_a_write_to_the_tier_hangs(monkeypatch):
+    from lmkv.storage import tier as tier_module
+
+    monkeypatch.setattr(tier_module, "LOCK_WAIT", 0.2)
+    pool = MemoryPool(LAYOUT, 8 * SLOT, pin=False)
+    backend = Stuck()
+    m = StorageManager(pool, [Tier("t", backend, "raw")], LMKVMetrics(), 16, policy="lru")
+    put_one(pool, m, "a")
+    assert backend.started.wait(5)
+    start = time.monotonic()
+    assert m.lookup(["x"]) == 0 and time.monotonic() - start < 2
+    assert m.metrics.registry.get_sample_value("lmkv_errors_total",
+                                               {"tier": "t", "kind": "busy"}) == 1
+    backend.release.set()
     m.close()
