@@ -112,6 +112,7 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
     vllm = [
         torch.randn(pool, g.block_size, g.kv_heads, 2 * g.head_dim, **new) for _ in range(g.layers)
     ]
+    vllm_layers = kv_copy.VllmLayers(launcher, vllm)
     transfer = 2 * 2 * g.layers * t * row  # K and V, read once and written once
 
     num_blocks = max(g.decode_batch * -(-g.decode_len // g.block_size),
@@ -160,11 +161,11 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
         Case("chunk_to_paged", transfer, 0,
              lambda: kv_copy.chunk_to_paged(launcher, chunk, kv_cache, slots, check=False),
              lambda: ops_torch.chunk_to_paged(chunk, kv_cache, slots)),
-        Case("paged_to_chunk_vllm", transfer, 0,
-             lambda: kv_copy.paged_to_chunk_vllm(launcher, vllm, slots, chunk, check=False),
+        Case("paged_to_chunk_vllm", transfer, 0,  # layers checked once, as DevicePagedMemory does
+             lambda: kv_copy.paged_to_chunk_vllm(launcher, vllm_layers, slots, chunk, check=False),
              lambda: ops_torch.paged_to_chunk_vllm(vllm, slots, chunk)),
         Case("chunk_to_paged_vllm", transfer, 0,
-             lambda: kv_copy.chunk_to_paged_vllm(launcher, chunk, vllm, slots, check=False),
+             lambda: kv_copy.chunk_to_paged_vllm(launcher, chunk, vllm_layers, slots, check=False),
              lambda: ops_torch.chunk_to_paged_vllm(chunk, vllm, slots)),
         Case("reshape_and_cache", 2 * 2 * pt * row, 0,
              lambda: kv_copy.reshape_and_cache(
