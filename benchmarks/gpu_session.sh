@@ -42,7 +42,7 @@ steps=${*:-tests kernels ttft throughput eager profile}
 for s in $steps; do
     case $s in
     tests) step tests 140 $PY -m pytest -q -p no:cacheprovider -x tests/cuda/test_engine_cuda.py \
-        tests/lmkv/connector/test_worker.py -k "cuda" ;;
+        tests/lmkv/connector/test_worker.py tests/vllm/test_paged.py -k "cuda" ;;
     kernels) step kernels 120 $PY benchmarks/kernels.py --iters 20 ;;
     ttft) step ttft 170 $PY benchmarks/lmkv_ttft.py --device cuda --dtype bfloat16 --model smollm2-shape ;;
     throughput) step throughput 110 $PY benchmarks/engine_throughput.py --device cuda --dtype bfloat16 \

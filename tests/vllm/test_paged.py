@@ -216,3 +216,24 @@ def test_a_host_view_goes_to_a_device_in_few_contiguous_pieces():
     assert all(layer[i].is_contiguous() for i in contiguous_pieces(layer))
     assert len(contiguous_pieces(chunk[:, :, 4:])) == 2 * L <= MAX_PIECES
     assert on_device(layer, torch.device("meta")).shape == layer.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layer", [None, 1])
+def test_the_gpu_layout_on_cuda_moves_pinned_chunks(layer):
+    """On a real GPU: pinned host chunks into CUDA pages and back through the prepared
+    layers (all layers, or one layer's K and V pieces), asynchronous copies included (the
+    stream is synchronized before the host reads, as lmkv's worker does)."""
+    raw = torch.zeros(L, NB, BS, H, 2 * D, device="cuda")
+    paged = gpu_paged_memory([raw[i] for i in range(L)])
+    chunk = torch.randn(2, L, T, H, D).pin_memory()
+    slots = torch.randperm(NB * BS)[:T]
+    layers = range(L) if layer is None else [layer]
+    paged.load(chunk, slots, 4, layer)
+    back = torch.zeros_like(chunk).pin_memory()
+    paged.save(slots, back, 4, layer)
+    torch.cuda.current_stream().synchronize()
+    got = _gpu_reference(raw.cpu(), slots // BS, slots % BS)
+    for i in layers:
+        assert torch.equal(got[:, i, 4:], chunk[:, i, 4:]) and not got[:, i, :4].any()
+        assert torch.equal(back[:, i, 4:], chunk[:, i, 4:]) and not back[:, i, :4].any()
