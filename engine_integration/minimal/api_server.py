@@ -44,7 +44,8 @@ if TYPE_CHECKING:  # torch is imported only once the config is known to be good
 log = logging.getLogger(__name__)
 
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
-DISCONNECT_POLL_S = 1.0  # how often a non-streaming request checks for a gone client
+DISCONNECT_POLL_S = 1.0  # how often a request not streaming yet checks for a gone client
+TOKENIZERS = 2  # prompts tokenized at once (each holds the GIL while it runs)
 
 
 class APIError(Exception):
@@ -66,6 +67,10 @@ class APIServer:
         self.metrics = ServerMetrics(engine.metrics.registry)
         self.async_engine = AsyncEngine(engine, config.max_in_flight, self.metrics)
         self.created = int(time.time())
+        # a prompt longer than this many characters cannot fit the context: refused before
+        # it is tokenized (a multi-megabyte prompt would hold the GIL for seconds)
+        self.max_prompt_chars = engine.max_model_len * engine.tokenizer.max_token_chars
+        self._tokenizing: asyncio.Semaphore | None = None  # made on the event loop
 
         app = FastAPI(title="lmkv engine", lifespan=self._lifespan)
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -114,8 +119,8 @@ class APIServer:
             body.check_supported()
             prompt = body.single_prompt()
             params = body.sampling_params(body.max_tokens)
-            if isinstance(prompt, str):  # off the event loop and off the engine thread
-                prompt = await asyncio.to_thread(self.engine.tokenize, prompt)
+            if isinstance(prompt, str):
+                prompt = await self._tokenized(self.engine.tokenize, prompt, len(prompt))
         except ValueError as e:
             raise APIError(400, str(e)) from None
         self._check_length(prompt, params.max_tokens)
@@ -125,7 +130,9 @@ class APIServer:
         self._check_model(body.model)
         try:
             body.check_supported()
-            prompt = await asyncio.to_thread(self._chat_prompt, body.template_messages())
+            messages = body.template_messages()
+            chars = sum(len(m["content"]) for m in messages)
+            prompt = await self._tokenized(self._chat_prompt, messages, chars)
             max_tokens = body.max_completion_tokens
             if max_tokens is None:
                 max_tokens = body.max_tokens
@@ -138,6 +145,24 @@ class APIServer:
         except ValueError as e:
             raise APIError(400, str(e)) from None
         return await self._generate(request, body, prompt, params, chat=True)
+
+    async def _tokenized(self, tokenize, text, chars: int) -> list[int]:
+        """``tokenize(text)`` off the event loop and the engine thread, TOKENIZERS at a
+        time, once the server has room for the request (503 otherwise) and the text could
+        fit the context (400 otherwise)."""
+        if chars > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt holds {chars} characters: more than this model's context of "
+                f"{self.engine.max_model_len} tokens can hold (a token here is at most "
+                f"{self.engine.tokenizer.max_token_chars} characters)")
+        if not self.async_engine.has_room():
+            self.metrics.rejected.inc()
+            raise APIError(503, f"the server is at capacity ({self.async_engine.max_in_flight} "
+                                "requests in flight); retry later")
+        if self._tokenizing is None:
+            self._tokenizing = asyncio.Semaphore(TOKENIZERS)
+        async with self._tokenizing:
+            return await asyncio.to_thread(tokenize, text)
 
     def _check_length(self, prompt: list[int], max_tokens: int) -> None:
         """Refuse (400) a request whose prompt and max_tokens do not fit the context."""
@@ -165,7 +190,9 @@ class APIServer:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         outputs = self.async_engine.generate(rid, prompt, params)
-        first = await _first_output(outputs)  # refusals become 4xx/5xx before any byte is sent
+        first = await _first_output(outputs, request)  # refusals: 4xx/5xx before any byte
+        if first is None:
+            return Response(status_code=499)  # the client went away; nobody reads this
         if body.stream:
             events = self._events(rid, created, body, params.stop, first, outputs, chat)
             return EventStream(events)
@@ -216,9 +243,12 @@ class APIServer:
         yield DONE
 
 
-async def _first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+async def _first_output(outputs: AsyncIterator[RequestOutput], request: Request
+                        ) -> RequestOutput | None:
+    """The first output (the request is queued until the engine takes it); None if the
+    client disconnected first (the request is aborted)."""
     try:
-        return await anext(outputs)
+        return await _unless_disconnected(asyncio.ensure_future(anext(outputs)), request)
     except ValueError as e:
         raise APIError(400, str(e)) from None
     except (QueueFullError, EngineStoppedError) as e:
@@ -238,7 +268,17 @@ async def _last_output(
             pass
         return out
 
-    task = asyncio.ensure_future(drain())
+    try:
+        return await _unless_disconnected(asyncio.ensure_future(drain()), request)
+    except EngineStoppedError as e:
+        raise APIError(503, str(e)) from None
+    except EngineError as e:
+        raise APIError(500, str(e)) from None
+
+
+async def _unless_disconnected(task: asyncio.Future, request: Request):
+    """``task``'s result, or None if the client disconnects first: the task is then
+    cancelled (inside generate(), which aborts the request)."""
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -246,13 +286,9 @@ async def _last_output(
                 return task.result()
             if await request.is_disconnected():
                 return None
-    except EngineStoppedError as e:
-        raise APIError(503, str(e)) from None
-    except EngineError as e:
-        raise APIError(500, str(e)) from None
     finally:
         if not task.done():
-            task.cancel()  # cancels inside generate(), which aborts the request
+            task.cancel()
 
 
 # ---- error bodies -------------------------------------------------------------------
@@ -305,6 +341,7 @@ def serve(config: ServerConfig) -> None:
     # one): exit with status 0, also after uvicorn's graceful shutdown, which raises the
     # signal again
     signal.signal(signal.SIGTERM, _stopped)
+    signal.signal(signal.SIGINT, _stopped)
     sock = _listen(config.host, config.port)  # before the model loads: a port in use fails fast
     try:
         lmkv_config = None
@@ -330,7 +367,7 @@ def serve(config: ServerConfig) -> None:
     try:
         _uvicorn_server(uvicorn.Config(
             server.app, host=config.host, port=config.port, log_level=config.log_level,
-            timeout_graceful_shutdown=GRACE_S,
+            timeout_graceful_shutdown=config.graceful_shutdown_timeout,
         ), server.async_engine).run(sockets=[sock])
     except SystemExit as e:
         if e.code != 0:
@@ -338,9 +375,6 @@ def serve(config: ServerConfig) -> None:
     finally:
         engine.close()  # lmkv finishes its background writes
     log.info("engine serve: stopped")
-
-
-GRACE_S = 5  # seconds a stopping server gives the requests in flight to finish
 
 
 def _uvicorn_server(config, async_engine: AsyncEngine):
@@ -351,7 +385,9 @@ def _uvicorn_server(config, async_engine: AsyncEngine):
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
-            stop = asyncio.get_running_loop().call_later(GRACE_S - 1, async_engine.request_stop)
+            grace = self.config.timeout_graceful_shutdown
+            stop = asyncio.get_running_loop().call_later(max(0.5, grace - 1),
+                                                         async_engine.request_stop)
             try:
                 await super().shutdown(sockets=sockets)
             finally:

@@ -2,8 +2,9 @@
 
 Handlers call ``generate()`` on the event loop. Adds and aborts reach the engine thread
 through a locked list of commands, applied between steps; outputs come back through one
-``asyncio.Queue`` per request, filled with ``loop.call_soon_threadsafe``. Only the engine
-thread touches the LLMEngine.
+mailbox per request, filled with ``loop.call_soon_threadsafe``, that keeps only the newest
+output (outputs are cumulative), so a client that stops reading costs one output, not one
+per token generated. Only the engine thread touches the LLMEngine.
 """
 
 from __future__ import annotations
@@ -25,8 +26,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# what the engine thread puts in a request's queue
+# what the engine thread puts in a request's mailbox
 _Item = RequestOutput | Exception
+
+
+class _Mailbox:
+    """The newest item for one request, on the event loop: a later output replaces an
+    unread one (each output holds everything generated so far); a final item (a finished
+    output or an error) is never replaced."""
+
+    def __init__(self) -> None:
+        self._item: _Item | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: _Item) -> None:
+        if isinstance(self._item, Exception) or (
+                isinstance(self._item, RequestOutput) and self._item.finished):
+            return
+        self._item = item
+        self._ready.set()
+
+    async def get(self) -> _Item:
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._item = self._item, None
+        assert item is not None
+        return item
 
 
 class QueueFullError(Exception):
@@ -46,7 +71,7 @@ class _Add:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
-    queue: asyncio.Queue[_Item]
+    queue: _Mailbox
 
 
 @dataclass(slots=True)
@@ -65,7 +90,7 @@ class AsyncEngine:
         self._commands: list[_Add | _Abort] = []  # guarded by _cond
         self._closed = False  # guarded by _cond; set once the engine thread stops
         self._stopping = False  # guarded by _cond
-        self._queues: dict[str, asyncio.Queue[_Item]] = {}  # engine thread only
+        self._queues: dict[str, _Mailbox] = {}  # engine thread only
         self._in_flight = 0  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -100,6 +125,10 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return self._in_flight
 
+    def has_room(self) -> bool:
+        """Whether one more request would be taken now (generate() checks again)."""
+        return self._in_flight < self.max_in_flight
+
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
@@ -119,16 +148,13 @@ class AsyncEngine:
                 f"the server is at capacity ({self.max_in_flight} requests in flight); "
                 "retry later"
             )
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        queue = _Mailbox()
         self._set_in_flight(self._in_flight + 1)
         done = False
         try:
             self._submit(_Add(request_id, prompt, params, queue))
             while not done:
-                item = await queue.get()
-                # outputs are cumulative, so a consumer that fell behind skips to the newest
-                while isinstance(item, RequestOutput) and not item.finished and not queue.empty():
-                    item = queue.get_nowait()
+                item = await queue.get()  # the newest: a consumer that fell behind skips ahead
                 if isinstance(item, Exception):
                     done = True  # the engine thread has already dropped the request
                     raise item
@@ -151,7 +177,7 @@ class AsyncEngine:
                 self._cond.notify()
                 return
         if isinstance(command, _Add):  # the engine thread is gone: nobody else will answer
-            command.queue.put_nowait(EngineStoppedError("the engine is not running"))
+            command.queue.put(EngineStoppedError("the engine is not running"))
 
     # ---- engine thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -231,8 +257,8 @@ class AsyncEngine:
         for queue in queues:
             self._post(queue, EngineStoppedError("the engine stopped: the server is shutting down"))
 
-    def _post(self, queue: asyncio.Queue[_Item], item: _Item) -> None:
+    def _post(self, queue: _Mailbox, item: _Item) -> None:
         assert self._loop is not None
         # RuntimeError: the event loop is closed, nobody is listening any more
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(queue.put, item)

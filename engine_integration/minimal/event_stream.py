@@ -28,12 +28,16 @@ def hold_back(text: str, stops: tuple[str, ...]) -> str:
     text that follows would no longer continue what was sent) and its longest tail that is a
     proper prefix of a stop string."""
     text = text.rstrip("\ufffd")
-    keep = len(text)
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                keep = min(keep, len(text) - k)
+    if not text:
+        return text
+    keep, last = len(text), text[-1]
+    for stop in stops:  # candidate tails end where the stop string holds the last character
+        end = min(len(stop) - 1, len(text))
+        while (i := stop.rfind(last, 0, end)) >= 0:
+            if text.endswith(stop[: i + 1]):
+                keep = min(keep, len(text) - i - 1)
                 break
+            end = i
     return text[:keep]
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt, model_validator
 
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy
+# fields that OpenAI clients send as null to mean "the default"
+_NULL_IS_DEFAULT = {"n", "stream", "echo", "ignore_eos", "return_token_ids"}
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -33,10 +35,35 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _check_text(value: Any, where: str = "body") -> None:
+    """Raise ValueError where a string of ``value`` is not valid Unicode (JSON lets a lone
+    surrogate through: "\\ud800"), naming the field."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where} is not valid Unicode (a lone surrogate)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, where)
+            _check_text(item, f"{where}.{key}" if where != "body" else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{where}[{i}]")
+
+
 class GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        _check_text(data)
+        if isinstance(data, dict):  # OpenAI lets these be null: their defaults
+            data = {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_DEFAULT)}
+        return data
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = None
@@ -47,6 +74,11 @@ class GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
+    # OpenAI features this server does not have: refused when asked for
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    functions: list[Any] | None = None
     stream_options: StreamOptions | None = None
     # extensions, as in vLLM
     stop_token_ids: list[StrictInt] | None = None
@@ -65,6 +97,11 @@ class GenerationRequest(BaseModel):
             raise ValueError("presence_penalty and frequency_penalty are not supported")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if self.tools or self.functions or self.tool_choice not in (None, "none"):
+            raise ValueError("tools (function calling) are not supported")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not "
+                             "supported: this server returns plain text")
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """SamplingParams from the fields set; ``max_tokens`` when the request has none."""

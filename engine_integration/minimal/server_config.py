@@ -18,6 +18,8 @@ class ServerConfig:
     max_pending: int = 256
     log_level: str = "info"
     max_request_body: int = 8 << 20  # bytes; a larger request body gets HTTP 413
+    # seconds a stopping server (SIGTERM, SIGINT) gives the requests in flight to finish
+    graceful_shutdown_timeout: float = 5.0
     lmkv_config_file: str | None = None  # LMKV_CONFIG_FILE, read at startup
 
     def __post_init__(self) -> None:
@@ -25,6 +27,7 @@ class ServerConfig:
         _check(0 <= self.port <= 65535, "port", "in [0, 65535]")
         _check(self.max_pending >= 0, "max_pending", ">= 0")
         _check(self.max_request_body >= 1024, "max_request_body", ">= 1KiB")
+        _check(self.graceful_shutdown_timeout >= 1, "graceful_shutdown_timeout", ">= 1 second")
         _check(self.log_level in LOG_LEVELS, "log_level", f"one of {', '.join(LOG_LEVELS)}")
 
     @property

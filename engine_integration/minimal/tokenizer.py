@@ -3,6 +3,7 @@ loader (gguf_tokenizer.py); chat templates render as Hugging Face transformers r
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -41,6 +42,13 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(path)), extra.get("chat_template"),
                    _token_text(extra.get("bos_token")) or "",
                    _token_text(extra.get("eos_token")) or "", eos_token_ids)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary string's length: a byte
+        of byte-level BPE is one character there): a text of n characters is at least
+        n / max_token_chars tokens."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -257,13 +257,21 @@ BAD_REQUESTS = {
     "unknown model": ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
     "too many stop strings": ({"prompt": "hi", "stop": ["x"] * 17}, 400, "stop"),
     "a stop string too long": ({"prompt": "hi", "stop": ["x" * 1025]}, 400, "stop"),
+    "a lone surrogate": ({"prompt": "a\ud800b"}, 400, "prompt is not valid Unicode"),
+    "a lone surrogate in the model name": ({"prompt": "hi", "model": "a\udc00"}, 400,
+                                           "model is not valid Unicode"),
+    "tools": ({"prompt": "hi", "tools": [{"type": "function"}]}, 400, "tools"),
+    "tool_choice": ({"prompt": "hi", "tool_choice": "auto"}, 400, "tools"),
+    "json mode": ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400,
+                  "response_format 'json_object'"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_requests_get_openai_errors(server, case):
     body, status, needle = BAD_REQUESTS[case]
-    r = httpx.post(f"{server}/v1/completions", json=body)
+    r = httpx.post(f"{server}/v1/completions", content=json.dumps(body),  # (surrogates escaped)
+                   headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"]
@@ -286,8 +294,12 @@ def test_malformed_bodies_and_chat_errors(server):
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     r = httpx.get(f"{server}/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
-    # the server is still fine
-    r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    r = httpx.post(f"{server}/v1/chat/completions", headers={"content-type": "application/json"},
+                   content=json.dumps({"messages": [{"role": "user", "content": "x\ud800"}]}))
+    assert r.status_code == 400 and "messages[0].content is not valid Unicode" in r.text
+    # the server is still fine, and takes the fields OpenAI lets be null
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": None,
+                                                     "stream": None, "response_format": None})
     assert r.status_code == 200
 
 

@@ -172,3 +172,92 @@ def test_http_engine_failure_is_a_500_and_the_server_keeps_serving(engine):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def _serve_in_thread(api: APIServer):
+    """(url, stop) of uvicorn serving ``api`` in a thread of this process."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(api.app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.05)
+
+    def stop():
+        server.should_exit = True
+        thread.join(30)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def test_clients_that_give_up_while_queued_are_aborted_and_free_their_slots(engine):
+    """max_num_seqs=1: while one request streams, two more wait in the queue; their clients
+    time out. They are aborted (never prefilled for nobody) and their admission slots come
+    back, so the next client is served, not refused."""
+    api = APIServer(engine, ServerConfig(engine=engine.config, max_pending=2))
+    url, stop = _serve_in_thread(api)
+    body = {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    real_step = engine.step
+    engine.step = lambda: time.sleep(0.005) or real_step()  # the stream outlasts the test
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions",
+                          json=body | {"max_tokens": 1000, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            for _ in range(2):
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+            deadline = time.monotonic() + 10
+            aborted = engine.metrics.requests_finished.labels("abort")._value
+            while ("api_generations_in_flight 1.0" not in httpx.get(f"{url}/metrics").text
+                   or aborted.get() < 2):
+                assert time.monotonic() < deadline, "the queued requests were not aborted"
+                time.sleep(0.05)
+            assert aborted.get() == 2
+            with pytest.raises(httpx.ReadTimeout):  # queued behind the stream, not refused
+                httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+    finally:
+        engine.step = real_step
+        stop()
+
+
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(engine):
+    api = APIServer(engine, ServerConfig(engine=engine.config))
+    url, stop = _serve_in_thread(api)
+    calls = []
+    encode = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda *a, **k: calls.append(1) or encode(*a, **k)
+    try:
+        text = "x" * (engine.max_model_len * engine.tokenizer.max_token_chars + 1)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": text, "max_tokens": 1})
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": text}], "max_tokens": 1})
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+        assert not calls
+    finally:
+        engine.tokenizer.encode = encode
+        stop()
+
+
+def test_a_reader_that_falls_behind_gets_the_newest_output_only():
+    """The engine thread's outputs for one request: an unread one is replaced by the next
+    (each holds everything so far), a final one is kept."""
+    from lmkv_engines.minimal.async_engine import _Mailbox
+    from lmkv_engines.minimal.outputs import RequestOutput
+
+    async def main():
+        box = _Mailbox()
+        outs = [RequestOutput("r", [1], list(range(i)), "x" * i, i == 5, None) for i in range(1, 6)]
+        for out in outs[:3]:
+            box.put(out)
+        assert await box.get() is outs[2]
+        box.put(outs[4])  # finished
+        box.put(outs[3])  # (never after a final one; kept out anyway)
+        assert await box.get() is outs[4]
+
+    asyncio.run(main())

@@ -29,6 +29,25 @@ def test_hold_back_keeps_only_text_that_cannot_start_a_stop(text, stops, want):
     assert hold_back(text, stops) == want
 
 
+def test_hold_back_is_the_longest_tail_that_starts_a_stop_string():
+    """Against the definition, on random texts and stop strings over a small alphabet."""
+    import random
+
+    rng = random.Random(0)
+
+    def naive(text, stops):
+        text = text.rstrip("\ufffd")
+        tails = [k for stop in stops for k in range(1, min(len(stop) - 1, len(text)) + 1)
+                 if text.endswith(stop[:k])]
+        return text[: len(text) - max(tails, default=0)]
+
+    for _ in range(3000):
+        word = lambda n: "".join(rng.choice("abc") for _ in range(n))  # noqa: E731
+        text = word(rng.randrange(0, 12))
+        stops = tuple(word(rng.randrange(1, 8)) for _ in range(rng.randrange(0, 4)))
+        assert hold_back(text, stops) == naive(text, stops), (text, stops)
+
+
 def test_parse_size():
     assert parse_size("2GiB") == 2 << 30
     assert parse_size("512MiB") == 512 << 20
