@@ -393,6 +393,32 @@ def test_serve_without_a_config_says_lmkv_is_off_and_stops_cleanly_on_sigterm(ti
     assert "Traceback" not in log.read_text()
 
 
+def test_serve_stops_cleanly_on_sigint(tiny_model_dir, tmp_path):
+    """Ctrl-C stops the server as SIGTERM does: exit status 0, no traceback."""
+    import signal
+
+    log, port = tmp_path / "serve.log", free_port()
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            engine_command("serve", "--model", str(tiny_model_dir), "--port", str(port),
+                           "--kv-cache-memory", "8MiB", "--graceful-shutdown-timeout", "2"),
+            stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(15)
+    assert proc.returncode == 0, log.read_text()
+    assert "engine serve: stopped" in log.read_text() and "Traceback" not in log.read_text()
+
+
 def test_client_disconnect_aborts_the_stream(server):
     aborted = "engine_requests_finished_total{reason=abort}"
     before = metrics(server).get(aborted, 0)
