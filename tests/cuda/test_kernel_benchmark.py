@@ -30,3 +30,11 @@ def test_emulated_run_prints_every_kernel(emu):
         assert f"{direction} pinned copy" in r.stdout
         for kind in ("staged", "mapped"):
             assert f"{direction} chunk<->pages {kind}" in r.stdout and f"{kind}/copy = " in r.stdout
+
+
+def test_launch_overhead_runs_anywhere():
+    script = SCRIPT.parent / "launch_overhead.py"
+    r = subprocess.run([sys.executable, str(script), "--calls", "20", "--layers", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("checked/prepared = ") == 2
