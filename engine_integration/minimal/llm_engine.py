@@ -298,24 +298,40 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
-        # the text before this token, up to a trailing U+FFFD: an incomplete character that
-        # this token may complete without lengthening the text
-        settled = len(req.output_text.rstrip("\ufffd"))
-        req.output_text = self.tokenizer.decode(req.output_token_ids)
+        settled = len(req.output_text)  # the text before this token
+        req.output_text += self._new_text(req)
         if p.stop:
             # search only where a new match can start
             horizon = max(0, settled - max(len(s) for s in p.stop) + 1)
-            hits = [i for s in p.stop if (i := req.output_text.find(s, horizon)) >= 0]
-            if hits:
-                req.output_text = req.output_text[: min(hits)]
+            if any(req.output_text.find(s, horizon) >= 0 for s in p.stop):
+                # the final text is the whole output decoded at once, cut at the stop string
+                text = self.tokenizer.decode(req.output_token_ids)
+                hits = [i for s in p.stop if (i := text.find(s, horizon)) >= 0]
+                req.output_text = text[: min(hits)] if hits else text
                 return FinishReason.STOP
-        if token in p.stop_token_ids:
-            return FinishReason.STOP
-        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
-            return FinishReason.STOP
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        reason = None
+        eos = not p.ignore_eos and token in self.tokenizer.eos_token_ids
+        if token in p.stop_token_ids or eos:
+            reason = FinishReason.STOP
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:  # the final text: the whole output decoded at once
+            req.output_text = self.tokenizer.decode(req.output_token_ids)
+        return reason
+
+    def _new_text(self, req: Request) -> str:
+        """The text the newest output tokens add: tokens [detok_prefix, detok_read) are
+        decoded again with the new ones, for context (a leading space, a character whose
+        bytes span tokens), and the difference is the new text, so each token costs a few
+        tokens' decoding, not the whole output's. Empty while a character is incomplete."""
+        ids = req.output_token_ids
+        decode = self.tokenizer.decode
+        before = decode(ids[req.detok_prefix : req.detok_read]) if req.detok_read else ""
+        text = decode(ids[req.detok_prefix :])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        req.detok_prefix, req.detok_read = req.detok_read, len(ids)
+        return text[len(before) :]
 
     def _output(self, req: Request) -> RequestOutput:
         text = req.output_text

@@ -43,6 +43,10 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     output_text: str = ""
+    # incremental detokenization: output tokens [detok_prefix, detok_read) are decoded again
+    # beside the new ones, for their context (llm_engine._new_text)
+    detok_prefix: int = 0
+    detok_read: int = 0
     # False: never register this request's blocks in the prefix cache (blended KV is approximate)
     cacheable: bool = True
     # False: use no cached KV (engine prefix cache, lmkv) and save none (quality-gate re-runs)

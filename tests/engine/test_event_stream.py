@@ -87,3 +87,45 @@ def test_a_stream_sends_every_character_when_one_spans_tokens():
     events = [e for e in asyncio.run(collect()) if e.strip() != "data: [DONE]"]
     deltas = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events]
     assert "".join(deltas) == texts[-1] and not any("\ufffd" in d for d in deltas)
+
+
+@pytest.mark.parametrize("which", ["demo", "smollm2"])
+def test_incremental_detokenization_is_the_whole_decode(which, tiny_model_dir):
+    """The engine decodes a few tokens per new token (llm_engine._new_text): after every
+    token its text is the whole output decoded at once up to the last token that completed
+    a character (all of it when none is incomplete), over random tokens (multi-byte
+    characters split over tokens, leading spaces, special tokens) and over real text."""
+    import random
+
+    from lmkv_engines.minimal.llm_engine import LLMEngine
+    from lmkv_engines.minimal.request import Request
+    from lmkv_engines.minimal.sampling_params import SamplingParams
+
+    if which == "smollm2":
+        from lmkv_engines.minimal.default_model import resolve_model
+        from lmkv_engines.minimal.gguf_loader import GGUFCheckpoint
+
+        try:
+            tok = GGUFCheckpoint(resolve_model(None)).tokenizer()
+        except (FileNotFoundError, ImportError, ValueError) as e:
+            pytest.skip(f"SmolLM2 is not installed: {e}")
+    else:
+        from lmkv_engines.minimal.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_dir(tiny_model_dir)
+    engine = LLMEngine.__new__(LLMEngine)  # only the tokenizer is used
+    engine.tokenizer = tok
+    rng = random.Random(1)
+    texts = ["Paris é 😀 東京 — naïve café", "  two  spaces\nnew line\ttab", "x" * 40]
+    sequences = [tok.encode(t, add_special_tokens=False) for t in texts]
+    sequences += [[rng.randrange(tok.vocab_size) for _ in range(60)] for _ in range(20)]
+    for ids in sequences:
+        req = Request("r", [1], SamplingParams())
+        for token in ids:
+            req.output_token_ids.append(token)
+            req.output_text += engine._new_text(req)
+            whole = tok.decode(req.output_token_ids)
+            assert req.output_text == tok.decode(req.output_token_ids[: req.detok_read])
+            assert whole.startswith(req.output_text), (ids, req.output_text, whole)
+            if not whole.endswith("\ufffd"):  # nothing incomplete: all of it
+                assert req.output_text == whole, (ids, req.output_text, whole)
