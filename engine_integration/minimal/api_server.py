@@ -294,7 +294,9 @@ async def _unless_disconnected(task: asyncio.Future, request: Request):
 # ---- error bodies -------------------------------------------------------------------
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return JSONResponse(error_body(exc.message, exc.status, exc.param), status_code=exc.status)
+    headers = {"Retry-After": "1"} if exc.status == 503 else None  # busy or stopping: retry
+    return JSONResponse(error_body(exc.message, exc.status, exc.param), status_code=exc.status,
+                        headers=headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:

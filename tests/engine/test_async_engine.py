@@ -158,7 +158,7 @@ def test_http_engine_failure_is_a_500_and_the_server_keeps_serving(engine):
             lines = stream.iter_lines()  # held: dropping it would close the stream
             assert next(lines).startswith("data: ")
             busy = httpx.post(f"{url}/v1/completions", json=body)
-            assert busy.status_code == 503
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
             assert "capacity" in busy.json()["error"]["message"]
         while "api_generations_in_flight 0.0" not in httpx.get(f"{url}/metrics").text:
             assert time.monotonic() < deadline + 30, "the closed stream was not aborted"
