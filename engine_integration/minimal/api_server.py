@@ -71,6 +71,7 @@ class APIServer:
         # it is tokenized (a multi-megabyte prompt would hold the GIL for seconds)
         self.max_prompt_chars = engine.max_model_len * engine.tokenizer.max_token_chars
         self._tokenizing: asyncio.Semaphore | None = None  # made on the event loop
+        self._waiting = 0  # requests waiting for, or in, tokenization (event loop only)
 
         app = FastAPI(title="lmkv engine", lifespan=self._lifespan)
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -155,14 +156,23 @@ class APIServer:
                 f"the prompt holds {chars} characters: more than this model's context of "
                 f"{self.engine.max_model_len} tokens can hold (a token here is at most "
                 f"{self.engine.tokenizer.max_token_chars} characters)")
-        if not self.async_engine.has_room():
-            self.metrics.rejected.inc()
-            raise APIError(503, f"the server is at capacity ({self.async_engine.max_in_flight} "
-                                "requests in flight); retry later")
+        self._check_room(self._waiting)  # those waiting to be tokenized count
         if self._tokenizing is None:
             self._tokenizing = asyncio.Semaphore(TOKENIZERS)
-        async with self._tokenizing:
-            return await asyncio.to_thread(tokenize, text)
+        self._waiting += 1
+        try:
+            async with self._tokenizing:
+                self._check_room(0)
+                return await asyncio.to_thread(tokenize, text)
+        finally:
+            self._waiting -= 1
+
+    def _check_room(self, waiting: int) -> None:
+        engine = self.async_engine
+        if engine.num_in_flight + waiting >= engine.max_in_flight:
+            self.metrics.rejected.inc()
+            raise APIError(503, f"the server is at capacity ({engine.max_in_flight} requests "
+                                "in flight); retry later")
 
     def _check_length(self, prompt: list[int], max_tokens: int) -> None:
         """Refuse (400) a request whose prompt and max_tokens do not fit the context."""
@@ -343,7 +353,6 @@ def serve(config: ServerConfig) -> None:
     # one): exit with status 0, also after uvicorn's graceful shutdown, which raises the
     # signal again
     signal.signal(signal.SIGTERM, _stopped)
-    signal.signal(signal.SIGINT, _stopped)
     sock = _listen(config.host, config.port)  # before the model loads: a port in use fails fast
     try:
         lmkv_config = None
@@ -366,6 +375,7 @@ def serve(config: ServerConfig) -> None:
 
     server = APIServer(engine, config)
     log.info("serving %s on http://%s:%d", server.model_name, config.host, config.port)
+    interrupt = signal.signal(signal.SIGINT, _stopped)  # while serving, Ctrl-C stops cleanly
     try:
         _uvicorn_server(uvicorn.Config(
             server.app, host=config.host, port=config.port, log_level=config.log_level,
@@ -375,6 +385,7 @@ def serve(config: ServerConfig) -> None:
         if e.code != 0:
             raise
     finally:
+        signal.signal(signal.SIGINT, interrupt)  # a second Ctrl-C while lmkv drains interrupts
         engine.close()  # lmkv finishes its background writes
     log.info("engine serve: stopped")
 

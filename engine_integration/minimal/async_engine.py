@@ -125,10 +125,6 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return self._in_flight
 
-    def has_room(self) -> bool:
-        """Whether one more request would be taken now (generate() checks again)."""
-        return self._in_flight < self.max_in_flight
-
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:

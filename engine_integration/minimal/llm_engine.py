@@ -300,38 +300,40 @@ class LLMEngine:
         p = req.params
         settled = len(req.output_text)  # the text before this token
         req.output_text += self._new_text(req)
-        if p.stop:
-            # search only where a new match can start
-            horizon = max(0, settled - max(len(s) for s in p.stop) + 1)
-            if any(req.output_text.find(s, horizon) >= 0 for s in p.stop):
-                # the final text is the whole output decoded at once, cut at the stop string
-                text = self.tokenizer.decode(req.output_token_ids)
-                hits = [i for s in p.stop if (i := text.find(s, horizon)) >= 0]
-                req.output_text = text[: min(hits)] if hits else text
-                return FinishReason.STOP
         reason = None
+        # search only where a new match can start
+        horizon = max(0, settled - max(map(len, p.stop), default=0) + 1)
         eos = not p.ignore_eos and token in self.tokenizer.eos_token_ids
-        if token in p.stop_token_ids or eos:
+        stop_string = any(req.output_text.find(s, horizon) >= 0 for s in p.stop)
+        if stop_string or token in p.stop_token_ids or eos:
             reason = FinishReason.STOP
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
-        if reason is not None:  # the final text: the whole output decoded at once
-            req.output_text = self.tokenizer.decode(req.output_token_ids)
+        if reason is not None:  # the final text: the whole output decoded at once, cut at
+            text = self.tokenizer.decode(req.output_token_ids)  # the first stop string in it
+            hits = [i for s in p.stop if (i := text.find(s)) >= 0]
+            req.output_text = text[: min(hits)] if hits else text
+            if hits:
+                reason = FinishReason.STOP
         return reason
 
     def _new_text(self, req: Request) -> str:
-        """The text the newest output tokens add: tokens [detok_prefix, detok_read) are
-        decoded again with the new ones, for context (a leading space, a character whose
+        """The text the newest output token adds: tokens [detok_prefix, detok_read) are
+        decoded again with the newer ones, for context (a leading space, a character whose
         bytes span tokens), and the difference is the new text, so each token costs a few
-        tokens' decoding, not the whole output's. Empty while a character is incomplete."""
+        tokens' decoding, not the whole output's. A character still incomplete (decoded as
+        U+FFFD) is held back, the complete ones before it are not."""
         ids = req.output_token_ids
         decode = self.tokenizer.decode
         before = decode(ids[req.detok_prefix : req.detok_read]) if req.detok_read else ""
-        text = decode(ids[req.detok_prefix :])
-        if len(text) <= len(before) or text.endswith("\ufffd"):
-            return ""
-        req.detok_prefix, req.detok_read = req.detok_read, len(ids)
-        return text[len(before) :]
+        added = decode(ids[req.detok_prefix :])[len(before) :]
+        if not added.endswith("\ufffd"):
+            req.detok_prefix, req.detok_read = req.detok_read, len(ids)
+            out, req.detok_sent = added[req.detok_sent :], 0
+            return out
+        complete = added.rstrip("\ufffd")
+        out, req.detok_sent = complete[req.detok_sent :], max(req.detok_sent, len(complete))
+        return out
 
     def _output(self, req: Request) -> RequestOutput:
         text = req.output_text

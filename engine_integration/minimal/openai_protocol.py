@@ -6,6 +6,7 @@ do); what this engine cannot honour is refused with a ValueError naming the fiel
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt, model_validator
@@ -35,21 +36,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-def _check_text(value: Any, where: str = "body") -> None:
-    """Raise ValueError where a string of ``value`` is not valid Unicode (JSON lets a lone
-    surrogate through: "\\ud800"), naming the field."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{where} is not valid Unicode (a lone surrogate)") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_text(key, where)
-            _check_text(item, f"{where}.{key}" if where != "body" else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_text(item, f"{where}[{i}]")
+def _check_text(name: str, value: str) -> None:
+    """Raise ValueError naming the field when ``value`` is not valid Unicode (JSON lets a
+    lone surrogate through: "\\ud800")."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} is not valid Unicode (a lone surrogate)") from None
 
 
 class GenerationRequest(BaseModel):
@@ -59,11 +52,25 @@ class GenerationRequest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_text(cls, data: Any) -> Any:
-        _check_text(data)
+    def _null_is_default(cls, data: Any) -> Any:
         if isinstance(data, dict):  # OpenAI lets these be null: their defaults
             data = {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_DEFAULT)}
         return data
+
+    @model_validator(mode="after")
+    def _valid_text(self):
+        for name, value in self.strings():
+            _check_text(name, value)
+        return self
+
+    def strings(self) -> Iterator[tuple[str, str]]:
+        """(field, text) of every string this server reads (token-id lists are not looked
+        at: a prompt of millions of ids costs nothing here)."""
+        if self.model is not None:
+            yield "model", self.model
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        for i, stop in enumerate(stops):
+            yield f"stop[{i}]", stop
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = None
@@ -143,6 +150,16 @@ class CompletionRequest(GenerationRequest):
         if self.suffix:
             raise ValueError("suffix is not supported")
 
+    def strings(self) -> Iterator[tuple[str, str]]:
+        yield from super().strings()
+        if isinstance(self.prompt, str):
+            yield "prompt", self.prompt
+        elif self.prompt and isinstance(self.prompt[0], str):
+            for i, p in enumerate(self.prompt):
+                yield f"prompt[{i}]", p
+        if self.suffix:
+            yield "suffix", self.suffix
+
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request; a list of several prompts is refused."""
         p = self.prompt
@@ -191,6 +208,16 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("messages must not be empty")
         if self.logprobs or self.top_logprobs is not None:
             raise ValueError("logprobs is not supported")
+
+    def strings(self) -> Iterator[tuple[str, str]]:
+        yield from super().strings()
+        for i, m in enumerate(self.messages):
+            yield f"messages[{i}].role", m.role
+            if isinstance(m.content, str):
+                yield f"messages[{i}].content", m.content
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.text is not None:
+                    yield f"messages[{i}].content[{j}].text", part.text
 
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -47,6 +47,7 @@ class Request:
     # beside the new ones, for their context (llm_engine._new_text)
     detok_prefix: int = 0
     detok_read: int = 0
+    detok_sent: int = 0  # characters past decode(tokens [detok_prefix, detok_read)) in output_text
     # False: never register this request's blocks in the prefix cache (blended KV is approximate)
     cacheable: bool = True
     # False: use no cached KV (engine prefix cache, lmkv) and save none (quality-gate re-runs)

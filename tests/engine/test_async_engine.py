@@ -261,3 +261,26 @@ def test_a_reader_that_falls_behind_gets_the_newest_output_only():
         assert await box.get() is outs[4]
 
     asyncio.run(main())
+
+
+def test_a_burst_is_refused_before_it_is_tokenized(engine):
+    """Requests waiting to be tokenized count against the server's bound: a burst beyond it
+    gets 503s at once instead of all being tokenized (holding the interpreter) and then
+    refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    api = APIServer(engine, ServerConfig(engine=engine.config, max_pending=1))  # 2 in flight
+    url, stop = _serve_in_thread(api)
+    tokenized = []
+    tokenize = engine.tokenize
+    engine.tokenize = lambda *a, **k: tokenized.append(1) or time.sleep(0.2) or tokenize(*a, **k)
+    body = {"prompt": "hello there", "max_tokens": 2, "temperature": 0}
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            codes = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body,
+                                                       timeout=30).status_code, range(12)))
+    finally:
+        engine.tokenize = tokenize
+        stop()
+    assert codes.count(503) >= 8 and set(codes) <= {200, 503}, codes
+    assert len(tokenized) == codes.count(200), (len(tokenized), codes)

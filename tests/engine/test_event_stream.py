@@ -92,9 +92,9 @@ def test_a_stream_sends_every_character_when_one_spans_tokens():
 @pytest.mark.parametrize("which", ["demo", "smollm2"])
 def test_incremental_detokenization_is_the_whole_decode(which, tiny_model_dir):
     """The engine decodes a few tokens per new token (llm_engine._new_text): after every
-    token its text is the whole output decoded at once up to the last token that completed
-    a character (all of it when none is incomplete), over random tokens (multi-byte
-    characters split over tokens, leading spaces, special tokens) and over real text."""
+    token its text is the whole output decoded at once, less a trailing incomplete
+    character, over random tokens (multi-byte characters split over tokens, leading spaces,
+    special tokens) and over real text (byte-level BPE tokenizers)."""
     import random
 
     from lmkv_engines.minimal.llm_engine import LLMEngine
@@ -125,7 +125,33 @@ def test_incremental_detokenization_is_the_whole_decode(which, tiny_model_dir):
             req.output_token_ids.append(token)
             req.output_text += engine._new_text(req)
             whole = tok.decode(req.output_token_ids)
-            assert req.output_text == tok.decode(req.output_token_ids[: req.detok_read])
-            assert whole.startswith(req.output_text), (ids, req.output_text, whole)
-            if not whole.endswith("\ufffd"):  # nothing incomplete: all of it
-                assert req.output_text == whole, (ids, req.output_text, whole)
+            assert req.output_text == whole.rstrip("\ufffd"), (ids, req.output_text, whole)
+
+
+def test_a_stop_string_ends_at_the_token_that_completes_it_when_that_token_starts_a_character(
+        tiny_model_dir):
+    """SmolLM2 has tokens that are a space and the first byte of a multi-byte character: a
+    stop string ending in that space stops the request at that token, as decoding the
+    whole output would, not a token later or never."""
+    from lmkv_engines.minimal.default_model import resolve_model
+    from lmkv_engines.minimal.gguf_loader import GGUFCheckpoint
+    from lmkv_engines.minimal.llm_engine import LLMEngine
+    from lmkv_engines.minimal.request import Request
+    from lmkv_engines.minimal.sampling_params import SamplingParams
+
+    try:
+        tok = GGUFCheckpoint(resolve_model(None)).tokenizer()
+    except (FileNotFoundError, ImportError, ValueError) as e:
+        pytest.skip(f"SmolLM2 is not installed: {e}")
+    lead = next(i for i in range(tok.vocab_size) if tok.decode([i]) == " \ufffd")
+    engine = LLMEngine.__new__(LLMEngine)
+    engine.tokenizer, engine.max_model_len = tok, 1000
+    ids = [*tok.encode("Answer: yes", add_special_tokens=False), lead]
+    for max_tokens in (len(ids), 50):  # the stop token is also the last allowed, or not
+        req = Request("r", [1], SamplingParams(stop=("yes ",), max_tokens=max_tokens))
+        reasons = []
+        for token in ids:
+            req.output_token_ids.append(token)
+            reasons.append(engine._check_stop(req, token))
+        assert reasons[:-1] == [None] * (len(ids) - 1) and reasons[-1] is not None
+        assert reasons[-1].value == "stop" and req.output_text == "Answer: "
