@@ -196,12 +196,12 @@ def _vllm(
     slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int, check: bool, layer: int | None,
 ) -> None:  # fmt: skip
     if isinstance(kv_caches, VllmLayers):
-        layers = kv_caches
-        first, count = (0, len(layers)) if layer is None else (layer, 1)
-        paged, table = layers.layers(first, count)
-        align = layers.align
+        first, count = (0, len(kv_caches)) if layer is None else (layer, 1)
+        paged, table = kv_caches.layers(first, count)
+        align = kv_caches.align
     else:  # checked now, with a table for this call
-        require(layer is None, "layer= needs kv_caches prepared as VllmLayers")
+        if layer is not None:
+            kv_caches = kv_caches[layer : layer + 1]
         _check_layers(launcher, kv_caches)
         paged, count = kv_caches[0], len(kv_caches)
         ptrs = [t.data_ptr() for t in kv_caches]
@@ -228,8 +228,7 @@ def paged_to_chunk_vllm(
     chunk: torch.Tensor, skip: int = 0, *, check: bool = True, layer: int | None = None,
 ) -> None:  # fmt: skip
     """chunk[0, l, t] = kv_caches[l][slot t][..., :D], chunk[1, l, t] = [..., D:], for t in
-    [skip, T). With ``layer`` (kv_caches prepared as VllmLayers), that layer only, into a
-    chunk of one layer."""
+    [skip, T). With ``layer``, that layer only, into a chunk of one layer."""
     _vllm(launcher, False, kv_caches, slot_mapping, chunk, skip, check, layer)
 
 

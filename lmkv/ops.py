@@ -96,14 +96,12 @@ def vllm_layers(kv_caches: Sequence[torch.Tensor], *, launcher: Launcher | None 
 
 
 def _vllm_args(kv_caches, layer: int | None, *others: torch.Tensor, launcher: Launcher | None):
-    """(the kernels' launcher or None for the torch twins, the layers as the kernel wrapper
-    takes them, its ``layer``, the layers' tensors as the twins take them)."""
-    prepared = hasattr(kv_caches, "tensors")
-    tensors = kv_caches.tensors if prepared else list(kv_caches)
+    """(the kernels' launcher, or None for the torch twins; the layers' tensors as the twins
+    take them)."""
+    tensors = list(getattr(kv_caches, "tensors", kv_caches))
     if layer is not None:
         tensors = tensors[layer : layer + 1]
-    launcher = kernel_launcher(tensors[0], *others, launcher=launcher)
-    return launcher, kv_caches if prepared else tensors, layer if prepared else None, tensors
+    return kernel_launcher(tensors[0], *others, launcher=launcher), tensors
 
 
 def paged_to_chunk_vllm(
@@ -113,14 +111,13 @@ def paged_to_chunk_vllm(
     """chunk[0 / 1, l, t] = K / V of kv_caches[l] at slot_mapping[t], t in [skip, T).
     kv_caches: the per-layer tensors, or ``vllm_layers`` of them; with ``layer``, that layer
     only, into a chunk of one layer."""
-    launcher, kv, kv_layer, tensors = _vllm_args(kv_caches, layer, chunk, slot_mapping,
-                                                 launcher=launcher)
+    launcher, tensors = _vllm_args(kv_caches, layer, chunk, slot_mapping, launcher=launcher)
     if launcher is not None:
         from lmkv_cuda import kv_copy
 
         with _dense(chunk) as out:
-            kv_copy.paged_to_chunk_vllm(launcher, kv, slot_mapping, out, skip, check=check,
-                                        layer=kv_layer)
+            kv_copy.paged_to_chunk_vllm(launcher, kv_caches, slot_mapping, out, skip, check=check,
+                                        layer=layer)
         return
     ops_torch.paged_to_chunk_vllm(tensors, slot_mapping, chunk, skip)
 
@@ -131,13 +128,12 @@ def chunk_to_paged_vllm(
 ) -> None:  # fmt: skip
     """K / V of kv_caches[l] at slot_mapping[t] = chunk[0 / 1, l, t], t in [skip, T)
     (kv_caches and ``layer`` as in paged_to_chunk_vllm)."""
-    launcher, kv, kv_layer, tensors = _vllm_args(kv_caches, layer, chunk, slot_mapping,
-                                                 launcher=launcher)
+    launcher, tensors = _vllm_args(kv_caches, layer, chunk, slot_mapping, launcher=launcher)
     if launcher is not None:
         from lmkv_cuda import kv_copy
 
-        return kv_copy.chunk_to_paged_vllm(launcher, chunk.contiguous(), kv, slot_mapping, skip,
-                                           check=check, layer=kv_layer)
+        return kv_copy.chunk_to_paged_vllm(launcher, chunk.contiguous(), kv_caches, slot_mapping,
+                                           skip, check=check, layer=layer)
     ops_torch.chunk_to_paged_vllm(chunk, tensors, slot_mapping, skip)
 
 

@@ -345,22 +345,32 @@ def test_every_command_says_how_lmkv_is_turned_on(command):
     assert "LMKV_CONFIG_FILE" in " ".join(out.stdout.split())
 
 
-def test_serve_without_a_config_says_lmkv_is_off_and_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "LMKV_CONFIG_FILE"}
-    log, port = tmp_path / "serve.log", free_port()
+def start_serve(model_dir, log, *args: str, env=None) -> tuple[subprocess.Popen, int]:
+    """`engine serve` of ``model_dir`` (8 MiB of KV) logging to ``log``, once healthy: the
+    process and its port. The caller stops it."""
+    port = free_port()
     with log.open("w") as out:
         proc = subprocess.Popen(
-            engine_command("serve", "--model", str(tiny_model_dir), "--port", str(port),
-                           "--kv-cache-memory", "8MiB"), env=env, stdout=out, stderr=subprocess.STDOUT)
+            engine_command("serve", "--model", str(model_dir), "--port", str(port),
+                           "--kv-cache-memory", "8MiB", *args), env=env, stdout=out,
+            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"serve did not become healthy:\n{log.read_text()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, port
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
+def test_serve_without_a_config_says_lmkv_is_off_and_stops_cleanly_on_sigterm(tiny_model_dir, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "LMKV_CONFIG_FILE"}
+    log = tmp_path / "serve.log"
+    proc, port = start_serve(tiny_model_dir, log, env=env)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         # requests still running when it stops (longer than its 5 s of grace) end with a
         # 503 naming the shutdown, streamed or not, never a cancelled handler's plain 500
         import threading
@@ -397,24 +407,10 @@ def test_serve_stops_cleanly_on_sigint(tiny_model_dir, tmp_path):
     """Ctrl-C stops the server as SIGTERM does: exit status 0, no traceback."""
     import signal
 
-    log, port = tmp_path / "serve.log", free_port()
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            engine_command("serve", "--model", str(tiny_model_dir), "--port", str(port),
-                           "--kv-cache-memory", "8MiB", "--graceful-shutdown-timeout", "2"),
-            stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(15)
+    log = tmp_path / "serve.log"
+    proc, _ = start_serve(tiny_model_dir, log, "--graceful-shutdown-timeout", "2")
+    proc.send_signal(signal.SIGINT)
+    proc.wait(15)
     assert proc.returncode == 0, log.read_text()
     assert "engine serve: stopped" in log.read_text() and "Traceback" not in log.read_text()
 

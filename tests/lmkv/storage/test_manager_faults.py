@@ -253,6 +253,16 @@ class Stuck(Memory):
         super().put(items)
 
 
+def hold_worker(m) -> threading.Event:
+    """Keep ``m``'s I/O worker busy and its queue (of one) full until the event is set."""
+    gate = threading.Event()
+    m.io.submit(gate.wait)
+    while m.io.pending():
+        pass
+    m.io.submit(lambda: None)
+    return gate
+
+
 def put_one(pool, m, key, parent=None):
     buf = pool.allocate()
     m.put(key, buf, parent)
@@ -263,11 +273,7 @@ def test_a_write_dropped_by_a_full_queue_is_written_when_the_hot_chunk_is_next_u
     """A hot chunk whose write below was dropped is written when a load hits it, or when a
     save finds it hot already, once."""
     pool, (tier,), m = manager(queue=1, policy="lru")
-    gate = threading.Event()
-    m.io.submit(gate.wait)  # the worker is busy ...
-    while m.io.pending():
-        pass
-    m.io.submit(lambda: None)  # ... and its queue full
+    gate = hold_worker(m)
     put_one(pool, m, "a")
     put_one(pool, m, "b")
     assert m.metrics.registry.get_sample_value("lmkv_dropped_total", {"what": "save_t0"}) == 2
@@ -373,18 +379,6 @@ def test_stored_chunks_counts_only_chunks_kept_or_queued_below():
     m.close()
 
 
-class Refusing(Memory):
-    """A tier that takes no writes (a read-only or full disk)."""
-
-    def __init__(self):
-        super().__init__()
-        self.puts = 0
-
-    def put(self, items):
-        self.puts += 1
-        raise BackendError("read-only file system")
-
-
 class Counting(Memory):
     def __init__(self):
         super().__init__()
@@ -393,6 +387,14 @@ class Counting(Memory):
     def put(self, items):
         self.puts += 1
         super().put(items)
+
+
+class Refusing(Counting):
+    """A tier that takes no writes (a read-only or full disk)."""
+
+    def put(self, items):
+        self.puts += 1
+        raise BackendError("read-only file system")
 
 
 def test_a_tier_that_takes_no_writes_does_not_make_hot_hits_rewrite_the_others():
@@ -417,11 +419,7 @@ def test_a_tier_that_takes_no_writes_does_not_make_hot_hits_rewrite_the_others()
 
 def test_a_lost_write_is_forgotten_with_its_chunk_and_lossy_chunks_are_never_written_again():
     pool, (tier,), m = manager(slots=4, queue=1, policy="lru")
-    gate = threading.Event()
-    m.io.submit(gate.wait)
-    while m.io.pending():
-        pass
-    m.io.submit(lambda: None)
+    gate = hold_worker(m)
     put_one(pool, m, "a")  # dropped
     buf = pool.allocate()
     buf.lossy = True  # as if decoded from a cachegen frame
