@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -21,7 +22,7 @@ from starlette.exceptions import HTTPException
 
 from .async_engine import AsyncEngine, EngineError, EngineStoppedError, QueueFullError
 from .body_limit import BodyLimit
-from .event_stream import DONE, EventStream, hold_back, sse
+from .event_stream import DONE, EventStream, sse
 from .openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,7 +35,7 @@ from .openai_protocol import (
     usage_chunk,
 )
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import OutputKind, SamplingParams
 from .server_config import ServerConfig
 from .server_metrics import MetricsMiddleware, ServerMetrics
 
@@ -199,12 +200,14 @@ class APIServer:
     ) -> Response:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        outputs = self.async_engine.generate(rid, prompt, params)
+        # a stream sends what is new after each step; a response needs the finished output only
+        kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
+        outputs = self.async_engine.generate(rid, prompt, replace(params, output_kind=kind))
         first = await _first_output(outputs, request)  # refusals: 4xx/5xx before any byte
         if first is None:
             return Response(status_code=499)  # the client went away; nobody reads this
         if body.stream:
-            events = self._events(rid, created, body, params.stop, first, outputs, chat)
+            events = self._events(rid, created, body, first, outputs, chat)
             return EventStream(events)
         out = await _last_output(first, outputs, request)
         if out is None:
@@ -213,21 +216,18 @@ class APIServer:
         return JSONResponse(build(rid, created, self.model_name, out, body.return_token_ids))
 
     async def _events(
-        self, rid: str, created: int, body: GenerationRequest, stops: tuple[str, ...],
+        self, rid: str, created: int, body: GenerationRequest,
         first: RequestOutput, outputs: AsyncIterator[RequestOutput], chat: bool,
     ) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per new text, the last with finish_reason."""
-        model, ids = self.model_name, body.return_token_ids
-        sent_text, sent_ids, out = "", 0, first
+        """Server-sent events: one chunk per new text (the outputs are deltas), the last with
+        finish_reason."""
+        model, ids, out = self.model_name, body.return_token_ids, first
         try:
             if chat:
                 role = {"role": "assistant", "content": ""}
                 yield sse(chat_chunk(rid, created, model, role, None, [] if ids else None))
             while True:
-                # the tail that may grow into a stop string waits until it cannot
-                text = out.text if out.finished else hold_back(out.text, stops)
-                delta = text[len(sent_text):] if text.startswith(sent_text) else ""
-                new_ids = out.output_token_ids[sent_ids:] if ids else None
+                delta, new_ids = out.text, out.output_token_ids if ids else None
                 if delta or new_ids or out.finished:
                     if chat:
                         content = {"content": delta} if delta or not out.finished else {}
@@ -237,8 +237,6 @@ class APIServer:
                             rid, created, model, delta, out.finish_reason, new_ids
                         )
                     yield sse(chunk)
-                    sent_text += delta
-                    sent_ids = len(out.output_token_ids)
                 if out.finished:
                     break
                 out = await anext(outputs)

@@ -2,9 +2,10 @@
 
 Handlers call ``generate()`` on the event loop. Adds and aborts reach the engine thread
 through a locked list of commands, applied between steps; outputs come back through one
-mailbox per request, filled with ``loop.call_soon_threadsafe``, that keeps only the newest
-output (outputs are cumulative), so a client that stops reading costs one output, not one
-per token generated. Only the engine thread touches the LLMEngine.
+mailbox per request, filled with ``loop.call_soon_threadsafe``, that keeps the newest
+cumulative output or joins delta outputs, so a client that stops reading costs at most its
+output so far, not one message per token generated. Only the engine thread touches the
+LLMEngine.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import OutputKind, SamplingParams
 from .server_metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -31,18 +32,26 @@ _Item = RequestOutput | Exception
 
 
 class _Mailbox:
-    """The newest item for one request, on the event loop: a later output replaces an
-    unread one (each output holds everything generated so far); a final item (a finished
-    output or an error) is never replaced."""
+    """What the engine thread has for one request that its reader has not taken yet, on the
+    event loop. An output holding everything so far replaces an unread one; delta outputs
+    (OutputKind.DELTA) are joined to the unread ones, so a reader that fell behind gets one
+    output with all it missed. A final item (a finished output or an error) is never
+    replaced."""
 
-    def __init__(self) -> None:
+    def __init__(self, delta: bool = False) -> None:
+        self._delta = delta
         self._item: _Item | None = None
+        self._ids: list[int] = []  # unread deltas before _item: their token ids and texts
+        self._texts: list[str] = []
         self._ready = asyncio.Event()
 
     def put(self, item: _Item) -> None:
         if isinstance(self._item, Exception) or (
                 isinstance(self._item, RequestOutput) and self._item.finished):
             return
+        if self._delta and isinstance(self._item, RequestOutput) and isinstance(item, RequestOutput):
+            self._ids.extend(self._item.output_token_ids)
+            self._texts.append(self._item.text)
         self._item = item
         self._ready.set()
 
@@ -51,6 +60,10 @@ class _Mailbox:
         self._ready.clear()
         item, self._item = self._item, None
         assert item is not None
+        if self._texts and isinstance(item, RequestOutput):
+            item = replace(item, output_token_ids=self._ids + item.output_token_ids,
+                           text="".join(self._texts) + item.text)
+        self._ids, self._texts = [], []
         return item
 
 
@@ -128,7 +141,7 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """The outputs of one request, each cumulative; the last one is finished.
+        """The outputs of one request (of ``params.output_kind``); the last one is finished.
 
         Raises ValueError when the engine refuses the request (the message says why),
         QueueFullError when ``max_in_flight`` requests are already in flight, EngineError
@@ -144,7 +157,7 @@ class AsyncEngine:
                 f"the server is at capacity ({self.max_in_flight} requests in flight); "
                 "retry later"
             )
-        queue = _Mailbox()
+        queue = _Mailbox(delta=params.output_kind is OutputKind.DELTA)
         self._set_in_flight(self._in_flight + 1)
         done = False
         try:

@@ -59,14 +59,14 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def compute_block_hashes(self, request: Request, salt: bytes = b"") -> list[bytes]:
-        """Hashes of all full blocks of the request's known tokens (memoised on the request)."""
-        tokens = request.all_token_ids
+        """Hashes of all full blocks of the request's known tokens (memoised on the request:
+        only blocks completed since the last call are hashed)."""
         hashes = request.block_hashes
         bs = self.block_size
-        while (len(hashes) + 1) * bs <= len(tokens):
+        while (len(hashes) + 1) * bs <= request.num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], salt))
+            hashes.append(hash_block(parent, request.token_ids(i * bs, (i + 1) * bs), salt))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -115,7 +115,7 @@ class BlockManager:
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
-        request.block_ids.clear()
+        request.clear_blocks()
 
     def forget(self, block_ids) -> None:
         """Drop these blocks from the prefix cache: their contents are not what their hashes say."""
@@ -149,11 +149,17 @@ class BlockManager:
         return block
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register blocks that will be full once tokens [0, num_tokens) are computed."""
+        """Register blocks that will be full once tokens [0, num_tokens) are computed; each
+        block is offered once while the request holds it (the step's new ones only)."""
+        full = num_tokens // self.block_size
+        if full <= request.num_registered_blocks:
+            return
         hashes = self.compute_block_hashes(request)
-        for i in range(min(num_tokens // self.block_size, len(hashes))):
+        end = min(full, len(hashes))
+        for i in range(request.num_registered_blocks, end):
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is not None or hashes[i] in self.cached:
                 continue
             block.block_hash = hashes[i]
             self.cached[hashes[i]] = block
+        request.num_registered_blocks = end

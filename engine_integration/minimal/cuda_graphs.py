@@ -129,7 +129,7 @@ class DecodeGraphs:
         return 0 < n <= self.sizes[-1]
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],
-            tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor:
+            tables: list[torch.Tensor], seq_lens: list[int]) -> torch.Tensor:
         """The final hidden states [n, hidden] of n decode tokens (n <= the largest size)."""
         n = len(ids)
         b = self.sizes[bisect_left(self.sizes, n)]
@@ -143,7 +143,7 @@ class DecodeGraphs:
         h["seq_lens"][:n] = torch.tensor(seq_lens)
         host_tables = h["block_tables"][: n * w].view(n, w)  # contiguous: copied asynchronously
         for i, row in enumerate(tables):  # columns past a row's blocks are never read
-            host_tables[i, : len(row)] = torch.tensor(row)
+            host_tables[i, : len(row)] = row
         if b > n:  # padding rows: nothing written, one key read
             h["input_ids"][n:b] = 0
             h["positions"][n:b] = 0

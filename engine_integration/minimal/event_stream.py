@@ -22,25 +22,6 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-def hold_back(text: str, stops: tuple[str, ...]) -> str:
-    """``text`` without what may still change or vanish: a trailing U+FFFD (the decoded text
-    of a character whose bytes span tokens, until its last byte arrives; sent as it was, the
-    text that follows would no longer continue what was sent) and its longest tail that is a
-    proper prefix of a stop string."""
-    text = text.rstrip("\ufffd")
-    if not text:
-        return text
-    keep, last = len(text), text[-1]
-    for stop in stops:  # candidate tails end where the stop string holds the last character
-        end = min(len(stop) - 1, len(text))
-        while (i := stop.rfind(last, 0, end)) >= 0:
-            if text.endswith(stop[: i + 1]):
-                keep = min(keep, len(text) - i - 1)
-                break
-            end = i
-    return text[:keep]
-
-
 DONE = "data: [DONE]\n\n"  # the last event of an OpenAI stream
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import OutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from lmkv.config import LMKVConfig
@@ -43,6 +43,8 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # only the finished outputs are returned: the engine builds no others
+        params = [replace(p, output_kind=OutputKind.FINAL_ONLY) for p in params]
         order: list[str] = []
         done: dict[str, RequestOutput] = {}
         try:  # a bad prompt or a failed step leaves none of these requests behind

@@ -18,9 +18,9 @@ from .loader import load_model
 from .metrics import EngineMetrics
 from .model_config import ModelConfig, parse_dtype
 from .model_runner import ModelRunner
-from .outputs import RequestOutput
+from .outputs import RequestOutput, hold_back
 from .request import FinishReason, Request, RequestStatus
-from .sampling_params import SamplingParams
+from .sampling_params import OutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .tokenizer import Tokenizer
 
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from lmkv.config import LMKVConfig
 
 log = logging.getLogger(__name__)
+
+CUMULATIVE, DELTA, FINAL_ONLY = OutputKind.CUMULATIVE, OutputKind.DELTA, OutputKind.FINAL_ONLY
 DEFAULT_BATCHED_TOKENS = 2048  # tokens per step with chunked prefill, unless configured
 
 
@@ -260,7 +262,10 @@ class LLMEngine:
         self.metrics.kv_usage.set(self.block_manager.usage)
 
     def _postprocess(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+        """Each request's sampled token in; outputs out. O(new tokens) per request (but for
+        OutputKind.CUMULATIVE outputs, which copy everything so far)."""
         outputs = []
+        generated = 0
         for s in sched.scheduled:
             req = s.request
             first = req.num_cached_tokens + req.num_external_tokens  # the prompt's first step
@@ -280,8 +285,7 @@ class LLMEngine:
                     kv = self.kv_cache.flatten(2, 3)[:, :, slots.to(self.kv_cache.device)]
                     req.captured_kv = kv.transpose(0, 1).contiguous().cpu()  # lmkv stores host chunks
             req.output_token_ids.append(token)
-            if not req.internal:
-                self.metrics.generation_tokens.inc()
+            generated += not req.internal
             reason = self._check_stop(req, token)
             if reason is not None:
                 rerun = self.kv_connector.request_finished(req) if self.kv_connector else None
@@ -292,19 +296,25 @@ class LLMEngine:
                 if rerun is not None:
                     self.requests[rerun.request_id] = rerun
                     self.scheduler.add(rerun)
-            if not req.internal:
+            if not req.internal and (req.is_finished or req.params.output_kind is not FINAL_ONLY):
                 outputs.append(self._output(req))
+        self.metrics.generation_tokens.inc(generated)
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
         p = req.params
-        settled = len(req.output_text)  # the text before this token
-        req.output_text += self._new_text(req)
+        new = self._new_text(req)
+        # a new match starts at most (longest stop - 1) characters before the new text
+        window = req.stop_window + new
+        keep = max(map(len, p.stop), default=1) - 1
+        req.stop_window = window[-keep:] if keep else ""
+        if p.output_kind is CUMULATIVE:
+            req.output_text += new
+        elif p.output_kind is DELTA:
+            req.unsent_text += new
         reason = None
-        # search only where a new match can start
-        horizon = max(0, settled - max(map(len, p.stop), default=0) + 1)
         eos = not p.ignore_eos and token in self.tokenizer.eos_token_ids
-        stop_string = any(req.output_text.find(s, horizon) >= 0 for s in p.stop)
+        stop_string = any(s in window for s in p.stop)
         if stop_string or token in p.stop_token_ids or eos:
             reason = FinishReason.STOP
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
@@ -336,18 +346,30 @@ class LLMEngine:
         return out
 
     def _output(self, req: Request) -> RequestOutput:
-        text = req.output_text
-        if not req.is_finished and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for the rest
+        kind = req.params.output_kind
+        ids = req.output_token_ids
+        if kind is DELTA:
+            new_ids, req.sent_tokens = ids[req.sent_tokens :], len(ids)
+            if req.is_finished:  # the final text's rest (the deltas add up to the final text,
+                text = req.output_text[req.sent_chars :]  # but where bytes were invalid)
+            else:  # what can no longer change or become a stop string
+                text = hold_back(req.unsent_text, req.params.stop)
+                req.unsent_text = req.unsent_text[len(text) :]
+            req.sent_chars += len(text)
+        else:
+            new_ids, text = list(ids), req.output_text
+            if not req.is_finished and text.endswith("\ufffd"):
+                text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for the rest
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=list(req.output_token_ids),
+            output_token_ids=new_ids,
             text=text,
             finished=req.is_finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             num_cached_tokens=req.num_cached_tokens,
             num_external_tokens=req.num_external_tokens,
+            num_output_tokens=len(ids),
         )
 
     def close(self) -> None:

@@ -63,7 +63,8 @@ class ModelRunner:
         if not sample_rows:
             return sampled
         rows, reqs = zip(*sample_rows, strict=True)
-        logits = self.model.compute_logits(hidden[list(rows)]).cpu()  # the step's one host sync
+        logits = self.model.compute_logits(hidden[list(rows)])
+        # the step's host sync: the greedy rows' token ids (and the sampling rows' logits)
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         sampled.update((r.request_id, t) for r, t in zip(reqs, tokens, strict=True))
         return sampled
@@ -75,11 +76,11 @@ class ModelRunner:
         for i, s in enumerate(batch):
             req = s.request
             p = req.num_computed_tokens
-            ids.append(req.all_token_ids[p])
+            ids.extend(req.token_ids(p, p + 1))
             pos.append(p)
             slots.append(req.block_ids[p // bs] * bs + p % bs)
             lens.append(p + 1)
-            tables.append(req.block_ids)
+            tables.append(req.block_table())
             if p + 1 == req.num_tokens:
                 sample_rows.append((i, req))
         return graphs.run(ids, pos, slots, tables, lens), sample_rows
@@ -96,7 +97,7 @@ class ModelRunner:
             plan.release()
         req.num_blend_recomputed = recomputed
         self.num_forward_tokens += req.num_tokens - cached + recomputed
-        return sample(logits[None].cpu(), [req.params], [req.generator])[0]
+        return sample(logits[None], [req.params], [req.generator])[0]
 
     def slots(self, req: Request, start: int, end: int) -> torch.Tensor:
         """[end - start] int64 paged-memory slots of the request's tokens [start, end)."""
@@ -119,13 +120,13 @@ class ModelRunner:
             req = s.request
             lo = req.num_computed_tokens
             hi = lo + s.num_new_tokens
-            ids.extend(req.all_token_ids[lo:hi])
+            ids.extend(req.token_ids(lo, hi))
             pos.extend(range(lo, hi))
             blocks = req.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(lo, hi))
             seq_lens.append(hi)
             starts.append(starts[-1] + s.num_new_tokens)
-            tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+            tables[i, : len(blocks)] = req.block_table()
             if hi == req.num_tokens:
                 sample_rows.append((starts[-1] - 1, req))
         dev = self.device  # host-built metadata, copied over without a sync

@@ -225,7 +225,7 @@ class ChatCompletionRequest(GenerationRequest):
 
 # ---- responses ------------------------------------------------------------------------
 def usage(out: RequestOutput) -> dict[str, int]:
-    prompt, completion = len(out.prompt_token_ids), len(out.output_token_ids)
+    prompt, completion = len(out.prompt_token_ids), out.num_output_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

@@ -37,17 +37,24 @@ class Request:
     num_cached_tokens: int = 0
     # tokens after those that lmkv loaded at admission
     num_external_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # appended to; emptied by clear_blocks()
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks so far
+    num_registered_blocks: int = 0  # blocks [0, n) offered to the prefix cache already
+    _table: torch.Tensor | None = None  # block_ids[:_table_len] as int64 (block_table())
+    _table_len: int = 0
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
-    output_text: str = ""
+    output_text: str = ""  # OutputKind.CUMULATIVE: the text so far; once finished: the final text
+    stop_window: str = ""  # the text's last characters, where a stop string may still begin
+    unsent_text: str = ""  # OutputKind.DELTA: text not in an output yet (held back)
+    sent_tokens: int = 0  # OutputKind.DELTA: output tokens already in an output
+    sent_chars: int = 0  # OutputKind.DELTA: characters already in an output
     # incremental detokenization: output tokens [detok_prefix, detok_read) are decoded again
     # beside the new ones, for their context (llm_engine._new_text)
     detok_prefix: int = 0
     detok_read: int = 0
-    detok_sent: int = 0  # characters past decode(tokens [detok_prefix, detok_read)) in output_text
+    detok_sent: int = 0  # characters past decode(tokens [detok_prefix, detok_read)) given out
     # False: never register this request's blocks in the prefix cache (blended KV is approximate)
     cacheable: bool = True
     # False: use no cached KV (engine prefix cache, lmkv) and save none (quality-gate re-runs)
@@ -64,7 +71,38 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt and output as one new list: O(length), not for every step."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, copying only those."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def clear_blocks(self) -> None:
+        """The request holds no blocks any more (freed, preempted)."""
+        self.block_ids.clear()
+        self._table_len = 0
+        self.num_registered_blocks = 0
+
+    def block_table(self) -> torch.Tensor:
+        """block_ids as an int64 tensor, extended in place as blocks are added (a step copies
+        it into the batch's table instead of converting the whole list again)."""
+        n = len(self.block_ids)
+        if self._table is None or n > self._table.shape[0]:
+            grown = torch.empty(max(n, 2 * self._table_len, 16), dtype=torch.int64)
+            if self._table is not None:
+                grown[: self._table_len] = self._table[: self._table_len]
+            self._table = grown
+        if n > self._table_len:
+            self._table[self._table_len : n] = torch.tensor(self.block_ids[self._table_len :],
+                                                            dtype=torch.int64)
+            self._table_len = n
+        return self._table[:n]
 
     @property
     def num_tokens(self) -> int:

@@ -8,17 +8,23 @@ from .sampling_params import SamplingParams
 
 
 def sample(
-    logits: torch.Tensor,  # [N, vocab] fp32
+    logits: torch.Tensor,  # [N, vocab] fp32, on the model's device
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> list[int]:
+    """Greedy rows take their argmax where the logits are (only the token ids reach the
+    host); the rows that sample come to the host, where each request's generator lives."""
     out = logits.argmax(dim=-1).tolist()  # greedy for every row; overwritten below if sampling
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
+    rest = [i for i, p in enumerate(params) if not p.greedy]
+    if not rest:
+        return out
+    host = logits[rest].cpu() if len(rest) < len(params) else logits.cpu()
+    for j, i in enumerate(rest):
+        p = params[i]
+        logits_i = host[j]
         # shifted so the largest logit is 0: a tiny temperature makes the others -inf, never
         # inf - inf (NaN) in the softmax; its limit, the greedy token, keeps probability 1
-        row = (logits[i] - logits[i].max()) / p.temperature
+        row = (logits_i - logits_i.max()) / p.temperature
         if 0 < p.top_k < row.shape[0]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

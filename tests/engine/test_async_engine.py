@@ -263,6 +263,33 @@ def test_a_reader_that_falls_behind_gets_the_newest_output_only():
     asyncio.run(main())
 
 
+def test_a_reader_that_falls_behind_a_stream_gets_every_delta_joined():
+    """Delta outputs (a stream's) that wait unread are joined into one: the reader gets
+    every token and character it missed, once, then the final output after them."""
+    from lmkv_engines.minimal.async_engine import _Mailbox
+    from lmkv_engines.minimal.outputs import RequestOutput
+
+    def delta(i, finished=False):
+        return RequestOutput("r", [1], [i], f"<{i}>", finished, "stop" if finished else None,
+                             num_output_tokens=i)
+
+    async def main():
+        box = _Mailbox(delta=True)
+        for i in (1, 2, 3):
+            box.put(delta(i))
+        got = await box.get()
+        assert (got.output_token_ids, got.text, got.num_output_tokens) == ([1, 2, 3], "<1><2><3>", 3)
+        box.put(delta(4))
+        assert (await box.get()).text == "<4>"
+        box.put(delta(5))
+        box.put(delta(6, finished=True))
+        box.put(delta(7))  # (never after a final one; kept out anyway)
+        got = await box.get()
+        assert (got.output_token_ids, got.text, got.finished) == ([5, 6], "<5><6>", True)
+
+    asyncio.run(main())
+
+
 def test_a_burst_is_refused_before_it_is_tokenized(engine):
     """Requests waiting to be tokenized count against the server's bound: a burst beyond it
     gets 503s at once instead of all being tokenized (holding the interpreter) and then

@@ -194,3 +194,48 @@ def test_a_stop_string_ending_in_a_character_split_over_tokens(tiny_model_dir, m
         at["i"] = 0
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, stop=[stop]))[0]
         assert (out.finish_reason, out.text) == ("stop", text), stop
+
+
+def test_a_decode_step_touches_only_what_is_new(tiny_model_dir, monkeypatch):
+    """A decode step's host work does not grow with the sequences (on a GPU it runs between
+    the device's steps): no request's whole token list is rebuilt, only blocks completed in
+    the step are hashed and offered to the prefix cache, block tables are not converted
+    again, and delta outputs hold only the new token."""
+    from lmkv_engines.minimal import block_manager as bm_module
+    from lmkv_engines.minimal.request import Request
+    from lmkv_engines.minimal.sampling_params import OutputKind
+
+    class Counting(list):
+        reads = 0
+
+        def __getitem__(self, i):
+            Counting.reads += 1
+            return super().__getitem__(i)
+
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=64 << 20)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True,
+                            output_kind=OutputKind.DELTA)
+    for i, prompt in enumerate(_prompts([1500, 1700, 2000], seed=7)):
+        engine.add_request(f"r{i}", prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    hashed, tokens_read, conversions = [], [], []
+    hash_block, token_ids, tensor = bm_module.hash_block, Request.token_ids, torch.tensor
+    monkeypatch.setattr(bm_module, "hash_block", lambda *a: hashed.append(1) or hash_block(*a))
+    monkeypatch.setattr(Request, "token_ids",
+                        lambda self, a, b: tokens_read.append(b - a) or token_ids(self, a, b))
+    monkeypatch.setattr(Request, "all_token_ids", property(lambda self: pytest.fail("rebuilt")))
+    engine.block_manager.blocks = Counting(engine.block_manager.blocks)
+    monkeypatch.setattr(torch, "tensor", lambda data, *a, **k: conversions.append(
+        len(data) if isinstance(data, list) else 1) or tensor(data, *a, **k))
+    steps = 48  # 3 blocks of 16 per request
+    for _ in range(steps):
+        outs = engine.step()
+        assert len(outs) == 3 and all(len(o.output_token_ids) == 1 for o in outs)
+    assert len(hashed) <= 3 * (steps // 16 + 1)
+    assert Counting.reads <= 2 * 3 * (steps // 16 + 1)  # a new block: taken, then registered
+    assert sum(tokens_read) <= 2 * 3 * steps  # the new token (and its hash block's 16 / 16)
+    assert max(conversions) <= 16, "a list as long as a sequence was converted to a tensor"
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)

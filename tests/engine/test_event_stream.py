@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from lmkv_engines.minimal.cli import parse_size
-from lmkv_engines.minimal.event_stream import hold_back
+from lmkv_engines.minimal.outputs import hold_back
 
 
 @pytest.mark.parametrize(
@@ -59,34 +59,71 @@ def test_parse_size():
             parse_size(bad)
 
 
-def test_a_stream_sends_every_character_when_one_spans_tokens():
-    """Decoded text ends in U+FFFD while a character's bytes span tokens ("東" of SmolLM2's
-    byte-level BPE, for one): the stream holds it back, so the later text still continues
-    what was sent and the deltas add up to the whole text (they used to stop at the first
-    such character)."""
-    import asyncio
-    import json
-    from types import SimpleNamespace
+def _tokenizer(which: str, tiny_model_dir):
+    if which == "smollm2":
+        from lmkv_engines.minimal.default_model import resolve_model
+        from lmkv_engines.minimal.gguf_loader import GGUFCheckpoint
 
-    from lmkv_engines.minimal.api_server import APIServer
-    from lmkv_engines.minimal.outputs import RequestOutput
+        try:
+            return GGUFCheckpoint(resolve_model(None)).tokenizer()
+        except (FileNotFoundError, ImportError, ValueError) as e:
+            pytest.skip(f"SmolLM2 is not installed: {e}")
+    from lmkv_engines.minimal.tokenizer import Tokenizer
 
-    texts = ["Paris é", "Paris é 😀 \ufffd", "Paris é 😀 東", "Paris é 😀 東\ufffd", "Paris é 😀 東京"]
-    outs = [RequestOutput("r", [1], list(range(i + 1)), t, i == len(texts) - 1,
-                          "stop" if i == len(texts) - 1 else None) for i, t in enumerate(texts)]
+    return Tokenizer.from_dir(tiny_model_dir)
 
-    async def rest():
-        for out in outs[1:]:
-            yield out
 
-    async def collect():
-        server = SimpleNamespace(model_name="m")
-        body = SimpleNamespace(return_token_ids=False, include_usage=False)
-        return [e async for e in APIServer._events(server, "r", 0, body, (), outs[0], rest(), False)]
+def _outputs(tok, ids: list[int], kind, stop: tuple[str, ...]):
+    """The outputs the engine gives for a request that generates ``ids`` (or fewer: a stop)."""
+    from lmkv_engines.minimal.llm_engine import LLMEngine
+    from lmkv_engines.minimal.request import Request, RequestStatus
+    from lmkv_engines.minimal.sampling_params import OutputKind, SamplingParams
 
-    events = [e for e in asyncio.run(collect()) if e.strip() != "data: [DONE]"]
-    deltas = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events]
-    assert "".join(deltas) == texts[-1] and not any("\ufffd" in d for d in deltas)
+    engine = LLMEngine.__new__(LLMEngine)  # only the tokenizer and the context length are used
+    engine.tokenizer, engine.max_model_len = tok, 10_000
+    req = Request("r", [1], SamplingParams(max_tokens=len(ids), stop=stop, ignore_eos=True,
+                                           output_kind=kind))
+    outs = []
+    for token in ids:
+        req.output_token_ids.append(token)
+        reason = engine._check_stop(req, token)
+        if reason is not None:
+            req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        if reason is not None or kind is not OutputKind.FINAL_ONLY:
+            outs.append(engine._output(req))
+        if reason is not None:
+            return outs
+    raise AssertionError("the request never finished")
+
+
+@pytest.mark.parametrize("which", ["demo", "smollm2"])
+@pytest.mark.parametrize("stop", [(), ("naï",), ("é 😀 東 no", "京 —"), ("café",)])
+def test_delta_outputs_add_up_to_the_final_text(which, stop, tiny_model_dir):
+    """A streamed request's outputs hold only what is new (OutputKind.DELTA: O(new tokens)
+    per step): their texts add up to the final text of a cumulative run (characters whose
+    bytes span tokens, "東" of SmolLM2's byte-level BPE for one, are sent whole, never as
+    U+FFFD; a stop string is never sent, nor any part of one), their token ids to all token
+    ids; FINAL_ONLY gives one output, the same as the cumulative run's last."""
+    from lmkv_engines.minimal.sampling_params import OutputKind
+
+    tok = _tokenizer(which, tiny_model_dir)
+    ids = tok.encode("Paris é 😀 東京 — naïve café, and more", add_special_tokens=False)
+    cumulative = _outputs(tok, ids, OutputKind.CUMULATIVE, stop)
+    final = cumulative[-1]
+    assert final.finished and all(s not in final.text for s in stop)
+    deltas = _outputs(tok, ids, OutputKind.DELTA, stop)
+    assert len(deltas) == len(cumulative)
+    assert "".join(d.text for d in deltas) == final.text
+    assert not any("\ufffd" in d.text for d in deltas)
+    assert [t for d in deltas for t in d.output_token_ids] == final.output_token_ids
+    assert [d.num_output_tokens for d in deltas] == [len(c.output_token_ids) for c in cumulative]
+    sent = ""
+    for d, c in zip(deltas, cumulative, strict=True):  # never ahead of the cumulative text
+        sent += d.text
+        assert c.text.startswith(sent)
+    (only,) = _outputs(tok, ids, OutputKind.FINAL_ONLY, stop)
+    assert (only.text, only.output_token_ids, only.finish_reason) == (
+        final.text, final.output_token_ids, final.finish_reason)
 
 
 @pytest.mark.parametrize("which", ["demo", "smollm2"])
@@ -101,18 +138,7 @@ def test_incremental_detokenization_is_the_whole_decode(which, tiny_model_dir):
     from lmkv_engines.minimal.request import Request
     from lmkv_engines.minimal.sampling_params import SamplingParams
 
-    if which == "smollm2":
-        from lmkv_engines.minimal.default_model import resolve_model
-        from lmkv_engines.minimal.gguf_loader import GGUFCheckpoint
-
-        try:
-            tok = GGUFCheckpoint(resolve_model(None)).tokenizer()
-        except (FileNotFoundError, ImportError, ValueError) as e:
-            pytest.skip(f"SmolLM2 is not installed: {e}")
-    else:
-        from lmkv_engines.minimal.tokenizer import Tokenizer
-
-        tok = Tokenizer.from_dir(tiny_model_dir)
+    tok = _tokenizer(which, tiny_model_dir)
     engine = LLMEngine.__new__(LLMEngine)  # only the tokenizer is used
     engine.tokenizer = tok
     rng = random.Random(1)
