@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from .async_engine import AsyncEngine, EngineError, EngineStoppedError, QueueFullError
 from .body_limit import BodyLimit
+from .default_model import DEFAULT_MODEL_NAME
 from .event_stream import DONE, EventStream, sse
 from .openai_protocol import (
     ChatCompletionRequest,
@@ -109,7 +110,8 @@ class APIServer:
     async def models(self) -> dict[str, Any]:
         card = {
             "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "lmkv", "root": str(self.engine.model_dir),
+            # the model as asked for (vLLM's root), not where it was found on this machine
+            "owned_by": "lmkv", "root": self.engine.config.model or DEFAULT_MODEL_NAME,
             "max_model_len": self.engine.max_model_len,
         }
         return {"object": "list", "data": [card]}

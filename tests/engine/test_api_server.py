@@ -496,3 +496,19 @@ def test_a_bad_serve_flag_is_told_with_serves_usage(args, message):
     out = subprocess.run(engine_command("serve", *args), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == message
     assert out.stderr.startswith("usage: engine serve")
+
+
+def test_the_model_card_names_the_model_as_asked_for():
+    """/v1/models' root is the model as given (vLLM's), the default model by its name: not
+    the file it was found at on the server's machine."""
+    from types import SimpleNamespace
+
+    from lmkv_engines.minimal.api_server import APIServer
+    from lmkv_engines.minimal.default_model import DEFAULT_MODEL_NAME
+
+    for given, root in ((None, DEFAULT_MODEL_NAME), ("/models/x.gguf", "/models/x.gguf")):
+        engine = SimpleNamespace(config=SimpleNamespace(model=given), max_model_len=8,
+                                 model_dir="/usr/lib/python3/site-packages/x/model.gguf")
+        api = SimpleNamespace(model_name="m", created=0, engine=engine)
+        (card,) = asyncio.run(APIServer.models(api))["data"]
+        assert card["root"] == root
