@@ -342,8 +342,13 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    # Starlette logs the traceback after sending this
-    return JSONResponse(error_body(f"internal server error: {exc!r}", 500), status_code=500)
+    """A 500 that names an id to find in the server's log, not the exception (whose text may
+    hold paths and internals). Starlette logs the traceback after sending this."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("internal error %s on %s %s: %r", error_id, request.method, request.url.path, exc)
+    return JSONResponse(
+        error_body(f"internal server error (id {error_id}: the server's log has the details)", 500),
+        status_code=500)
 
 
 # ---- the program ----------------------------------------------------------------------

@@ -4,6 +4,7 @@ HTTP server answers an engine failure (uvicorn in a thread of this process)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -311,3 +312,27 @@ def test_a_burst_is_refused_before_it_is_tokenized(engine):
         stop()
     assert codes.count(503) >= 8 and set(codes) <= {200, 503}, codes
     assert len(tokenized) == codes.count(200), (len(tokenized), codes)
+
+
+def test_an_unexpected_error_answers_500_with_an_id_the_log_has(engine, caplog):
+    """A bug in a handler answers 500 naming an id that the server's log holds with the
+    exception, not the exception's text (paths, internals) in the response."""
+    api = APIServer(engine, ServerConfig(engine=engine.config))
+    url, stop = _serve_in_thread(api)
+
+    def tokenize(*args, **kwargs):
+        raise RuntimeError("secret detail at /srv/models/private")
+
+    engine.tokenize = tokenize
+    try:
+        with caplog.at_level(logging.ERROR, logger="lmkv_engines.minimal.api_server"):
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500
+        message = r.json()["error"]["message"]
+        assert "secret" not in message and "RuntimeError" not in message
+        error_id = message.split("(id ")[1].split(":")[0]
+        assert any(error_id in rec.getMessage() and "secret detail" in rec.getMessage()
+                   for rec in caplog.records)
+    finally:
+        del engine.tokenize
+        stop()
