@@ -331,14 +331,21 @@ class LLMEngine:
         """The text the newest output token adds: tokens [detok_prefix, detok_read) are
         decoded again with the newer ones, for context (a leading space, a character whose
         bytes span tokens), and the difference is the new text, so each token costs a few
-        tokens' decoding, not the whole output's. A character still incomplete (decoded as
-        U+FFFD) is held back, the complete ones before it are not."""
+        tokens' decoding, not the whole output's. What may still change is held back: a
+        character still incomplete (decoded as U+FFFD), and a trailing run of byte-fallback
+        tokens (Tokenizer.byte_fallback_ids); the complete text before them is not."""
         ids = req.output_token_ids
+        end = len(ids)
+        run = self.tokenizer.byte_fallback_ids
+        while run and end > req.detok_read and ids[end - 1] in run:
+            end -= 1
+        if end == req.detok_read:
+            return ""
         decode = self.tokenizer.decode
         before = decode(ids[req.detok_prefix : req.detok_read]) if req.detok_read else ""
-        added = decode(ids[req.detok_prefix :])[len(before) :]
+        added = decode(ids[req.detok_prefix : end])[len(before) :]
         if not added.endswith("\ufffd"):
-            req.detok_prefix, req.detok_read = req.detok_read, len(ids)
+            req.detok_prefix, req.detok_read = req.detok_read, end
             out, req.detok_sent = added[req.detok_sent :], 0
             return out
         complete = added.rstrip("\ufffd")

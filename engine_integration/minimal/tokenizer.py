@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -42,6 +43,17 @@ class Tokenizer:
         return cls(HFTokenizer.from_file(str(path)), extra.get("chat_template"),
                    _token_text(extra.get("bos_token")) or "",
                    _token_text(extra.get("eos_token")) or "", eos_token_ids)
+
+    @functools.cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """The ids of byte tokens ("<0xE6>") when the decoder falls back to bytes (SentencePiece
+        style, Llama 2's): a run of them decodes to text that the next byte token can change
+        (a byte run that is not valid UTF-8 becomes one U+FFFD per byte, the valid ones
+        before it included), so streamed text waits for the run's end. Empty otherwise."""
+        if '"ByteFallback"' not in self._tok.to_str():
+            return frozenset()
+        return frozenset(i for t, i in self._tok.get_vocab(with_added_tokens=False).items()
+                         if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t))
 
     @functools.cached_property
     def max_token_chars(self) -> int:

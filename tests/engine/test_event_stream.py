@@ -59,7 +59,28 @@ def test_parse_size():
             parse_size(bad)
 
 
+def _byte_fallback_tokenizer():
+    """A small SentencePiece-style tokenizer as Llama 2's tokenizer.json has it: BPE with
+    byte fallback ("<0xE6>" tokens for what the vocabulary lacks), "▁" for spaces."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    from lmkv_engines.minimal.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for word in ["▁", "a", "b", "c", "▁a", "▁b", "ab", "▁ab", "é", "▁é", "東", "京", "▁東"]:
+        vocab[word] = len(vocab)
+    merges = [("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b"), ("▁", "é"), ("▁", "東")]
+    tok = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return Tokenizer(tok, None, "<s>", "</s>", (2,))
+
+
 def _tokenizer(which: str, tiny_model_dir):
+    if which == "byte-fallback":
+        return _byte_fallback_tokenizer()
     if which == "smollm2":
         from lmkv_engines.minimal.default_model import resolve_model
         from lmkv_engines.minimal.gguf_loader import GGUFCheckpoint
@@ -96,7 +117,7 @@ def _outputs(tok, ids: list[int], kind, stop: tuple[str, ...]):
     raise AssertionError("the request never finished")
 
 
-@pytest.mark.parametrize("which", ["demo", "smollm2"])
+@pytest.mark.parametrize("which", ["demo", "smollm2", "byte-fallback"])
 @pytest.mark.parametrize("stop", [(), ("naï",), ("é 😀 東 no", "京 —"), ("café",)])
 def test_delta_outputs_add_up_to_the_final_text(which, stop, tiny_model_dir):
     """A streamed request's outputs hold only what is new (OutputKind.DELTA: O(new tokens)
@@ -152,6 +173,34 @@ def test_incremental_detokenization_is_the_whole_decode(which, tiny_model_dir):
             req.output_text += engine._new_text(req)
             whole = tok.decode(req.output_token_ids)
             assert req.output_text == whole.rstrip("\ufffd"), (ids, req.output_text, whole)
+
+
+def test_streamed_text_waits_for_the_end_of_a_byte_fallback_run():
+    """With a byte-fallback tokenizer a byte run's text changes when a byte that makes it
+    invalid UTF-8 arrives ("<0x7F>" decodes to DEL, then "<0x7F><0x81>" to two U+FFFD), so
+    the incremental text holds a trailing run back: after every token it is a prefix of the
+    whole decode, and once a token that is not a byte follows, equal to it."""
+    import random
+
+    from lmkv_engines.minimal.llm_engine import LLMEngine
+    from lmkv_engines.minimal.request import Request
+    from lmkv_engines.minimal.sampling_params import SamplingParams
+
+    tok = _byte_fallback_tokenizer()
+    assert len(tok.byte_fallback_ids) == 256
+    engine = LLMEngine.__new__(LLMEngine)  # only the tokenizer is used
+    engine.tokenizer = tok
+    rng = random.Random(0)
+    words, last = range(259, tok.vocab_size), tok.encode("c", add_special_tokens=False)[-1]
+    pools = [range(3, 3 + 128), range(3 + 128, 3 + 256), words]  # ASCII, high bytes, words
+    for _ in range(500):
+        ids = [rng.choice(rng.choice(pools)) for _ in range(rng.randrange(1, 12))] + [last]
+        req = Request("r", [1], SamplingParams())
+        for k, token in enumerate(ids):
+            req.output_token_ids.append(token)
+            req.output_text += engine._new_text(req)
+            assert tok.decode(ids[: k + 1]).startswith(req.output_text), ids
+        assert req.output_text == tok.decode(ids), ids
 
 
 def test_a_stop_string_ends_at_the_token_that_completes_it_when_that_token_starts_a_character(
