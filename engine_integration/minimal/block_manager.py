@@ -48,7 +48,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # block id -> None, oldest first; holds exactly the blocks with ref_count 0
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[bytes, Block] = {}
+        # hash -> the blocks that hold it, by id: several requests computing the same prefix
+        # each register their copy, and it stays findable while any copy is (vLLM V1's map)
+        self.cached: dict[bytes, dict[int, Block]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,10 +80,10 @@ class BlockManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []
         for h in hashes[:max_blocks]:
-            block = self.cached.get(h)
-            if block is None:
+            copies = self.cached.get(h)
+            if not copies:
                 break
-            hits.append(block)
+            hits.append(next(iter(copies.values())))
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
     def allocate_slots(
@@ -120,33 +122,41 @@ class BlockManager:
     def forget(self, block_ids) -> None:
         """Drop these blocks from the prefix cache: their contents are not what their hashes say."""
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                del self.cached[block.block_hash]
-                block.block_hash = None
+            self._unregister(self.blocks[block_id])
 
     def reset_prefix_cache(self) -> None:
-        for block in self.cached.values():
-            block.block_hash = None
+        for copies in self.cached.values():
+            for block in copies.values():
+                block.block_hash = None
         self.cached.clear()
 
     def check_integrity(self) -> None:
         """Every block is either referenced or in the free queue, never both; the prefix
-        cache maps each hash to the block that carries it."""
+        cache maps each hash to the blocks that carry it."""
         for block in self.blocks:
             in_queue = block.block_id in self.free_queue
             assert (block.ref_count == 0) == in_queue, f"block {block.block_id} ref/queue mismatch"
-        for h, block in self.cached.items():
-            assert block.block_hash == h, f"block {block.block_id} hash mismatch"
+        for h, copies in self.cached.items():
+            assert copies, f"hash {h.hex()} with no block"
+            for block_id, block in copies.items():
+                assert block.block_id == block_id and block.block_hash == h, \
+                    f"block {block_id} hash mismatch"
 
     def _pop_free(self) -> Block:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
-        if block.block_hash is not None:  # evict it from the prefix cache
-            del self.cached[block.block_hash]
-            block.block_hash = None
+        self._unregister(block)  # evicted from the prefix cache
         block.ref_count = 1
         return block
+
+    def _unregister(self, block: Block) -> None:
+        if block.block_hash is None:
+            return
+        copies = self.cached[block.block_hash]
+        del copies[block.block_id]
+        if not copies:
+            del self.cached[block.block_hash]
+        block.block_hash = None
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register blocks that will be full once tokens [0, num_tokens) are computed; each
@@ -158,8 +168,7 @@ class BlockManager:
         end = min(full, len(hashes))
         for i in range(request.num_registered_blocks, end):
             block = self.blocks[request.block_ids[i]]
-            if block.block_hash is not None or hashes[i] in self.cached:
-                continue
-            block.block_hash = hashes[i]
-            self.cached[hashes[i]] = block
+            if block.block_hash is None:  # (a prefix-cache hit is registered already)
+                block.block_hash = hashes[i]
+                self.cached.setdefault(hashes[i], {})[block.block_id] = block
         request.num_registered_blocks = end

@@ -149,7 +149,8 @@ def test_http_engine_failure_is_a_500_and_the_server_keeps_serving(engine):
         engine.tokenizer.encode = lambda *a, **k: 1 / 0
         r = httpx.post(f"{url}/v1/completions", json=body | {"prompt": "hi"})
         engine.tokenizer.encode = encode
-        assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"]
+        assert r.status_code == 500  # (its message names an id the log has: a test below)
+        assert r.json()["error"]["message"].startswith("internal server error (id ")
 
         # max_num_seqs=1 and max_pending=0: a second request while one streams is refused
         real_step = engine.step

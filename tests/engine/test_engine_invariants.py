@@ -239,3 +239,30 @@ def test_a_decode_step_touches_only_what_is_new(tiny_model_dir, monkeypatch):
     assert max(conversions) <= 16, "a list as long as a sequence was converted to a tensor"
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
+
+
+def test_a_prefix_stays_cached_while_any_copy_of_it_is():
+    """Two requests that computed the same blocks each register their copy: when one copy
+    is evicted (its request finished, other traffic took its pages), the prefix is still
+    found through the other, held by a request still running."""
+    from lmkv_engines.minimal.block_manager import BlockManager
+    from lmkv_engines.minimal.request import Request
+
+    bm = BlockManager(num_blocks=6, block_size=4)
+    prompt = list(range(100, 108))  # two full blocks; the second can never be a hit
+    a, b = (Request(name, list(prompt), SamplingParams()) for name in "ab")
+    for r in (a, b):  # b hits a's first block only: it computes its own second block
+        hit = bm.get_computed_blocks(r)
+        assert bm.allocate_slots(r, r.num_tokens - hit.num_tokens, hit)
+        r.num_computed_tokens = r.num_tokens
+    bm.free(a)
+    other = Request("other", list(range(900, 916)), SamplingParams(), cacheable=False)
+    assert bm.allocate_slots(other, 16)  # evicts a's second block
+    bm.free(other)
+    for t in range(3):  # b decodes on
+        b.output_token_ids.append(t + 1)
+        assert bm.allocate_slots(b, 1)
+        b.num_computed_tokens += 1
+    bm.check_integrity()
+    later = Request("later", [*prompt, 7, 7, 7, 7], SamplingParams())
+    assert bm.get_computed_blocks(later).num_tokens == 8
