@@ -30,6 +30,8 @@ class StorageBackend(ABC):
     num_evictions: int = 0  # entries it dropped to stay within its bounds (0: the store's own business)
     # contains() may run beside any other call (the Tier then does not make lookups wait)
     concurrent_contains: bool = False
+    # the client reconnects by itself after a failed call: keep it rather than make a new one
+    reconnects: bool = False
 
     @abstractmethod
     def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:

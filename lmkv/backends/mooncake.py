@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import socket
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from urllib.parse import parse_qs, urlparse
 
@@ -50,11 +52,30 @@ def _settings(url: str) -> dict:
     return settings
 
 
+def _check_metadata_server(url: str, timeout: float) -> None:
+    """An HTTP metadata server (the master's own, or apart) must answer within ``timeout``
+    before setup() is called: a master that accepts connections but hangs (a stopped host)
+    holds setup(), and the GIL with it, for minutes. Any HTTP answer will do."""
+    if not url.startswith("http://"):
+        return  # etcd and the like: not probed
+    try:
+        urllib.request.urlopen(f"{url}?key=lmkv-probe", timeout=timeout).close()
+    except urllib.error.HTTPError:
+        pass  # it answered
+    except (OSError, ValueError) as e:
+        raise BackendError(f"Mooncake metadata server {url} does not answer: {e}") from e
+
+
 def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class MooncakeBackend(StorageBackend):
+    # a failed call is answered by the same client once the master answers again (a
+    # restarted master included), while making a new client (setup) against a master that
+    # hangs holds the interpreter's GIL for up to 20 x 30 s: every thread of the engine stops
+    reconnects = True
+
     def __init__(self, url: str, timeout: float = 2.0):
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -67,6 +88,7 @@ class MooncakeBackend(StorageBackend):
             socket.create_connection((host, int(port)), timeout=timeout).close()
         except OSError as e:
             raise BackendError(f"Mooncake master {host}:{port} unreachable: {e}") from e
+        _check_metadata_server(s["metadata_server"], timeout)
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(s["local_hostname"], s["metadata_server"], s["global_segment_size"],
                               s["local_buffer_size"], s["protocol"], s["device_name"],

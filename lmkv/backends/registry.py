@@ -65,10 +65,12 @@ class LazyBackend(StorageBackend):
         return self._backend
 
     def _call(self, fn):
+        backend = self._connected()
         try:
-            return fn(self._connected())
+            return fn(backend)
         except BackendError:
-            self._reset()
+            if not backend.reconnects:
+                self._reset()
             raise
 
     def _reset(self) -> None:

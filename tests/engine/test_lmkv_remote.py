@@ -103,6 +103,53 @@ def test_second_process_reuses_kv_through_mooncake(tiny_model_dir, reference, tm
         store.kill()
 
 
+@pytest.mark.skipif(shutil.which("mooncake_master") is None, reason="mooncake is not installed")
+def test_a_hung_mooncake_master_costs_a_recompute_not_a_stalled_engine(tiny_model_dir, reference,  # noqa: F811
+                                                                       tmp_path):
+    """A Mooncake master that stops answering (SIGSTOP: a hung host) makes its client wait
+    30 s per call, and a new client's setup() holds the GIL for up to 20 x 30 s (the whole
+    engine stood still for 10 minutes here). lmkv keeps its client, which answers again once
+    the master does, and probes the metadata server before making one: prompts are
+    recomputed (the same tokens) within a load's FETCH_TIMEOUT, before and after the client
+    is made, and loads come back with the master."""
+    import signal
+
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    store = MooncakeStore(tmp_path / "mooncake").start()
+    master = store.procs[0]
+
+    def timed_run(llm):
+        start = time.monotonic()
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        return outs, time.monotonic() - start
+
+    try:
+        _fill_remote(tiny_model_dir, store.url)
+        for connected_first in (False, True):
+            with lmkv_llm(tiny_model_dir, remote_url=store.url, remote_timeout=0.5,
+                          cpu_gb=1e-4) as llm:  # the hot cache holds 3 of the 38 chunks
+                if connected_first:
+                    outs, _ = timed_run(llm)
+                    assert any(o.num_external_tokens > 0 for o in outs)
+                os.kill(master.pid, signal.SIGSTOP)
+                try:
+                    outs, took = timed_run(llm)
+                finally:
+                    os.kill(master.pid, signal.SIGCONT)
+                assert took < 25, f"{took:.0f} s"
+                assert sum(metric(llm, "lmkv_errors_total", tier="remote", kind=k)
+                           for k in ("contains", "get")) + metric(
+                               llm, "lmkv_errors_total", tier="io", kind="timeout") >= 1
+                if connected_first:  # the same client, once the master answers again
+                    deadline = time.monotonic() + 60
+                    while not any(o.num_external_tokens > 0 for o in timed_run(llm)[0]):
+                        assert time.monotonic() < deadline, "loads did not come back"
+                        time.sleep(1)
+    finally:
+        store.kill()
+
+
 def test_store_down_at_start_is_picked_up_later(tiny_model_dir, reference, tmp_path):  # noqa: F811
     server = RedisServer(tmp_path / "redis")  # not started yet
     with lmkv_llm(tiny_model_dir, remote_url=server.url, remote_timeout=0.5) as llm:

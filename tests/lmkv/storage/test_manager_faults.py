@@ -474,3 +474,47 @@ def test_a_lookup_returns_while_a_write_to_the_tier_hangs(monkeypatch):
                                                {"tier": "t", "kind": "busy"}) == 1
     backend.release.set()
     m.close()
+
+
+class HungLookups(Memory):
+    """A backend whose lookups hang until released (Mooncake's client against a hung master
+    waits 30 s, and 90 s to connect to one), and count."""
+
+    def __init__(self):
+        super().__init__()
+        self.release, self.calls = threading.Event(), 0
+
+    def contains(self, keys):
+        self.calls += 1
+        self.release.wait()
+        return super().contains(keys)
+
+
+def test_a_lookup_waits_at_most_the_tiers_lookup_timeout_whatever_the_client_does():
+    """A remote tier's lookup runs on the tier's lookup thread, and its caller (the engine's
+    scheduler) waits at most ``lookup_timeout``: the tier then counts as failed (breaker open,
+    counted) and its later lookups are misses at once, while the hung call goes on alone."""
+    pool = MemoryPool(LAYOUT, 8 * SLOT, pin=False)
+    backend = HungLookups()
+    tier = Tier("t", backend, "raw", lookup_timeout=0.3)
+    m = StorageManager(pool, [tier], LMKVMetrics(), 16, policy="lru")
+    start = time.monotonic()
+    assert m.lookup(["x"]) == 0
+    assert 0.3 <= time.monotonic() - start < 2
+    errors = m.metrics.registry.get_sample_value
+    assert errors("lmkv_errors_total", {"tier": "t", "kind": "contains"}) == 1
+    assert not tier.available
+    start = time.monotonic()
+    for _ in range(5):
+        assert m.lookup(["x"]) == 0  # the breaker holds it off: the backend is not asked
+    assert time.monotonic() - start < 0.2 and backend.calls == 1
+    tier.breaker.success()  # (as after its interval) while the first call still hangs
+    assert tier.contains(["x"]) is None and backend.calls == 1  # refused at once, not queued
+    assert errors("lmkv_errors_total", {"tier": "t", "kind": "busy"}) == 1
+    backend.release.set()
+    deadline = time.monotonic() + 5
+    while tier.contains(["x"]) is None:  # the hung call ended: lookups are answered again
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert backend.calls == 2
+    m.close()
