@@ -73,9 +73,7 @@ class LMKVCache:
             from .backends.registry import create_backend
 
             backend = create_backend(self.config.remote_url, self.config.remote_timeout)
-            tier = _tier("remote", backend, self.config.remote_serde, table, self.metrics)
-            tier.lookup_timeout = 2 * self.config.remote_timeout  # a reconnect, then the call
-            tiers.append(tier)
+            tiers.append(_tier("remote", backend, self.config.remote_serde, table, self.metrics))
         return tiers
 
     def _calibration(self) -> CacheGenTable | None:

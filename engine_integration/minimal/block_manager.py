@@ -83,7 +83,9 @@ class BlockManager:
             copies = self.cached.get(h)
             if not copies:
                 break
-            hits.append(next(iter(copies.values())))
+            # a copy some request holds costs no free block; one in the free queue does
+            hits.append(next((b for b in copies.values() if b.ref_count), None)
+                        or next(iter(copies.values())))
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
     def allocate_slots(

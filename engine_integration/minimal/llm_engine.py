@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CUMULATIVE, DELTA, FINAL_ONLY = OutputKind.CUMULATIVE, OutputKind.DELTA, OutputKind.FINAL_ONLY
+MAX_HELD_RUN = 64  # byte-fallback tokens a stream holds back at most (16 characters or more)
 DEFAULT_BATCHED_TOKENS = 2048  # tokens per step with chunked prefill, unless configured
 
 
@@ -314,7 +315,7 @@ class LLMEngine:
             req.unsent_text += new
         reason = None
         eos = not p.ignore_eos and token in self.tokenizer.eos_token_ids
-        stop_string = any(s in window for s in p.stop)
+        stop_string = any(s in window + req.held_text for s in p.stop)
         if stop_string or token in p.stop_token_ids or eos:
             reason = FinishReason.STOP
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
@@ -331,25 +332,33 @@ class LLMEngine:
         """The text the newest output token adds: tokens [detok_prefix, detok_read) are
         decoded again with the newer ones, for context (a leading space, a character whose
         bytes span tokens), and the difference is the new text, so each token costs a few
-        tokens' decoding, not the whole output's. What may still change is held back: a
+        tokens' decoding, not the whole output's. What may still change is held back (and
+        what it decodes to for now is left in ``req.held_text``, for stop strings): a
         character still incomplete (decoded as U+FFFD), and a trailing run of byte-fallback
-        tokens (Tokenizer.byte_fallback_ids); the complete text before them is not."""
+        tokens (Tokenizer.byte_fallback_ids), up to MAX_HELD_RUN of them; the complete text
+        before them is not."""
         ids = req.output_token_ids
         end = len(ids)
         run = self.tokenizer.byte_fallback_ids
-        while run and end > req.detok_read and ids[end - 1] in run:
+        floor = max(req.detok_read, end - MAX_HELD_RUN)  # a longer run is let through
+        while run and end > floor and ids[end - 1] in run:
             end -= 1
-        if end == req.detok_read:
-            return ""
         decode = self.tokenizer.decode
         before = decode(ids[req.detok_prefix : req.detok_read]) if req.detok_read else ""
-        added = decode(ids[req.detok_prefix : end])[len(before) :]
+        added = decode(ids[req.detok_prefix : end])[len(before) :] if end > req.detok_read else ""
+        req.held_text = ""
+        if end < len(ids):  # the held run as it decodes for now
+            now = decode(ids[req.detok_prefix :])[len(before) :]
+            req.held_text = now[len(added) :] if now.startswith(added) else now
+        if end == req.detok_read:
+            return ""
         if not added.endswith("\ufffd"):
             req.detok_prefix, req.detok_read = req.detok_read, end
             out, req.detok_sent = added[req.detok_sent :], 0
             return out
         complete = added.rstrip("\ufffd")
         out, req.detok_sent = complete[req.detok_sent :], max(req.detok_sent, len(complete))
+        req.held_text = added[len(complete) :] + req.held_text
         return out
 
     def _output(self, req: Request) -> RequestOutput:

@@ -55,6 +55,7 @@ class Request:
     detok_prefix: int = 0
     detok_read: int = 0
     detok_sent: int = 0  # characters past decode(tokens [detok_prefix, detok_read)) given out
+    held_text: str = ""  # what the output tokens past the text given out decode to for now
     # False: never register this request's blocks in the prefix cache (blended KV is approximate)
     cacheable: bool = True
     # False: use no cached KV (engine prefix cache, lmkv) and save none (quality-gate re-runs)

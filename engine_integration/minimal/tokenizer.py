@@ -46,14 +46,18 @@ class Tokenizer:
 
     @functools.cached_property
     def byte_fallback_ids(self) -> frozenset[int]:
-        """The ids of byte tokens ("<0xE6>") when the decoder falls back to bytes (SentencePiece
-        style, Llama 2's): a run of them decodes to text that the next byte token can change
-        (a byte run that is not valid UTF-8 becomes one U+FFFD per byte, the valid ones
-        before it included), so streamed text waits for the run's end. Empty otherwise."""
+        """With a decoder that falls back to bytes (SentencePiece style, Llama 2's): the ids
+        of byte tokens ("<0xE6>"), and of the special tokens that decoding skips (the bytes
+        on both sides of one decode as one run). A run of them decodes to text that the next
+        byte token can change (a byte run that is not valid UTF-8 becomes one U+FFFD per
+        byte, the valid ones before it included), so streamed text waits for the run's end.
+        Empty for other decoders."""
         if '"ByteFallback"' not in self._tok.to_str():
             return frozenset()
-        return frozenset(i for t, i in self._tok.get_vocab(with_added_tokens=False).items()
-                         if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t))
+        held = {i for t, i in self._tok.get_vocab(with_added_tokens=False).items()
+                if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t)}
+        held.update(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        return frozenset(held)
 
     @functools.cached_property
     def max_token_chars(self) -> int:

@@ -53,13 +53,15 @@ def _settings(url: str) -> dict:
 
 
 def _check_metadata_server(url: str, timeout: float) -> None:
-    """An HTTP metadata server (the master's own, or apart) must answer within ``timeout``
-    before setup() is called: a master that accepts connections but hangs (a stopped host)
-    holds setup(), and the GIL with it, for minutes. Any HTTP answer will do."""
+    """An HTTP metadata server must answer within ``timeout`` before setup() is called: a
+    master that accepts connections but hangs (a stopped host) holds setup(), and the GIL
+    with it, for minutes. When the server is the master's own, this shows a hung master;
+    one apart from it does not. Any HTTP answer will do."""
     if not url.startswith("http://"):
         return  # etcd and the like: not probed
     try:
-        urllib.request.urlopen(f"{url}?key=lmkv-probe", timeout=timeout).close()
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # not a proxy's answer
+        direct.open(f"{url}?key=lmkv-probe", timeout=timeout).close()
     except urllib.error.HTTPError:
         pass  # it answered
     except (OSError, ValueError) as e:

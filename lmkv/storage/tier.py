@@ -8,11 +8,9 @@ one backend call at a time, under its lock."""
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from concurrent.futures import Executor, Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from ..backends.base import BackendError, StorageBackend
@@ -27,40 +25,6 @@ from .breaker import CircuitBreaker
 log = logging.getLogger(__name__)
 
 LOCK_WAIT = 5.0  # seconds a lookup waits for the backend while another call holds it
-BUSY, TIMED_OUT = object(), object()  # _Lookups.run's outcomes other than an answer
-
-
-class _Lookups:
-    """One daemon thread that makes a tier's lookups, so that their caller (the engine's
-    scheduler) waits at most a deadline, whatever the backend's client does (Mooncake's
-    waits 30 s for a hung master, 90 s to connect to one). While a lookup that ran past its
-    deadline still hangs, the next ones are refused at once instead of queueing behind it."""
-
-    def __init__(self, name: str) -> None:
-        self._todo: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._running: Future | None = None
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
-
-    def run(self, fn, timeout: float):
-        """``fn()``'s result, or BUSY or TIMED_OUT; ``fn``'s exception is raised here."""
-        with self._lock:
-            if self._running is not None and not self._running.done():
-                return BUSY
-            future = self._running = Future()
-        self._todo.put((fn, future))
-        try:
-            return future.result(timeout)
-        except FutureTimeout:
-            return TIMED_OUT
-
-    def _serve(self) -> None:
-        while True:
-            fn, future = self._todo.get()
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # handed to the caller, if it still waits
-                future.set_exception(e)
 
 
 @dataclass(eq=False)
@@ -78,11 +42,6 @@ class Tier:
     decoders: Executor | None = None  # decodes a batch's coded frames side by side; None: in turn
     _warned_range: bool = field(default=False, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
-    # a lookup (contains) waits at most this long, made on the tier's lookup thread: a
-    # backend whose client waits longer costs the caller this once per breaker interval;
-    # None: made inline (a local tier)
-    lookup_timeout: float | None = None
-    _lookups: _Lookups | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.codec, str):  # a codec named in a config
@@ -146,28 +105,12 @@ class Tier:
         return True
 
     def contains(self, keys: list[str]) -> list[bool] | None:
-        """Which keys the tier holds; None if it could not be asked (nor within
-        ``lookup_timeout``, or LOCK_WAIT seconds while another call to the backend hangs)."""
+        """Which keys the tier holds; None if it could not be asked (nor within LOCK_WAIT
+        seconds, while another call to the backend hangs)."""
         if not self.available:
             return None
         if self.backend.concurrent_contains:
             return self._contains(keys)
-        if self.lookup_timeout is None:
-            return self._locked_contains(keys)
-        if self._lookups is None:
-            self._lookups = _Lookups(f"lmkv-lookup-{self.name}")
-        found = self._lookups.run(lambda: self._locked_contains(keys), self.lookup_timeout)
-        if found is BUSY:
-            self._quiet.log(log, logging.WARNING, "busy", "lmkv: %s still has not answered a "
-                            "lookup; counted as a miss", self.name)
-            self.metrics.errors.labels(self.name, "busy").inc()
-            return None
-        if found is TIMED_OUT:
-            self._failed("contains", BackendError(f"no answer within {self.lookup_timeout:g} s"))
-            return None
-        return found
-
-    def _locked_contains(self, keys: list[str]) -> list[bool] | None:
         if not self._lock.acquire(timeout=LOCK_WAIT):
             self._quiet.log(log, logging.WARNING, "busy", "lmkv: %s did not answer a lookup "
                             "within %.0f s (a call to it hangs); counted as a miss", self.name,

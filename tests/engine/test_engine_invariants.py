@@ -266,3 +266,26 @@ def test_a_prefix_stays_cached_while_any_copy_of_it_is():
     bm.check_integrity()
     later = Request("later", [*prompt, 7, 7, 7, 7], SamplingParams())
     assert bm.get_computed_blocks(later).num_tokens == 8
+
+
+def test_a_prefix_hit_takes_the_copy_a_request_holds():
+    """Of two copies of a cached block, a hit takes the one a running request holds: the
+    other sits in the free queue, and taking it would cost a free block that admission may
+    not have."""
+    from lmkv_engines.minimal.block_manager import BlockManager
+    from lmkv_engines.minimal.request import Request
+
+    bm = BlockManager(num_blocks=3, block_size=4)
+    a = Request("a", [1, 2, 3, 4, 9], SamplingParams())
+    assert bm.allocate_slots(a, a.num_tokens, bm.get_computed_blocks(a))
+    bm.free(a)  # its first block stays cached, in the free queue
+    b = Request("b", [1, 2, 3, 4], SamplingParams())  # no hit (never the last token): a copy
+    assert bm.allocate_slots(b, b.num_tokens, bm.get_computed_blocks(b))
+    b.num_computed_tokens = b.num_tokens
+    b.output_token_ids.append(7)
+    assert bm.allocate_slots(b, 1)  # one block left free
+    c = Request("c", [1, 2, 3, 4, 5, 6, 7], SamplingParams())
+    hit = bm.get_computed_blocks(c)
+    assert hit.blocks[0].block_id == b.block_ids[0]
+    assert bm.allocate_slots(c, c.num_tokens - hit.num_tokens, hit)
+    bm.check_integrity()

@@ -62,8 +62,8 @@ def test_parse_size():
 def _byte_fallback_tokenizer():
     """A small SentencePiece-style tokenizer as Llama 2's tokenizer.json has it: BPE with
     byte fallback ("<0xE6>" tokens for what the vocabulary lacks), "▁" for spaces."""
+    from tokenizers import AddedToken, decoders, models, normalizers
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, normalizers
 
     from lmkv_engines.minimal.tokenizer import Tokenizer
 
@@ -75,6 +75,7 @@ def _byte_fallback_tokenizer():
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                      decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
     return Tokenizer(tok, None, "<s>", "</s>", (2,))
 
 
@@ -179,7 +180,9 @@ def test_streamed_text_waits_for_the_end_of_a_byte_fallback_run():
     """With a byte-fallback tokenizer a byte run's text changes when a byte that makes it
     invalid UTF-8 arrives ("<0x7F>" decodes to DEL, then "<0x7F><0x81>" to two U+FFFD), so
     the incremental text holds a trailing run back: after every token it is a prefix of the
-    whole decode, and once a token that is not a byte follows, equal to it."""
+    whole decode, and once a token that is not a byte follows, equal to it. Special tokens
+    (skipped by decoding: the bytes around one are one run) do not end a run, and a stop
+    string in a held run stops the request at the token that completes it."""
     import random
 
     from lmkv_engines.minimal.llm_engine import LLMEngine
@@ -187,12 +190,13 @@ def test_streamed_text_waits_for_the_end_of_a_byte_fallback_run():
     from lmkv_engines.minimal.sampling_params import SamplingParams
 
     tok = _byte_fallback_tokenizer()
-    assert len(tok.byte_fallback_ids) == 256
-    engine = LLMEngine.__new__(LLMEngine)  # only the tokenizer is used
-    engine.tokenizer = tok
+    assert len(tok.byte_fallback_ids) == 256 + 3
+    engine = LLMEngine.__new__(LLMEngine)  # only the tokenizer (and the context) is used
+    engine.tokenizer, engine.max_model_len = tok, 10_000
     rng = random.Random(0)
     words, last = range(259, tok.vocab_size), tok.encode("c", add_special_tokens=False)[-1]
-    pools = [range(3, 3 + 128), range(3 + 128, 3 + 256), words]  # ASCII, high bytes, words
+    # ASCII and high bytes, words, special tokens
+    pools = [range(3, 3 + 128), range(3 + 128, 3 + 256), words, range(3)]
     for _ in range(500):
         ids = [rng.choice(rng.choice(pools)) for _ in range(rng.randrange(1, 12))] + [last]
         req = Request("r", [1], SamplingParams())
@@ -201,6 +205,15 @@ def test_streamed_text_waits_for_the_end_of_a_byte_fallback_run():
             req.output_text += engine._new_text(req)
             assert tok.decode(ids[: k + 1]).startswith(req.output_text), ids
         assert req.output_text == tok.decode(ids), ids
+
+    stop = "。"  # three bytes in this vocabulary, then a long run of others
+    ids = [3 + b for b in "日本。".encode()] + [3 + 0xE3] * 100
+    req = Request("r", [1], SamplingParams(max_tokens=len(ids), stop=(stop,), ignore_eos=True))
+    for token in ids:
+        req.output_token_ids.append(token)
+        if engine._check_stop(req, token) is not None:
+            break
+    assert len(req.output_token_ids) == len("日本。".encode()) and req.output_text == "日本"
 
 
 def test_a_stop_string_ends_at_the_token_that_completes_it_when_that_token_starts_a_character(
