@@ -315,7 +315,7 @@ class LLMEngine:
             req.unsent_text += new
         reason = None
         eos = not p.ignore_eos and token in self.tokenizer.eos_token_ids
-        stop_string = any(s in window + req.held_text for s in p.stop)
+        stop_string = bool(p.stop) and any(s in window + req.held_text for s in p.stop)
         if stop_string or token in p.stop_token_ids or eos:
             reason = FinishReason.STOP
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
@@ -372,10 +372,8 @@ class LLMEngine:
                 text = hold_back(req.unsent_text, req.params.stop)
                 req.unsent_text = req.unsent_text[len(text) :]
             req.sent_chars += len(text)
-        else:
+        else:  # (_new_text never gives an incomplete character: nothing to hold back here)
             new_ids, text = list(ids), req.output_text
-            if not req.is_finished and text.endswith("\ufffd"):
-                text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for the rest
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,

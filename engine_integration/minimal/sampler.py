@@ -14,11 +14,12 @@ def sample(
 ) -> list[int]:
     """Greedy rows take their argmax where the logits are (only the token ids reach the
     host); the rows that sample come to the host, where each request's generator lives."""
-    out = logits.argmax(dim=-1).tolist()  # greedy for every row; overwritten below if sampling
     rest = [i for i, p in enumerate(params) if not p.greedy]
-    if not rest:
-        return out
-    host = logits[rest].cpu() if len(rest) < len(params) else logits.cpu()
+    if len(rest) == len(params):  # every row samples: nothing to take the argmax of
+        out, host = [0] * len(params), logits.cpu()
+    else:  # greedy for every row; the sampling rows are overwritten below
+        out = logits.argmax(dim=-1).tolist()
+        host = logits[rest].cpu() if rest else None
     for j, i in enumerate(rest):
         p = params[i]
         logits_i = host[j]

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from . import run_benchmark
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 def test_cpu_transfer_benchmark_prints_a_ratio_per_dtype_and_direction():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_transfer.py"), "--tokens", "256",
-                        "--chunk", "64", "--layers", "2", "--heads", "2", "--head-dim", "16",
-                        "--repeats", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = r.stdout.splitlines()
+    out = run_benchmark("cpu_transfer.py", "--tokens", "256", "--chunk", "64", "--layers", "2",
+                        "--heads", "2", "--head-dim", "16", "--repeats", "1", timeout=120)
+    lines = out.splitlines()
     for dtype in ("float16", "float32"):
         for what in ("load", "save"):
             assert sum(f"{dtype}" in x and f", {what} (chunk" in x and "native/torch = " in x
