@@ -1,8 +1,8 @@
 """Where lmkv's copies to and from paged memory run: their own stream on a CUDA device,
 ordered against the engine's stream by events (GPU-side waits: the host goes on), so
 loads and saves overlap the forward pass; on the CPU a copy has finished when issued and
-every method is a no-op. The engine's stream is the one current on the thread that calls
-``bind_engine`` (the forward pass's thread)."""
+every method is a no-op and every mark is done. The engine's stream is the one current on
+the thread that calls ``bind_engine`` (the forward pass's thread)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,13 @@ class CopyStream:
         """The host waits until this stream's work has finished (before its host buffers
         are reused)."""
 
+    def done(self, mark: Any) -> bool:
+        """Whether the work before ``mark`` has finished (the host does not wait)."""
+        return True
+
+    def wait(self, mark: Any) -> None:
+        """The host waits for the work before ``mark``."""
+
 
 class CudaCopyStream(CopyStream):
     def __init__(self, device: torch.device):
@@ -69,6 +76,13 @@ class CudaCopyStream(CopyStream):
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    def done(self, mark) -> bool:
+        return mark is None or mark.query()
+
+    def wait(self, mark) -> None:
+        if mark is not None:
+            mark.synchronize()
 
 
 def copy_stream(device: torch.device) -> CopyStream:

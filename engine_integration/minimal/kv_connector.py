@@ -49,7 +49,8 @@ class KVConnector:
         self.blend_separator = separator_tokens(lambda text: encode(text, False),
                                                 config.blend_special_str) if config.enable_blending else []
         self.scheduler = SchedulerConnector(self.cache, block_size, self.blend_separator)
-        self.worker = WorkerConnector(self.cache)
+        # a producer's saves must be stored when its request is reported done (drain)
+        self.worker = WorkerConnector(self.cache, async_saves=config.kv_role != "producer")
         self.worker.register_kv_caches(BlockPagedMemory(kv_cache, launcher))
         self._checks: dict[str, list[int]] = {}  # quality-gate re-run id -> the tokens served
 
@@ -88,6 +89,12 @@ class KVConnector:
     def aborted(self, req: Request) -> None:
         """``req`` was aborted: a quality-gate re-run that will not finish is forgotten."""
         self._checks.pop(req.request_id, None)
+
+    def before_schedule(self, lookups: bool) -> None:
+        """Before the scheduler runs: chunks of earlier steps' saves whose copies are done go
+        to the hot cache; all of them (the host waits for their copies) when ``lookups``
+        (requests are waiting to be looked up, and must find them)."""
+        self.worker.complete_saves(wait=lookups)
 
     def execute(self, runner: ModelRunner, sched: SchedulerOutput) -> StepResult:
         """One step with lmkv: load what was matched, run the model, save new chunks. If a

@@ -224,6 +224,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
+        if self.kv_connector is not None:
+            self.kv_connector.before_schedule(lookups=bool(self.scheduler.waiting))
         sched = self.scheduler.schedule()
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
         if not sched.scheduled:

@@ -9,14 +9,19 @@ reads its pages only after the engine wrote them, and a chunk's host memory goes
 the pool only after the copies reading it have finished.
 A load that fails (at any layer) is reported by ``failed_loads`` after the forward pass:
 the engine must recompute those requests' tokens, and their saves of this step are dropped.
+With ``async_saves`` the host does not wait for a step's save copies either: the engine's
+stream waits for them GPU-side before its next work (no page is rewritten before it is
+read), and the chunks go to the hot cache once their copies are done.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,9 +34,24 @@ from .metadata import ConnectorMetadata, LoadSpec
 log = logging.getLogger(__name__)
 
 
+class _Saved(NamedTuple):
+    """A step's save copies, issued: what to store and return to the pool once they are done."""
+
+    mark: Any  # the save stream's mark after them
+    store: list[tuple[str, ChunkBuffer, str | None]]  # (key, chunk, parent) to store
+    bufs: list[ChunkBuffer]  # every chunk the copies wrote, stored or not
+
+
 class WorkerConnector:
-    def __init__(self, cache: LMKVCache, key_of: Callable[[str], str] | None = None):
+    def __init__(self, cache: LMKVCache, key_of: Callable[[str], str] | None = None,
+                 async_saves: bool = False):
+        """``async_saves``: the host does not wait for a step's save copies (their chunks are
+        stored at a later step, or by ``complete_saves``). Only for an engine whose later
+        writes to the pages all run on the stream that ran the forward pass (the bundled
+        engine); vLLM's contract is that wait_for_save returns with the pages read."""
         self.cache = cache
+        self.async_saves = async_saves
+        self._saved: deque[_Saved] = deque()  # issued, not yet stored or returned
         # the metadata's names -> this cache's keys (rank-free ids under tensor parallelism)
         self._key = key_of or (lambda key: key)
         self.layerwise = cache.config.use_layerwise
@@ -220,12 +240,16 @@ class WorkerConnector:
         background and never waited for here. Chunks of the requests in ``skip`` (computed
         over pages whose load failed) are not stored; with ``store`` False (the forward
         pass failed, or pages it read were never loaded) none are, and in layer-wise mode
-        none are unless every layer was gathered. The chunk buffers are returned either way."""
+        none are unless every layer was gathered. The chunk buffers are returned either way:
+        once their copies are done (at once on the CPU; with ``async_saves`` on a GPU, at a
+        later step)."""
+        self.complete_saves()
         if not self.meta.saves:
             return
         bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
         skip_keys = {self._key(k) for spec in self.meta.saves if spec.request_id in skip
                      for k in spec.keys}
+        mark, keep = None, []
         try:
             try:
                 if self.layerwise:
@@ -239,17 +263,58 @@ class WorkerConnector:
                 elif store:
                     bufs = self._allocate_saves()
                     self._gather(bufs, self._saves.engine_mark())
-            finally:  # the chunks hold the pages' KV (or a failed gather's copies are done)
-                self._saves.synchronize()
-            parents = {self._key(k): None if p is None else self._key(p)
-                       for spec in self.meta.saves for k, p in spec.parents().items()}
-            for key, buf, _ in bufs if store else ():
-                if key not in skip_keys:
-                    self.cache.store(key, buf, parents.get(key))
+            finally:  # the chunks hold the pages' KV once the copies are done (a failed gather's too)
+                mark = self._copies_issued()
+            if store:
+                parents = {self._key(k): None if p is None else self._key(p)
+                           for spec in self.meta.saves for k, p in spec.parents().items()}
+                keep = [(key, buf, parents.get(key)) for key, buf, _ in bufs if key not in skip_keys]
         finally:  # a failed gather stores nothing and still returns its buffers
             self.meta = ConnectorMetadata()
             self._save_layers = 0
-            self._release([[buf for _, buf, _ in bufs]])
+            self._saved.append(_Saved(mark, keep, [buf for _, buf, _ in bufs]))
+            self.complete_saves()
+
+    def _copies_issued(self) -> Any:
+        """After a step's save copies: without ``async_saves`` the host waits for them (None);
+        with it, the engine's stream does, GPU-side, before its next work, and their mark is
+        returned."""
+        if not self.async_saves:
+            self._saves.synchronize()
+            return None
+        mark = self._saves.mark()
+        self._saves.engine_waits(mark)
+        return mark
+
+    def complete_saves(self, wait: bool = False) -> None:
+        """Store the chunks of the saves whose copies are done and return their buffers to
+        the pool; with ``wait``, of every save issued (the host waits for the copies). A
+        failure to store costs those chunks (a later recompute), a log line and a metric."""
+        while self._saved:
+            saved = self._saved[0]
+            try:
+                if wait:
+                    self._saves.wait(saved.mark)
+                elif not self._saves.done(saved.mark):
+                    return  # marks of one stream complete in order
+            except Exception as e:  # the copies' state is unknown: nothing of them is stored
+                self._saved.popleft()
+                self._save_failed(saved, e)
+                self._release([saved.bufs])
+                continue
+            self._saved.popleft()
+            try:
+                for key, buf, parent in saved.store:
+                    self.cache.store(key, buf, parent)
+            except Exception as e:
+                self._save_failed(saved, e)
+            finally:
+                self._release([saved.bufs])
+
+    def _save_failed(self, saved: _Saved, e: Exception) -> None:
+        log.warning("lmkv: storing %d saved chunks failed (%s); they will be recomputed next "
+                    "time", len(saved.store), e)
+        self.cache.count_error("connector", "save")
 
     def _allocate_saves(self) -> list[tuple[str, ChunkBuffer, torch.Tensor]]:
         out = []
@@ -273,5 +338,6 @@ class WorkerConnector:
 
     def close(self) -> None:
         self._finish_whole_load()
+        self.complete_saves(wait=True)
         if self._executor is not None:
             self._executor.shutdown(wait=True)

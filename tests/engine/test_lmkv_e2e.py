@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lmkv.streams import CopyStream
 from lmkv_engines.minimal.llm import LLM
 from lmkv_engines.minimal.sampling_params import SamplingParams
 
@@ -471,3 +472,45 @@ def test_save_unfull_chunk_stores_a_prompts_partial_last_chunk(tiny_model_dir, t
         out = llm.generate([p], GREEDY)[0]  # a new engine: every chunk from disk, the tail too
         assert out.num_external_tokens == len(p) - 1 and out.output_token_ids == want[0]
         assert metric(llm, "lmkv_tier_hits_total", tier="disk") == 5
+
+
+class _SlowSaves(CopyStream):
+    """A save stream whose copies finish only when the host waits for them (a GPU's
+    asynchronous device-to-host copies, as late as they can be)."""
+
+    def __init__(self):
+        self.waited = 0
+
+    def mark(self):
+        return object()
+
+    def done(self, mark):
+        return mark is None
+
+    def wait(self, mark):
+        self.waited += mark is not None
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_async_saves_are_found_by_the_next_request(tiny_model_dir, reference, layerwise):
+    """With a save stream that never finishes by itself, a step's chunks stay out of the
+    hot cache until the engine waits for them, which it does before it looks up waiting
+    requests: the prompts come back as hits, with the same tokens."""
+    with lmkv_llm(tiny_model_dir, use_layerwise=layerwise) as llm:
+        worker = llm.engine.kv_connector.worker
+        assert worker.async_saves
+        worker._saves = slow = _SlowSaves()
+        first = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in first] == reference()
+        again = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in again] == reference()
+        assert [o.num_external_tokens for o in again] == [_full_chunks(p) for p in prompts()]
+        assert slow.waited > 0
+        llm.engine.kv_connector.cache.pool.check_integrity()
+
+
+def test_a_producer_stores_its_chunks_within_the_step(tiny_model_dir):
+    """A producer reports a request done only once its chunks are stored (drain): its
+    saves are never left for a later step."""
+    with lmkv_llm(tiny_model_dir, kv_role="producer") as llm:
+        assert not llm.engine.kv_connector.worker.async_saves

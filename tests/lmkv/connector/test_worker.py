@@ -204,6 +204,8 @@ class _Recorder(CopyStream):
 
     def __init__(self, name: str, log: list):
         self.name, self.log, self.n = name, log, 0
+        self.running = set()
+        self.slow = False  # marks taken from now on stay running until a test ends them
 
     def _mark(self, what: str) -> str:
         self.n += 1
@@ -227,7 +229,10 @@ class _Recorder(CopyStream):
         return self._mark("engine_mark")
 
     def mark(self):
-        return self._mark("mark")
+        mark = self._mark("mark")
+        if self.slow:
+            self.running.add(mark)
+        return mark
 
     def waits(self, mark):
         self.log.append((self.name, "waits", mark))
@@ -237,6 +242,15 @@ class _Recorder(CopyStream):
 
     def synchronize(self):
         self.log.append((self.name, "synchronize"))
+
+    def done(self, mark):
+        self.log.append((self.name, "done", mark))
+        return mark not in self.running
+
+    def wait(self, mark):
+        self.log.append((self.name, "wait", mark))
+        self.running.discard(mark)
+
 
 
 class _LoggedPages(BlockPagedMemory):
@@ -261,19 +275,21 @@ def _marks(log: list, stream: str, what: str) -> list[str]:
     return [e[2] for e in log if e[:2] == (stream, what)]
 
 
+@pytest.mark.parametrize("async_saves", [False, True])
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_copies_are_ordered_against_the_engine_by_stream_marks(layerwise, monkeypatch):
+def test_copies_are_ordered_against_the_engine_by_stream_marks(layerwise, async_saves, monkeypatch):
     """The order a CUDA device needs: a load waits for the engine's earlier work, the
     forward pass waits (GPU-side) for each layer's load before its attention, a chunk goes
     back to the pool only after the copies reading it are done, a layer's save reads its
     pages only after the engine wrote them, and saved chunks are stored only after their
-    copies are done."""
+    copies are done (with async saves the host does not wait for them: the engine's stream
+    does, before its next work)."""
     log: list = []
     cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001, use_layerwise=layerwise)
     engine = LMKVCache(cfg, KVLayout(LAYERS, 2, 4, torch.float32, CHUNK), "model")
     kv_cache = torch.zeros(LAYERS, 2, 16, BLOCK, 2, 4)
     kvs = _pinned(engine, ["a", "b"])
-    worker = WorkerConnector(engine)
+    worker = WorkerConnector(engine, async_saves=async_saves)
     names = iter(["load", "save"])
     worker.register_kv_caches(_LoggedPages(kv_cache, log), lambda device: _Recorder(next(names), log))
     release, store = ChunkBuffer.release, engine.store
@@ -322,11 +338,83 @@ def test_copies_are_ordered_against_the_engine_by_stream_marks(layerwise, monkey
         (written,) = _marks(log, "save", "engine_mark")
         assert _at(log, "engine", "forward done") < _at(log, "save", "engine_mark", written) \
             < _at(log, "save", "waits", written) < _at(log, "pages", "save", None, "save")
-    save_sync = min(i for i, e in enumerate(log) if e == ("save", "synchronize"))
-    assert max(i for i, e in enumerate(log) if e[:2] == ("pages", "save")) < save_sync \
-        < _at(log, "cache", "store") < releases[-1]
+    last_save_copy = max(i for i, e in enumerate(log) if e[:2] == ("pages", "save"))
+    if async_saves:
+        assert ("save", "synchronize") not in log  # the host never waits for the save copies
+        (issued,) = [m for m in _marks(log, "save", "mark")]
+        assert last_save_copy < _at(log, "save", "mark", issued) \
+            < _at(log, "save", "engine_waits", issued) < _at(log, "save", "done", issued) \
+            < _at(log, "cache", "store") < releases[-1]
+    else:
+        save_sync = min(i for i, e in enumerate(log) if e == ("save", "synchronize"))
+        assert last_save_copy < save_sync < _at(log, "cache", "store") < releases[-1]
     assert torch.equal(_paged(kv_cache, slots[0]), kvs[0]) and torch.equal(_paged(kv_cache, slots[1]), kvs[1])
     assert engine.storage.hot.contains("c")
+    engine.pool.check_integrity()
+    worker.close()
+    engine.close()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_async_saves_are_stored_once_their_copies_are_done(layerwise):
+    """With async saves, chunks whose copies are still running are neither stored nor
+    handed back to the pool; a later step stores them once their mark is done, and
+    close waits for the rest."""
+    log: list = []
+    engine, _, kv_cache = _setup(layerwise)
+    worker = WorkerConnector(engine, async_saves=True)
+    streams = iter(["load", "save"])
+    recorders = {}
+
+    def make(device):
+        name = next(streams)
+        recorders[name] = _Recorder(name, log)
+        return recorders[name]
+
+    worker.register_kv_caches(BlockPagedMemory(kv_cache), make)
+    saves = recorders["save"]
+    saves.slow = True  # the copies run on after the host moves on
+    free = engine.pool.num_free
+
+    def step(keys):
+        worker.bind_connector_metadata(ConnectorMetadata(saves=[
+            SaveSpec("r", [k], [torch.arange(8 * i, 8 * i + 8)], parent=None) for i, k in enumerate(keys)]))
+        worker.start_load_kv()
+        for layer in range(LAYERS):
+            worker.save_kv_layer(layer)
+        worker.wait_for_save()
+        return _marks(log, "save", "mark")[-1]
+
+    first = step(["c"])
+    assert not engine.storage.hot.contains("c") and engine.pool.num_free == free - 1
+    step([])  # a step without saves: the copies still run
+    assert not engine.storage.hot.contains("c")
+    saves.running.discard(first)
+    second = step(["d"])  # the next step stores what is done, not what still runs
+    assert engine.storage.hot.contains("c") and not engine.storage.hot.contains("d")
+    worker.close()  # waits for the rest
+    assert ("save", "wait", second) in log and engine.storage.hot.contains("d")
+    assert engine.pool.num_free == free - 2  # the hot cache holds c and d, nothing else is out
+    engine.pool.check_integrity()
+    engine.close()
+
+
+def test_a_deferred_store_that_fails_costs_the_chunks_and_returns_the_buffers(monkeypatch):
+    engine, _, kv_cache = _setup(False)
+    worker = WorkerConnector(engine, async_saves=True)
+    log: list = []
+    worker.register_kv_caches(BlockPagedMemory(kv_cache), lambda device: _Recorder("s", log))
+    free = engine.pool.num_free
+
+    def broken(*a):
+        raise OSError("injected store failure")
+
+    monkeypatch.setattr(engine, "store", broken)
+    worker.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r", ["c"], [torch.arange(8)], None)]))
+    worker.start_load_kv()
+    worker.wait_for_save()  # never raises: the store runs once the copies are done
+    assert engine.pool.num_free == free
+    assert engine.metrics.errors.labels(tier="connector", kind="save")._value.get() == 1
     engine.pool.check_integrity()
     worker.close()
     engine.close()
@@ -363,12 +451,13 @@ def test_copy_streams_are_cuda_streams_only_for_cuda_pages():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("async_saves", [False, True])
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_loads_and_saves_on_cuda_pages_through_copy_streams(layerwise):
+def test_loads_and_saves_on_cuda_pages_through_copy_streams(layerwise, async_saves):
     cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001, use_layerwise=layerwise)
     engine = LMKVCache(cfg, KVLayout(LAYERS, 2, 4, torch.float32, CHUNK), "model")
     kv_cache = torch.zeros(LAYERS, 2, 16, BLOCK, 2, 4, device="cuda")
-    worker = WorkerConnector(engine)
+    worker = WorkerConnector(engine, async_saves=async_saves)
     worker.register_kv_caches(BlockPagedMemory(kv_cache))
     kvs = _pinned(engine, ["a"])
     slots = torch.arange(8, 16)
@@ -385,8 +474,9 @@ def test_loads_and_saves_on_cuda_pages_through_copy_streams(layerwise):
         worker.save_kv_layer(layer)
     assert worker.failed_loads() == []
     worker.wait_for_save()
+    kv_cache.fill_(-2.0)  # the engine's next work: never before the save has read the pages
+    worker.complete_saves(wait=True)
     torch.cuda.synchronize()
-    assert torch.equal(_paged(kv_cache, slots.cuda()).cpu(), kvs[0])
     for layer, pages in enumerate(seen):
         assert torch.equal(pages.flatten(1, 2)[:, slots.cuda()].cpu(), kvs[0][:, layer])
     buf = engine.storage.hot.get("c")
