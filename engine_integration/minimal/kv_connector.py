@@ -90,11 +90,11 @@ class KVConnector:
         """``req`` was aborted: a quality-gate re-run that will not finish is forgotten."""
         self._checks.pop(req.request_id, None)
 
-    def before_schedule(self, lookups: bool) -> None:
-        """Before the scheduler runs: chunks of earlier steps' saves whose copies are done go
-        to the hot cache; all of them (the host waits for their copies) when ``lookups``
-        (requests are waiting to be looked up, and must find them)."""
-        self.worker.complete_saves(wait=lookups)
+    def complete_saves(self, wait: bool) -> None:
+        """Chunks of earlier steps' saves whose copies are done go to the hot cache; with
+        ``wait``, all of them (the host waits for their copies): before waiting requests
+        are looked up (they must find them), and when the engine goes idle."""
+        self.worker.complete_saves(wait=wait)
 
     def execute(self, runner: ModelRunner, sched: SchedulerOutput) -> StepResult:
         """One step with lmkv: load what was matched, run the model, save new chunks. If a

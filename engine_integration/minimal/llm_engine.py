@@ -224,8 +224,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
-        if self.kv_connector is not None:
-            self.kv_connector.before_schedule(lookups=bool(self.scheduler.waiting))
+        if self.kv_connector is not None:  # waiting requests' lookups must find them
+            self.kv_connector.complete_saves(wait=bool(self.scheduler.waiting))
         sched = self.scheduler.schedule()
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
         if not sched.scheduled:
@@ -254,6 +254,8 @@ class LLMEngine:
             self.block_manager.forget({b for s in sched.scheduled for b in s.request.block_ids})
             raise
         outputs = self._postprocess(sched, sampled)
+        if self.kv_connector is not None and not self.scheduler.has_unfinished():
+            self.kv_connector.complete_saves(wait=True)  # idle next: nothing would poll them
         self.metrics.computed_tokens.inc(sched.num_tokens)
         self._update_gauges()
         self.metrics.step_seconds.observe(time.perf_counter() - start)

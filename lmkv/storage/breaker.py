@@ -1,6 +1,8 @@
 """A circuit breaker per remote tier: after a failure the tier is skipped for a while
 (doubling on each consecutive failure, up to a ceiling), so a dead store costs one
-timeout per interval instead of one per chunk."""
+timeout per interval instead of one per chunk. ``trial``: a probe made after the interval
+answered (the tier's reads run it apart from its callers); calls go through again, and the
+next one decides: a success resets the breaker, a failure goes on doubling."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ class CircuitBreaker:
         self.max = max_interval
         self.failures = 0
         self.open_until = 0.0
+        self.trial = False
 
     @property
     def closed(self) -> bool:
@@ -22,10 +25,12 @@ class CircuitBreaker:
     def success(self) -> None:
         self.failures = 0
         self.open_until = 0.0
+        self.trial = False
 
     def failure(self) -> float:
         """Record a failure; returns how long the tier is now skipped."""
         self.failures += 1
+        self.trial = False
         interval = min(self.max, self.base * 2 ** (self.failures - 1))
         self.open_until = time.monotonic() + interval
         return interval

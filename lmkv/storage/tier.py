@@ -3,7 +3,9 @@ framed with, its circuit breaker and its metrics. Chunks are encoded where they 
 tier and decoded where they leave it, here and nowhere else. Backends need not be
 thread-safe (base.py), while a tier is used from the I/O worker (reads, writes) and from the
 thread that looks chunks up (the engine's scheduler, vLLM's lookup server): the tier makes
-one backend call at a time, under its lock."""
+one backend call at a time, under its lock. After a failed read, reads wait out the
+breaker's interval, then a probe (a lookup of a key no chunk has) runs on a thread of its
+own until the backend answers: a store that hangs holds that thread, not a caller's."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .breaker import CircuitBreaker
 log = logging.getLogger(__name__)
 
 LOCK_WAIT = 5.0  # seconds a lookup waits for the backend while another call holds it
+PROBE_KEY = "lmkv-probe@" + "0" * 32  # looked up to learn whether a failed backend answers
 
 
 @dataclass(eq=False)
@@ -42,6 +45,8 @@ class Tier:
     decoders: Executor | None = None  # decodes a batch's coded frames side by side; None: in turn
     _warned_range: bool = field(default=False, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
+    _probing: bool = field(default=False, init=False, repr=False)  # a probe thread runs
+    _probe_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.codec, str):  # a codec named in a config
@@ -53,8 +58,14 @@ class Tier:
 
     @property
     def available(self) -> bool:
-        """False while the breaker holds the tier's reads off after a failed read."""
-        return self.breaker.closed
+        """Whether reads may go to the backend now: not after a failed read until the
+        breaker's interval is over and a probe, started here then, has answered."""
+        b = self.breaker
+        if b.failures == 0 or b.trial:
+            return True
+        if b.closed:  # the interval is over
+            self._probe()
+        return False
 
     @property
     def writable(self) -> bool:
@@ -218,6 +229,35 @@ class Tier:
         self.metrics.tier_bytes.labels(self.name, "get").inc(len(data))
         self.metrics.tier_hits.labels(self.name).inc()
         return True
+
+    def _probe(self) -> None:
+        """Start the probe thread unless one runs."""
+        with self._probe_lock:
+            if self._probing:
+                return
+            self._probing = True
+        threading.Thread(target=self._run_probe, name=f"lmkv-probe-{self.name}", daemon=True).start()
+
+    def _run_probe(self) -> None:
+        try:
+            with self._lock:
+                b = self.breaker
+                if b.failures == 0 or b.trial or not b.closed:
+                    return  # a call decided it meanwhile
+                start = time.perf_counter()
+                try:
+                    self.backend.contains([PROBE_KEY])
+                except BackendError as e:
+                    self._failed("contains", e)
+                    return
+                finally:
+                    self._timed("contains", start)
+                b.trial = True
+        except Exception:  # a defect, not the store: reads stay off for another interval
+            log.exception("lmkv: probing %s failed", self.name)
+            self.breaker.failure()
+        finally:
+            self._probing = False
 
     def _timed(self, op: str, start: float) -> None:
         self.metrics.tier_seconds.labels(self.name, op).observe(time.perf_counter() - start)

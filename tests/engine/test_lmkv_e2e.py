@@ -509,6 +509,18 @@ def test_async_saves_are_found_by_the_next_request(tiny_model_dir, reference, la
         llm.engine.kv_connector.cache.pool.check_integrity()
 
 
+def test_async_saves_are_stored_when_the_engine_goes_idle(tiny_model_dir):
+    """A prompt that ends in its prefill step leaves nothing pending once generate returns:
+    the chunks are in the hot cache (and queued for the tiers below) for whoever asks."""
+    p = prompts(n=1)[0]
+    with lmkv_llm(tiny_model_dir) as llm:
+        llm.engine.kv_connector.worker._saves = _SlowSaves()
+        llm.generate([p], SamplingParams(max_tokens=1, temperature=0))
+        cache = llm.engine.kv_connector.cache
+        assert cache.lookup(cache.keys(p)) == len(p) // CHUNK
+        assert not llm.engine.kv_connector.worker._saved
+
+
 def test_a_producer_stores_its_chunks_within_the_step(tiny_model_dir):
     """A producer reports a request done only once its chunks are stored (drain): its
     saves are never left for a later step."""

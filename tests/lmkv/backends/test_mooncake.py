@@ -78,3 +78,38 @@ def test_a_get_that_returns_nothing_for_a_stored_value_is_a_failure_not_a_miss()
     assert backend.get(["fine"]) == [b"0123456789"]
     with pytest.raises(BackendError, match="returned nothing"):
         backend.get(["fine", "stuck"])
+
+
+def test_a_hung_master_is_probed_off_the_lookup_thread(store):
+    """After a failed call, lookups do not call a hung master again (its client waits 30 s
+    per call): a probe does, on a thread of its own, and lookups miss at once until the
+    master answers it."""
+    import signal
+    import time
+
+    from lmkv.backends.mooncake import MooncakeBackend
+    from lmkv.storage.breaker import CircuitBreaker
+    from lmkv.storage.tier import Tier
+
+    tier = Tier("remote", MooncakeBackend(store.url, timeout=0.5), "raw",
+                breaker=CircuitBreaker(base_interval=0.1))
+    tier.backend.put([("k", b"v" * 100)])
+    assert tier.contains(["k"]) == [True]
+    master = store.procs[0]
+    tier.breaker.failure()  # as a call that timed out would leave it (that costs 30 s here)
+    os.kill(master.pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.2)  # past the interval
+        start = time.monotonic()
+        for _ in range(10):
+            assert tier.contains(["k"]) is None
+            time.sleep(0.1)
+        assert time.monotonic() - start < 3  # no lookup waited for the master
+    finally:
+        os.kill(master.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 40
+    while not tier.available:  # the probe's call returns once the master runs again
+        assert time.monotonic() < deadline, "the probe never answered"
+        time.sleep(0.1)
+    assert tier.contains(["k"]) == [True]
+    tier.close()

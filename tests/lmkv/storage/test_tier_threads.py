@@ -14,11 +14,12 @@ import httpx
 import pytest
 import torch
 
-from lmkv.backends.base import StorageBackend
+from lmkv.backends.base import BackendError, StorageBackend
 from lmkv.cache import LMKVCache
 from lmkv.config import load_config
 from lmkv.layout import KVLayout
-from lmkv.storage.tier import Tier
+from lmkv.storage.breaker import CircuitBreaker
+from lmkv.storage.tier import PROBE_KEY, Tier
 
 LAYOUT = KVLayout(4, 4, 64, torch.float16, 64)  # 128 KiB chunks
 
@@ -172,3 +173,72 @@ def test_a_read_that_raises_returns_every_chunk_it_held(tmp_path):
         cache.pool.check_integrity()
     finally:
         cache.close()
+
+
+class Hangs(StorageBackend):
+    """A store that fails, then hangs (a stopped host: calls wait until ``answer`` is set,
+    then fail as a client's own timeout would), then answers."""
+
+    def __init__(self) -> None:
+        self.mode = "fail"
+        self.answer = threading.Event()
+        self.calls: list[list[str]] = []
+
+    def put(self, items):
+        pass
+
+    def get(self, keys):
+        return [None] * len(keys)
+
+    def contains(self, keys):
+        self.calls.append(list(keys))
+        if self.mode == "hang":
+            self.answer.wait(10)
+            if self.mode == "hang":
+                raise BackendError("timed out")
+        elif self.mode == "fail":
+            raise BackendError("connection refused")
+        return [True] * len(keys)
+
+
+def test_after_a_failure_a_hung_store_is_probed_off_the_callers_thread():
+    """After the breaker's interval a lookup does not call a store that failed: it starts a
+    probe on a thread of its own and misses at once, as do the lookups while the probe
+    hangs; once the probe answers, lookups go to the store again."""
+    backend = Hangs()
+    tier = Tier("remote", backend, "zstd", breaker=CircuitBreaker(base_interval=0.05))
+    assert tier.contains(["a"]) is None  # fails: the breaker opens
+    assert tier.contains(["a"]) is None and len(backend.calls) == 1  # held off
+    time.sleep(0.1)
+    backend.mode = "hang"
+    start = time.monotonic()
+    for _ in range(20):  # the probe hangs; lookups miss at once, and start no second probe
+        assert tier.contains(["a"]) is None
+        assert tier.read(["a"], [None]) == [False]
+    assert time.monotonic() - start < 1.0
+    deadline = time.monotonic() + 5
+    while len(backend.calls) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert backend.calls[1] == [PROBE_KEY] and len(backend.calls) == 2
+    backend.mode = "answer"
+    backend.answer.set()
+    while not tier.available:  # the probe answered: lookups go through again
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert tier.contains(["a", "b"]) == [True, True]
+    assert tier.breaker.failures == 0 and not tier.breaker.trial
+
+
+def test_a_probe_that_fails_holds_reads_off_for_a_longer_interval():
+    backend = Hangs()
+    tier = Tier("remote", backend, "zstd", breaker=CircuitBreaker(base_interval=0.05))
+    assert tier.contains(["a"]) is None
+    time.sleep(0.1)
+    assert tier.contains(["a"]) is None  # starts the probe, which fails too
+    failed = tier.metrics.errors.labels("remote", "contains")
+    deadline = time.monotonic() + 5
+    while failed._value.get() < 2:  # counted after the breaker reopened
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert tier.breaker.failures == 2 and not tier.available and len(backend.calls) == 2
