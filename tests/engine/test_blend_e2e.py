@@ -271,6 +271,53 @@ def test_the_selection_function_picks_the_recomputed_tokens(tiny_model_dir, plai
         assert asked == [0.15] and recomputed == round(0.15 * 210)
 
 
+@pytest.mark.parametrize("ratio", [0.0, 0.15])
+def test_a_blended_prefill_reads_no_device_value_after_the_check_layer(tiny_model_dir, monkeypatch, ratio):
+    """On a GPU every read of a device value into Python is a host sync: after the check
+    layer picked the tokens, the layers read none (the attention's query groups are known on
+    the host). Counted here as tensor-to-Python conversions once the next layer starts,
+    outside the cache writes (on a device their kernel runs, unchecked; the torch reference
+    run here looks for skipped slots)."""
+    docs, query = _docs(2)
+    with _blend_llm(tiny_model_dir, ratio, blend_check_layer=0) as llm:  # 2 layers: one after
+        eng = llm.engine
+        llm.precompute(docs, progress=False)
+        prompt = join_segments([docs[1], docs[0], docs[2], query], eng.blend_separator)
+        layers = eng.model.model.layers
+        plan = eng.kv_connector.cache.blend_plan(prompt, eng.blend_separator)
+        after = plan.check_layer + 1 if ratio else 0
+        assert after < len(layers)
+        reads, counting = [], []
+        for name in ("__int__", "__bool__", "__float__", "item", "tolist"):
+            real = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _real=real, _name=name, **kw):
+                if counting:
+                    reads.append(_name)
+                return _real(t, *a, **kw)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        layers[after].input_layernorm.register_forward_pre_hook(lambda *_: counting.append(1))
+        from lmkv_engines.minimal import blend
+
+        def write(*a, _real=blend.reshape_and_cache, **kw):
+            held = counting[:]
+            counting.clear()
+            try:
+                return _real(*a, **kw)
+            finally:
+                counting.extend(held)
+
+        monkeypatch.setattr(blend, "reshape_and_cache", write)
+        n, attn = len(prompt), layers[0].self_attn
+        kv = torch.zeros(len(layers), 2, n, 1, attn.num_kv_heads, attn.head_dim)
+        try:
+            _, recomputed = blend.blend_prefill(eng.model, kv, prompt, torch.arange(n), plan)
+        finally:
+            plan.release()
+        assert counting and (0 < recomputed < n if ratio else recomputed == 0) and reads == []
+
+
 def _refs(cache, keys):
     return [cache.storage.hot.entries[k].ref_count for k in keys]
 
