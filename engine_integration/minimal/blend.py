@@ -6,9 +6,9 @@ Layers before the check layer run for every token; at the check layer the tokens
 fresh KV deviates most from the stored KV are selected, and from then on only they (and
 every token without stored KV: prefix, separators, query) are recomputed, attending to
 the stored KV of the rest. Ratio 1 is a full prefill; ratio 0 uses the stored KV as is
-(naive concatenation). On a device the host reads device values twice at most (the tokens
-chosen at the check layer), not per layer: the rows computed and their attention groups
-are known on the host from then on.
+(naive concatenation). On a device with lmkv's kernels the host reads device values twice
+(choosing the tokens at the check layer), not per layer: the rows computed and their
+attention groups are known on the host from then on.
 """
 
 from __future__ import annotations

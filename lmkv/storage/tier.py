@@ -46,6 +46,7 @@ class Tier:
     _warned_range: bool = field(default=False, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
     _probing: bool = field(default=False, init=False, repr=False)  # a probe thread runs
+    _closed: bool = field(default=False, init=False, repr=False)
     _probe_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -231,33 +232,43 @@ class Tier:
         return True
 
     def _probe(self) -> None:
-        """Start the probe thread unless one runs."""
+        """Start the probe thread unless one runs (or the tier is closed)."""
         with self._probe_lock:
-            if self._probing:
+            if self._probing or self._closed:
                 return
             self._probing = True
-        threading.Thread(target=self._run_probe, name=f"lmkv-probe-{self.name}", daemon=True).start()
+        try:
+            threading.Thread(target=self._run_probe, name=f"lmkv-probe-{self.name}",
+                             daemon=True).start()
+        except RuntimeError as e:  # no thread to be had: reads stay off for another interval
+            self._probing = False
+            self.breaker.failure()
+            log.warning("lmkv: cannot probe %s (%s)", self.name, e)
 
     def _run_probe(self) -> None:
         try:
             with self._lock:
                 b = self.breaker
-                if b.failures == 0 or b.trial or not b.closed:
-                    return  # a call decided it meanwhile
+                if self._closed or b.failures == 0 or b.trial or not b.closed:
+                    return  # closed, or a call decided it meanwhile
                 start = time.perf_counter()
                 try:
                     self.backend.contains([PROBE_KEY])
                 except BackendError as e:
-                    self._failed("contains", e)
+                    self._failed("probe", e)
                     return
                 finally:
-                    self._timed("contains", start)
+                    self._timed("probe", start)
                 b.trial = True
         except Exception:  # a defect, not the store: reads stay off for another interval
             log.exception("lmkv: probing %s failed", self.name)
             self.breaker.failure()
         finally:
-            self._probing = False
+            with self._probe_lock:
+                self._probing = False
+                closing = self._closed  # close found the probe in the backend: it closes it
+            if closing:
+                self._close_backend()
 
     def _timed(self, op: str, start: float) -> None:
         self.metrics.tier_seconds.labels(self.name, op).observe(time.perf_counter() - start)
@@ -269,5 +280,14 @@ class Tier:
         self.metrics.errors.labels(self.name, op).inc()
 
     def close(self) -> None:
+        """Close the backend; not waiting for a probe that hangs in it (the probe closes it
+        when its call returns)."""
+        with self._probe_lock:
+            self._closed = True
+            probing = self._probing
+        if not probing:
+            self._close_backend()
+
+    def _close_backend(self) -> None:
         with self._lock:
             self.backend.close()

@@ -236,9 +236,36 @@ def test_a_probe_that_fails_holds_reads_off_for_a_longer_interval():
     assert tier.contains(["a"]) is None
     time.sleep(0.1)
     assert tier.contains(["a"]) is None  # starts the probe, which fails too
-    failed = tier.metrics.errors.labels("remote", "contains")
+    failed = tier.metrics.errors.labels("remote", "probe")
     deadline = time.monotonic() + 5
-    while failed._value.get() < 2:  # counted after the breaker reopened
+    while failed._value.get() < 1:  # counted after the breaker reopened
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert tier.breaker.failures == 2 and not tier.available and len(backend.calls) == 2
+    assert tier.metrics.errors.labels("remote", "contains")._value.get() == 1
+
+
+def test_closing_does_not_wait_for_a_hung_probe():
+    """close returns at once while a probe hangs in the backend; the probe closes the
+    backend when its call returns, and no probe starts after close."""
+    backend = Hangs()
+    closed = []
+    backend.close = lambda: closed.append(1)
+    tier = Tier("remote", backend, "zstd", breaker=CircuitBreaker(base_interval=0.05))
+    assert tier.contains(["a"]) is None
+    time.sleep(0.1)
+    backend.mode = "hang"
+    assert not tier.available  # starts the probe, which hangs
+    deadline = time.monotonic() + 5
+    while len(backend.calls) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    start = time.monotonic()
+    tier.close()
+    assert time.monotonic() - start < 0.5 and closed == []
+    backend.answer.set()
+    while not closed:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert not tier.available and len(backend.calls) == 2 and closed == [1]
