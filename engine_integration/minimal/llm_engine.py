@@ -224,8 +224,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
-        if self.kv_connector is not None:  # waiting requests' lookups must find them
-            self.kv_connector.complete_saves(wait=bool(self.scheduler.waiting))
+        if self.kv_connector is not None:  # lookups of requests admitted now must find them
+            sch = self.scheduler
+            admits = bool(sch.waiting) and len(sch.running) < sch.config.max_num_seqs
+            self.kv_connector.complete_saves(wait=admits)
         sched = self.scheduler.schedule()
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
         if not sched.scheduled:

@@ -52,6 +52,7 @@ class WorkerConnector:
         self.cache = cache
         self.async_saves = async_saves
         self._saved: deque[_Saved] = deque()  # issued, not yet stored or returned
+        self._saved_lock = threading.Lock()  # close may run beside a step that is stuck
         # the metadata's names -> this cache's keys (rank-free ids under tensor parallelism)
         self._key = key_of or (lambda key: key)
         self.layerwise = cache.config.use_layerwise
@@ -272,7 +273,8 @@ class WorkerConnector:
         finally:  # a failed gather stores nothing and still returns its buffers
             self.meta = ConnectorMetadata()
             self._save_layers = 0
-            self._saved.append(_Saved(mark, keep, [buf for _, buf, _ in bufs]))
+            with self._saved_lock:
+                self._saved.append(_Saved(mark, keep, [buf for _, buf, _ in bufs]))
             self.complete_saves()
 
     def _copies_issued(self) -> Any:
@@ -290,6 +292,10 @@ class WorkerConnector:
         """Store the chunks of the saves whose copies are done and return their buffers to
         the pool; with ``wait``, of every save issued (the host waits for the copies). A
         failure to store costs those chunks (a later recompute), a log line and a metric."""
+        with self._saved_lock:
+            self._complete_saves(wait)
+
+    def _complete_saves(self, wait: bool) -> None:
         while self._saved:
             saved = self._saved[0]
             try:
