@@ -275,7 +275,8 @@ def test_the_selection_function_picks_the_recomputed_tokens(tiny_model_dir, plai
 def test_a_blended_prefill_reads_no_device_value_after_the_check_layer(tiny_model_dir, monkeypatch, ratio):
     """On a GPU every read of a device value into Python is a host sync: after the check
     layer picked the tokens, the layers read none (the attention's query groups are known on
-    the host). Counted here as tensor-to-Python conversions once the next layer starts,
+    the host). Counted here as tensor-to-Python conversions, copies to the host and boolean
+    mask indexing once the next layer starts,
     outside the cache writes (on a device their kernel runs, unchecked; the torch reference
     run here looks for skipped slots)."""
     docs, query = _docs(2)
@@ -288,11 +289,16 @@ def test_a_blended_prefill_reads_no_device_value_after_the_check_layer(tiny_mode
         after = plan.check_layer + 1 if ratio else 0
         assert after < len(layers)
         reads, counting = [], []
-        for name in ("__int__", "__bool__", "__float__", "item", "tolist"):
+        def masked(index) -> bool:  # a boolean mask as an index: its nonzero is a host read
+            parts = index if isinstance(index, tuple) else (index,)
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
+
+        for name in ("__int__", "__bool__", "__float__", "item", "tolist", "cpu", "nonzero",
+                     "__getitem__", "__setitem__"):
             real = getattr(torch.Tensor, name)
 
             def counted(t, *a, _real=real, _name=name, **kw):
-                if counting:
+                if counting and (not _name.endswith("item__") or masked(a[0])):
                     reads.append(_name)
                 return _real(t, *a, **kw)
 
