@@ -179,6 +179,12 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
              lambda: attention.paged_attention_decode(
                  launcher, query, kv_layer, tables, lens, scale, check=False),
              lambda: engine_attention.paged_attention_decode(query, kv_layer, tables, lens, scale)),
+        *([Case("decode, 2 keys in flight", decode_kv,  # a variant, not what the engine runs
+                4 * g.decode_batch * g.decode_len * g.q_heads * g.head_dim,
+                lambda: attention.paged_attention_decode(
+                    launcher, query, kv_layer, tables, lens, scale, check=False, keys_in_flight=2),
+                lambda: engine_attention.paged_attention_decode(query, kv_layer, tables, lens, scale))]
+          if 2 <= g.q_heads // g.kv_heads <= attention.SMALL_GROUP_ROWS else []),
         Case("paged_attention_prefill", 2 * pt * row + 2 * pt * g.q_heads * g.head_dim * e,
              4 * causal_pairs * g.q_heads * g.head_dim,
              lambda: attention.paged_attention_prefill(

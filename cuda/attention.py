@@ -80,6 +80,7 @@ def _launch(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None,
     tile_starts: torch.Tensor | None, grid_x: int, rows: int, heads_per_block: int,
     tile_tokens: int, partition_size: int, num_partitions: int, scale: float,
+    keys_in_flight: int = 1,
 ) -> None:  # fmt: skip
     _, nb, bs, hkv, d = kv_layer.shape
     hq = query.shape[1]
@@ -92,7 +93,8 @@ def _launch(
         part_o = part_ml = torch.empty(1, **f32)
     p = launcher.pointer
     dtype = CTYPE[query.dtype]
-    kernel = launcher.kernel("paged_attention.cu", f"paged_attention<{dtype}, {d}, {rows}>")
+    variant = "" if keys_in_flight == 1 else f", {keys_in_flight}"
+    kernel = launcher.kernel("paged_attention.cu", f"paged_attention<{dtype}, {d}, {rows}{variant}>")
     dummy = seq_lens  # stands for the pointers decode does not use
     kernel(
         (grid_x, hkv * chunks, num_partitions), (THREADS,),
@@ -119,12 +121,14 @@ def _launch(
 def paged_attention_decode(
     launcher: Launcher, query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, *, check: bool = True, out: torch.Tensor | None = None,
-    partition_size: int = 512,
+    partition_size: int = 512, keys_in_flight: int = 1,
 ) -> torch.Tensor:  # fmt: skip
     """query [B, Hq, D] at positions seq_len - 1; block_tables [B, max_blocks]; seq_lens [B].
     Returns [B, Hq, D]. Contexts longer than partition_size keys are split (flash-decoding),
     into MAX_PARTITIONS at most (longer partitions beyond): the split's workspace
-    [B, Hq, partitions, D + 2] fp32 stays bounded at any context length."""
+    [B, Hq, partitions, D + 2] fp32 stays bounded at any context length.
+    ``keys_in_flight`` 2: the variant whose lanes load two keys before scoring them (GQA
+    groups of 2-4 heads only; benchmarks/kernels.py measures it beside the default)."""
     out, block_tables, seq_lens = _common(launcher, query, kv_layer, block_tables, seq_lens, out)
     _, nb, bs, hkv, _ = kv_layer.shape
     batch, hq, _ = query.shape
@@ -139,12 +143,14 @@ def paged_attention_decode(
         require(bad_block == 0, f"{bad_block} block_tables entries in use are outside [0, {nb})")
     group = hq // hkv
     rows = 1 if group == 1 else SMALL_GROUP_ROWS if group <= SMALL_GROUP_ROWS else ROWS
+    require(keys_in_flight == 1 or (keys_in_flight == 2 and rows == SMALL_GROUP_ROWS),
+            f"keys_in_flight {keys_in_flight}: 1, or 2 for GQA groups of 2-4 heads (this: {group})")
     partition_size = max(partition_size, -(-max_len // MAX_PARTITIONS))
     num_partitions = -(-max_len // partition_size)
     _launch(
         launcher, query, kv_layer, out, block_tables, seq_lens, None, None, batch, rows,
         min(group, rows), 1, partition_size if num_partitions > 1 else _NO_SPLIT,
-        num_partitions, scale,
+        num_partitions, scale, keys_in_flight,
     )  # fmt: skip
     return out
 

@@ -31,8 +31,10 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 256;  // keys per tile (logits kept in shared memory)
 constexpr int kLanesPerKey = 4;
 
-template <class T, int D, int R>
-__global__ void __launch_bounds__(kThreads, 1)
+// KU: keys each lane loads before it computes their scores (1, or 2 for more bytes in flight
+// per warp in the score phase: the decode variant benchmarks/kernels.py measures beside it).
+template <class T, int D, int R, int KU = 1>
+__global__ void __launch_bounds__(kThreads, KU == 1 ? 1 : 3)  // KU 2: 3 blocks per SM at least
     paged_attention(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
                     const T* __restrict__ q, const T* __restrict__ k_cache,
                     const T* __restrict__ v_cache, i64 slot_stride, i64 head_stride,
@@ -118,34 +120,52 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int tile_lo = k_begin; tile_lo < k_end; tile_lo += kTile) {
     const int tile_hi = min(k_end, tile_lo + kTile);
-    // ---- 1. scores (the loop bound is warp-uniform: every lane reaches the shuffles)
-    for (int base = tile_lo + warp * KEYS_PER_WARP; base < tile_hi; base += kWarps * KEYS_PER_WARP) {
-      const int t = base + kg;
-      const bool valid = t < tile_hi;
+    // ---- 1. scores (the loop bound is warp-uniform: every lane reaches the shuffles); each
+    // lane loads its KU keys (the first as floats, the others as they are in memory), then
+    // computes their scores
+    constexpr int STEP = kWarps * KEYS_PER_WARP;  // keys per block step, per key in flight
+    for (int base = tile_lo + warp * KEYS_PER_WARP; base < tile_hi; base += STEP * KU) {
       float kf[NV][VEC];
-      if (valid) {
-        const i64 slot = (i64)table[t / block_size] * block_size + t % block_size;
-        const T* kp = k_head + slot * slot_stride;
+      lmkv::Vec<T, VEC> later[KU > 1 ? KU - 1 : 1][NV];
 #pragma unroll
-        for (int v = 0; v < NV; ++v) lmkv::load_float<T, VEC>(kp + (kj + kLanesPerKey * v) * VEC, kf[v]);
-      } else {
+      for (int u = 0; u < KU; ++u) {
+        const int t = base + u * STEP + kg;
+        if (t < tile_hi) {
+          const i64 slot = (i64)table[t / block_size] * block_size + t % block_size;
+          const T* kp = k_head + slot * slot_stride;
 #pragma unroll
-        for (int v = 0; v < NV; ++v)
+          for (int v = 0; v < NV; ++v) {
+            const T* p = kp + (kj + kLanesPerKey * v) * VEC;
+            if (u == 0) lmkv::load_float<T, VEC>(p, kf[v]);
+            else later[u - 1][v] = *reinterpret_cast<const lmkv::Vec<T, VEC>*>(p);
+          }
+        } else if (u == 0) {
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) kf[v][e] = 0.f;
+          for (int v = 0; v < NV; ++v)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) kf[v][e] = 0.f;
+        }
       }
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (r >= nrows) continue;  // block-uniform
-        const float* qr = q_s + r * D;
-        float s = 0.f;
+      for (int u = 0; u < KU; ++u) {
+        const int t = base + u * STEP + kg;
+        const bool valid = t < tile_hi;
 #pragma unroll
-        for (int v = 0; v < NV; ++v)
+        for (int r = 0; r < R; ++r) {
+          if (r >= nrows) continue;  // block-uniform
+          const float* qr = q_s + r * D;
+          float s = 0.f;
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) s += kf[v][e] * qr[(kj + kLanesPerKey * v) * VEC + e];
-        s = lmkv::group_sum<kLanesPerKey>(s);
-        if (valid && kj == 0)
-          logits[r * kTile + (t - tile_lo)] = t < limit0 + r / row_heads ? s * scale : lmkv::neg_inf();
+          for (int v = 0; v < NV; ++v)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {  // the later keys converted as they are used
+              const float k = u == 0 ? kf[v][e] : valid ? lmkv::to_float(later[u - 1][v].v[e]) : 0.f;
+              s += k * qr[(kj + kLanesPerKey * v) * VEC + e];
+            }
+          s = lmkv::group_sum<kLanesPerKey>(s);
+          if (valid && kj == 0)
+            logits[r * kTile + (t - tile_lo)] = t < limit0 + r / row_heads ? s * scale : lmkv::neg_inf();
+        }
       }
     }
     __syncthreads();

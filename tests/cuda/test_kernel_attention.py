@@ -32,6 +32,21 @@ def test_decode_split_partitions(emu, dtype):
     assert decode(emu, dtype, 64, 16, 2, [1, 48, 49, 150], partition_size=48) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_decode_with_two_keys_in_flight(emu, dtype, dim):
+    """The variant whose lanes load two keys before scoring them: partial last steps, block
+    boundaries, split partitions and two tiles give the reference's result."""
+    for lens, parts in (([1, 16, 17, 45, 63, 64, 65], 512), ([300, 600], 96)):
+        error = decode(emu, dtype, dim, 12, 3, lens, partition_size=parts, keys_in_flight=2)
+        assert error < TOLERANCE[dtype]
+
+
+def test_two_keys_in_flight_only_where_built(emu):
+    with pytest.raises(ValueError, match="keys_in_flight"):
+        decode(emu, torch.float32, 64, 16, 2, [5], keys_in_flight=2)  # a group of 8
+
+
 def test_decode_long_context_two_tiles(emu):
     """More keys than one shared-memory tile (256) inside one partition: online softmax."""
     assert decode(emu, torch.float32, 64, 2, 1, [600], block_size=32) < TOLERANCE[torch.float32]
@@ -107,6 +122,6 @@ def test_decode_splits_into_at_most_max_partitions(emu, monkeypatch):
     monkeypatch.setattr(attention, "MAX_PARTITIONS", 2)
     launches = []
     real = attention._launch
-    monkeypatch.setattr(attention, "_launch", lambda *a: launches.append(a[-2]) or real(*a))
+    monkeypatch.setattr(attention, "_launch", lambda *a: launches.append(a[13]) or real(*a))  # num_partitions
     error = decode(emu, torch.float32, 64, 16, 2, [1, 48, 49, 150], partition_size=16)
     assert error < TOLERANCE[torch.float32] and launches == [2]
