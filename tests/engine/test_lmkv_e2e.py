@@ -523,6 +523,20 @@ def test_async_saves_are_stored_when_the_engine_goes_idle(tiny_model_dir):
 
 def test_a_producer_stores_its_chunks_within_the_step(tiny_model_dir):
     """A producer reports a request done only once its chunks are stored (drain): its
-    saves are never left for a later step."""
+    saves are never left for a later step, however late its copies would finish."""
+    p = prompts(n=1)[0]
     with lmkv_llm(tiny_model_dir, kv_role="producer") as llm:
-        assert not llm.engine.kv_connector.worker.async_saves
+        worker = llm.engine.kv_connector.worker
+        assert not worker.async_saves
+        worker._saves = _SlowSaves()
+        cache = llm.engine.kv_connector.cache
+        stored = []
+        drain = cache.drain
+
+        def drained(*a, **kw):  # what a consumer could find when the request is reported done
+            stored.append(cache.lookup(cache.keys(p)))
+            return drain(*a, **kw)
+
+        cache.drain = drained
+        llm.generate([p], SamplingParams(max_tokens=2, temperature=0))
+        assert stored == [len(p) // CHUNK]
