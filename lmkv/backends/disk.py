@@ -116,7 +116,12 @@ class DiskBackend(StorageBackend):
                 continue
         for _, name, size in sorted(entries):  # oldest first
             self._add(name, size)
-        self._evict_to(self.capacity)
+        try:
+            self._evict_to(self.capacity)
+        except BackendError as e:  # a read-only directory fuller than this cap: still read
+            log.warning("disk tier %s holds %.1f GB, above its cap (%.1f GB), and cannot shrink "
+                        "(%s): its chunks are read; writes fail until files can be deleted",
+                        self.root, self.used / 1e9, self.capacity / 1e9, e)
         if entries:
             log.info("disk tier %s: %d entries, %.1f MB", self.root, len(self.index), self.used / 1e6)
 
@@ -354,10 +359,18 @@ class DiskBackend(StorageBackend):
         return True
 
     def _evict_to(self, limit: int) -> None:
+        """Delete the policy's victims until ``used`` is at most ``limit``; BackendError where
+        the file system refuses a delete (the file stays counted, and known to the policy)."""
         while self.used > limit and self.index:
             name = self.policy.victim(lambda _: True)  # no reader holds a file open across calls
-            assert name is not None, "the policy lost track of the disk tier's files"
-            self._unlink(name)
+            if name is None:
+                raise BackendError("disk tier: its cache policy offers no file to evict")
+            try:
+                self._unlink(name)
+            except BackendError:  # given up as a victim: the policy must know the file again
+                self.policy.removed(name)
+                self.policy.inserted(name, None)
+                raise
             self._forget(name)
             self.num_evictions += 1
 

@@ -192,6 +192,46 @@ def test_a_disk_that_refuses_deletes_fails_the_tier_not_the_caller(tmp_path, mon
     assert disk.contains(["a", "b"]) == [True, True]
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_delete_refused_once_does_not_stop_the_tiers_writes(tmp_path, monkeypatch, policy):
+    """An eviction whose delete fails (EIO, EBUSY) leaves the file counted and known to the
+    cache policy: later writes evict as usual, that file included, and the cap holds. Before,
+    the prefix policies had given the file up as a victim: it was never offered again, and
+    once eviction needed it every write failed for the rest of the run."""
+    disk = DiskBackend(tmp_path, capacity_bytes=350, policy=policy)
+    disk.put([(k, b"x" * 100) for k in "abc"])
+    real = Path.unlink
+    refused = []
+
+    def refuse_once(self, missing_ok=False):
+        if self.parent == tmp_path and not refused:
+            refused.append(self.name)
+            raise OSError(errno.EIO, "Input/output error", str(self))
+        return real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse_once)
+    with pytest.raises(BackendError, match="cannot delete"):
+        disk.put([("d", b"y" * 100)])
+    assert refused and disk.used == 300 and len(disk.index) == 3
+    for i in range(12):  # every old file must go in turn, the refused one too
+        disk.put([(f"n{i}", b"z" * 100)])
+        assert disk.used <= 350 and disk.used == sum(f.stat().st_size for f in tmp_path.glob("*.kv"))
+    assert disk.contains(["a", "b", "c"]) == [False, False, False]
+    assert disk.contains(["n9", "n10", "n11"]) == [True, True, True]
+
+
+def test_a_read_only_directory_fuller_than_the_cap_is_still_read(tmp_path, monkeypatch, caplog):
+    """Start-up over a directory that holds more than this cap and refuses deletes (a lowered
+    cap, a shared read-only volume): the tier starts, says so, and serves what it holds."""
+    DiskBackend(tmp_path, capacity_bytes=1000).put([(k, b"x" * 100) for k in "abcd"])
+    monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(
+        OSError(errno.EROFS, "Read-only file system", str(self))))
+    with caplog.at_level("WARNING"):
+        disk = DiskBackend(tmp_path, capacity_bytes=250)
+    assert "above its cap" in caplog.text and "cannot shrink" in caplog.text
+    assert disk.get(["a", "d"]) == [b"x" * 100, b"x" * 100]
+
+
 def test_a_failed_overwrite_leaves_no_older_value(tmp_path, monkeypatch):
     """A key rewritten with a new value that cannot be written (disk full) is gone, now and
     after a restart, rather than left with its older value."""
