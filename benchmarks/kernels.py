@@ -154,6 +154,12 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
                     lambda: engine_attention.paged_attention_prefill(
                         q, kv_layer, p_tables, p_lens, starts, scale))  # fmt: skip
 
+    def decode(name: str, **variant) -> Case:
+        return Case(name, decode_kv, 4 * g.decode_batch * g.decode_len * g.q_heads * g.head_dim,
+                    lambda: attention.paged_attention_decode(
+                        launcher, query, kv_layer, tables, lens, scale, check=False, **variant),
+                    lambda: engine_attention.paged_attention_decode(query, kv_layer, tables, lens, scale))
+
     return [
         Case("paged_to_chunk", transfer, 0,
              lambda: kv_copy.paged_to_chunk(launcher, kv_cache, slots, chunk, check=False),
@@ -174,16 +180,8 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
         Case("rerotate_keys", 2 * g.layers * t * row, 0,
              lambda: rope.rerotate_keys(launcher, keys, delta, inv_freq),
              lambda: ops_torch.rerotate_keys(keys, delta, inv_freq)),
-        Case("paged_attention_decode", decode_kv,
-             4 * g.decode_batch * g.decode_len * g.q_heads * g.head_dim,
-             lambda: attention.paged_attention_decode(
-                 launcher, query, kv_layer, tables, lens, scale, check=False),
-             lambda: engine_attention.paged_attention_decode(query, kv_layer, tables, lens, scale)),
-        *([Case("decode, 2 keys in flight", decode_kv,  # a variant, not what the engine runs
-                4 * g.decode_batch * g.decode_len * g.q_heads * g.head_dim,
-                lambda: attention.paged_attention_decode(
-                    launcher, query, kv_layer, tables, lens, scale, check=False, keys_in_flight=2),
-                lambda: engine_attention.paged_attention_decode(query, kv_layer, tables, lens, scale))]
+        decode("paged_attention_decode"),
+        *([decode("decode, 2 keys in flight", keys_in_flight=2)]  # a variant the engine does not run
           if 2 <= g.q_heads // g.kv_heads <= attention.SMALL_GROUP_ROWS else []),
         Case("paged_attention_prefill", 2 * pt * row + 2 * pt * g.q_heads * g.head_dim * e,
              4 * causal_pairs * g.q_heads * g.head_dim,

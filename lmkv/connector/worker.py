@@ -244,7 +244,6 @@ class WorkerConnector:
         none are unless every layer was gathered. The chunk buffers are returned either way:
         once their copies are done (at once on the CPU; with ``async_saves`` on a GPU, at a
         later step)."""
-        self.complete_saves()
         if not self.meta.saves:
             return
         bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
@@ -303,24 +302,21 @@ class WorkerConnector:
                     self._saves.wait(saved.mark)
                 elif not self._saves.done(saved.mark):
                     return  # marks of one stream complete in order
+                copied = True
             except Exception as e:  # the copies' state is unknown: nothing of them is stored
-                self._saved.popleft()
-                self._save_failed(saved, e)
-                self._release([saved.bufs])
-                continue
+                copied, error = False, e
             self._saved.popleft()
             try:
-                for key, buf, parent in saved.store:
+                for key, buf, parent in saved.store if copied else ():
                     self.cache.store(key, buf, parent)
             except Exception as e:
-                self._save_failed(saved, e)
+                copied, error = False, e
             finally:
                 self._release([saved.bufs])
-
-    def _save_failed(self, saved: _Saved, e: Exception) -> None:
-        log.warning("lmkv: storing %d saved chunks failed (%s); they will be recomputed next "
-                    "time", len(saved.store), e)
-        self.cache.count_error("connector", "save")
+            if not copied:
+                log.warning("lmkv: storing %d saved chunks failed (%s); they will be recomputed "
+                            "next time", len(saved.store), error)
+                self.cache.count_error("connector", "save")
 
     def _allocate_saves(self) -> list[tuple[str, ChunkBuffer, torch.Tensor]]:
         out = []
