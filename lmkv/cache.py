@@ -10,7 +10,7 @@ from . import transfer
 from .backends.base import BackendError, StorageBackend
 from .blend.plan import BlendPlan, CachedSegment
 from .blend.segments import split_segments
-from .codec import get_codec
+from .codec import get_codec, max_frame_bytes
 from .codec.calibration import CacheGenTable
 from .codec.gate import QualityGate
 from .config import ConfigError, LMKVConfig
@@ -65,7 +65,8 @@ class LMKVCache:
 
             try:
                 backend = DiskBackend(self.config.local_disk, self.config.disk_bytes,
-                                      self.config.cache_policy, direct=self.config.local_disk_direct)
+                                      self.config.cache_policy, direct=self.config.local_disk_direct,
+                                      max_value_bytes=max_frame_bytes(self.layout.chunk_bytes))
             except BackendError as e:
                 raise ValueError(f"lmkv config key local_disk: {e}") from e
             tiers.append(_tier("disk", backend, self.config.local_disk_codec, table, self.metrics))

@@ -28,7 +28,9 @@ class StorageBackend(ABC):
     """
 
     num_evictions: int = 0  # entries it dropped to stay within its bounds (0: the store's own business)
-    # contains() may run beside any other call (the Tier then does not make lookups wait)
+    num_unreadable: int = 0  # entries it dropped because they could not be read (served as misses)
+    # contains() reads local state only (an index in memory): it may run beside any other
+    # call (the Tier does not make lookups wait), and its answer says nothing of the store's health
     concurrent_contains: bool = False
     # the client reconnects by itself after a failed call: keep it rather than make a new one
     reconnects: bool = False

@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import errno
 import hashlib
+import itertools
 import logging
 import mmap
 import os
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..logs import LogThrottle
 from ..memory import DIRECT_ALIGN
 from ..policy import CachePolicy, make_policy
 from .base import Arrived, BackendError, StorageBackend
@@ -36,6 +38,12 @@ SUFFIX = ".kv"
 READERS = 4  # files read side by side in a batch
 DIRECT = getattr(os, "O_DIRECT", 0)
 MAP_FAILED = ctypes.c_void_p(-1).value
+# errors of one file, not of the tier: that file is a miss and leaves the tier, the batch
+# is served (any other error, e.g. too many open files, fails the batch: the breaker's)
+FILE_ERRORS = frozenset(getattr(errno, n) for n in ("EIO", "EACCES", "EPERM", "EISDIR", "ELOOP",
+                                                    "ENXIO", "ENODEV", "ESTALE", "EUCLEAN",
+                                                    "EBADMSG") if hasattr(errno, n))
+_tmp_ids = itertools.count()  # temporary file names unique within the process
 
 
 def _load_libc() -> ctypes.CDLL | None:
@@ -59,8 +67,13 @@ class DiskBackend(StorageBackend):
     concurrent_contains = True  # membership in a dict: lookups need not wait for a batch read
 
     def __init__(self, root: str | Path, capacity_bytes: int, policy: CachePolicy | str = "lru",
-                 direct: bool = True):
+                 direct: bool = True, max_value_bytes: int | None = None):
         self.root = Path(root)
+        # a file larger than any value its reader takes (a chunk's largest frame) is never
+        # claimed nor read: it stays counted, for the policy to evict
+        self.max_value_bytes = capacity_bytes if max_value_bytes is None else max_value_bytes
+        self.num_unreadable = 0
+        self._quiet = LogThrottle()
         self.policy = make_policy(policy) if isinstance(policy, str) else policy  # over file names
         self.capacity = capacity_bytes
         try:
@@ -149,7 +162,8 @@ class DiskBackend(StorageBackend):
     def _write(self, name: str, value: bytes | memoryview) -> None:
         """``value`` into file ``name`` through a temporary file renamed into place;
         FileNotFoundError where the directory is gone, BackendError for other failures."""
-        tmp = self.root / f".{name}.{os.getpid()}.tmp"
+        # unique per write: two tiers of one process may write the same key at once
+        tmp = self.root / f".{name}.{next(_tmp_ids)}.{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as f:
                 f.write(value)
@@ -183,17 +197,28 @@ class DiskBackend(StorageBackend):
         out: list[bytes | None] = []
         for key in keys:
             name = self._name(key)
-            if name not in self.index:
+            size = self.index.get(name)
+            if size is None or size > self.max_value_bytes:
                 out.append(None)
                 continue
             try:
-                out.append((self.root / name).read_bytes())
-                self.policy.accessed(name)
+                with open(self.root / name, "rb") as f:
+                    data = f.read(self.max_value_bytes + 1)  # never more than a value can be
             except FileNotFoundError:
                 self._forget(name)
                 out.append(None)
+                continue
             except OSError as e:
-                raise BackendError(f"disk tier read failed: {e}") from e
+                if e.errno not in FILE_ERRORS:
+                    raise BackendError(f"disk tier read failed: {e}") from e
+                self._unreadable(name, e)
+                out.append(None)
+                continue
+            if len(data) > self.max_value_bytes:  # rewritten larger since it was indexed
+                out.append(None)
+                continue
+            out.append(data)
+            self.policy.accessed(name)
         return out
 
     def get_into(self, key: str, out: memoryview) -> int | None:
@@ -210,8 +235,8 @@ class DiskBackend(StorageBackend):
         for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
             name = self._name(key)
             size = self.index.get(name)
-            if size is not None and size <= len(out):  # larger: not a frame this reader holds
-                wanted.append((i, name, size))
+            if size is not None and size <= min(len(out), self.max_value_bytes):
+                wanted.append((i, name, size))  # larger: not a frame this reader holds
         # one way for the whole batch: O_DIRECT where every buffer takes it (then no read-ahead,
         # which would only read the files a second time), else read-ahead and the page cache
         direct = self.direct and all(_aligned(outs[i], size) for i, _, size in wanted)
@@ -235,6 +260,8 @@ class DiskBackend(StorageBackend):
         for (i, name, _), result in zip(wanted, results, strict=True):
             if isinstance(result, FileNotFoundError):
                 self._forget(name)
+            elif isinstance(result, OSError) and result.errno in FILE_ERRORS:
+                self._unreadable(name, result)
             elif isinstance(result, OSError):
                 failed = result
             else:
@@ -332,8 +359,9 @@ class DiskBackend(StorageBackend):
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def contains(self, keys: Sequence[str]) -> list[bool]:
-        return [self._name(k) in self.index for k in keys]  # reads the index only
+    def contains(self, keys: Sequence[str]) -> list[bool]:  # reads the index only
+        return [(size := self.index.get(self._name(k))) is not None and size <= self.max_value_bytes
+                for k in keys]
 
     def remove(self, keys: Sequence[str]) -> None:
         for key in keys:
@@ -349,6 +377,18 @@ class DiskBackend(StorageBackend):
             (self.root / name).unlink(missing_ok=True)
         except OSError as e:
             raise BackendError(f"disk tier cannot delete {name}: {e}") from e
+
+    def _unreadable(self, name: str, error: OSError) -> None:
+        """A file that cannot be read (a bad block, another owner's permissions, a directory
+        in its place): a miss from now on, deleted where the file system lets us, counted
+        (``num_unreadable``) and logged. The rest of its batch is served."""
+        with contextlib.suppress(OSError):
+            (self.root / name).unlink()
+        self._forget(name)
+        self.num_unreadable += 1
+        self._quiet.log(log, logging.WARNING, "unreadable", "disk tier %s: cannot read %s (%s); "
+                        "dropped from the tier, its chunk is recomputed", self.root, name,
+                        error.strerror or error)
 
     def _forget(self, name: str) -> bool:
         size = self.index.pop(name, None)
@@ -376,7 +416,7 @@ class DiskBackend(StorageBackend):
 
 
 def _writer_alive(tmp: str) -> bool:
-    """Whether the process that writes temporary file ``tmp`` (".<name>.<pid>.tmp") is alive
+    """Whether the process that writes temporary file ``tmp`` (".<name>.<n>.<pid>.tmp") is alive
     here: another engine sharing the directory, whose write must not be cut off."""
     try:
         pid = int(tmp.rsplit(".", 2)[-2])

@@ -106,6 +106,10 @@ class LazyBackend(StorageBackend):
     def num_evictions(self) -> int:
         return self._backend.num_evictions if self._backend is not None else 0
 
+    @property
+    def num_unreadable(self) -> int:
+        return self._backend.num_unreadable if self._backend is not None else 0
+
     def register_memory(self, region: memoryview) -> None:
         self._regions.append(region)
         if self._backend is not None:

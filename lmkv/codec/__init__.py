@@ -1,6 +1,6 @@
 """How a chunk becomes bytes when it leaves the hot cache, and back."""
 
 from .base import CODECS, Codec, get_codec
-from .frame import FrameError, decode_into, encode
+from .frame import FrameError, decode_into, encode, max_frame_bytes
 
-__all__ = ["CODECS", "Codec", "FrameError", "decode_into", "encode", "get_codec"]
+__all__ = ["CODECS", "Codec", "FrameError", "decode_into", "encode", "get_codec", "max_frame_bytes"]

@@ -56,6 +56,13 @@ def encode(buf: ChunkBuffer, key: str, codec: Codec | str, table: CacheGenTable 
     return memoryview(header + payload)
 
 
+def max_frame_bytes(chunk_bytes: int) -> int:
+    """An upper bound on the frame of a chunk of ``chunk_bytes`` in any codec: the raw
+    frame, plus what zstd or cachegen's streams can add on incompressible data (zstd's
+    bound is n/256 + a few hundred bytes). Readers take no stored value larger than this."""
+    return HEADER_BYTES + chunk_bytes + chunk_bytes // 128 + (64 << 10)
+
+
 def frame_codec(data: bytes | memoryview) -> Codec | None:
     """The codec a frame names (None if it names none we know); the frame is not checked."""
     return by_id(memoryview(data)[CODEC_BYTE]) if len(data) > CODEC_BYTE else None

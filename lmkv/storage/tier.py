@@ -145,7 +145,8 @@ class Tier:
             return None
         finally:
             self._timed("contains", start)
-        self.breaker.success()
+        if not self.backend.concurrent_contains:  # an index in memory answers for no read
+            self.breaker.success()
         return found
 
     def will_get(self, keys: list[str]) -> None:
@@ -164,6 +165,7 @@ class Tier:
         checked: dict[int, Exception | None] = {}  # frames checked as they landed: error
         raw = self.codec.name == "raw"
         with self._lock:
+            unreadable = self.backend.num_unreadable
             try:
                 if raw:  # frames straight into the slots, each checked
                     # whole slots: a disk tier may read whole pages into them (O_DIRECT)
@@ -181,6 +183,9 @@ class Tier:
                 return [False] * len(keys)
             finally:
                 self._timed("get", start)
+                dropped = self.backend.num_unreadable - unreadable  # logged by the backend
+                if dropped > 0:
+                    self.metrics.errors.labels(self.name, "unreadable").inc(dropped)
             self.breaker.success()
         if not raw:
             checked = self._check_all(keys, bufs, values)

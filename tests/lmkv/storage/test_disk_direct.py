@@ -179,6 +179,7 @@ def test_chunks_stored_to_disk_come_back_exact_with_o_direct_on_or_off(tmp_path,
     try:
         disk = cache.storage.tiers[0].backend
         assert disk.direct is direct
+        assert cache.pool.slot_bytes <= disk.max_value_bytes < 2 * cache.pool.slot_bytes
         keys = cache.keys(list(range(3 * BIG.chunk_size)))
         want = []
         for i, key in enumerate(keys):

@@ -269,3 +269,51 @@ def test_closing_does_not_wait_for_a_hung_probe():
         time.sleep(0.01)
     time.sleep(0.1)
     assert not tier.available and len(backend.calls) == 2 and closed == [1]
+
+
+def test_disk_lookups_do_not_undo_the_breaker_of_failing_reads(tmp_path, monkeypatch):
+    """A disk tier's lookups read an index in memory: they answer while its reads fail, so
+    they must not reset the breaker the reads opened (else a failing disk would be read at
+    every load, its backoff never growing). A file that alone cannot be read is counted
+    (kind "unreadable") and missed, without opening the breaker."""
+    import errno
+
+    from lmkv.backends.disk import DiskBackend
+    from lmkv.memory import MemoryPool
+
+    pool = MemoryPool(LAYOUT, 4 * (64 + LAYOUT.chunk_bytes))
+    tier = Tier("disk", DiskBackend(tmp_path, 1 << 30), "zstd",
+                breaker=CircuitBreaker(base_interval=0.05))
+    src = pool.allocate()
+    src.kv.normal_()
+    for key in ("a", "b"):
+        assert tier.write(key, tier.encode(key, src))
+    dst = pool.allocate()
+    (tmp_path / tier.backend._name("b")).unlink()
+    (tmp_path / tier.backend._name("b")).mkdir()  # EISDIR: this file alone
+    assert tier.read(["a", "b"], [dst, pool.allocate()]) == [True, False]
+    assert tier.metrics.errors.labels("disk", "unreadable")._value.get() == 1
+    assert tier.breaker.failures == 0
+
+    def too_many(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr("lmkv.backends.disk.open", too_many, raising=False)
+    assert tier.read(["a"], [dst]) == [False]
+    assert tier.breaker.failures == 1
+    time.sleep(0.1)
+    deadline = time.monotonic() + 5
+    while not tier.available:  # the probe (an index lookup) answers
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert tier.contains(["a", "b"]) == [True, False]
+    assert tier.breaker.failures == 1  # the lookup proved nothing about reads
+    assert tier.read(["a"], [dst]) == [False]
+    assert tier.breaker.failures == 2  # the backoff grows
+    monkeypatch.undo()
+    time.sleep(0.15)
+    while not tier.available:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert tier.read(["a"], [dst]) == [True] and torch.equal(dst.kv, src.kv)
+    assert tier.breaker.failures == 0
