@@ -122,16 +122,19 @@ class LMKVCache:
         """Number of leading chunks stored in some tier."""
         return self.storage.lookup(keys)
 
-    def fetch(self, keys: list[str]) -> list[ChunkBuffer]:
-        """The longest loadable prefix of chunks, each retained for the caller."""
-        return self.storage.fetch(keys)
+    def fetch(self, keys: list[str], parent: str | None = None) -> list[ChunkBuffer]:
+        """The longest loadable prefix of chunks, each retained for the caller (``parent``:
+        the chunk before ``keys[0]`` in its prompt, None for a prompt's first chunk or RAG
+        chunks, which have none)."""
+        return self.storage.fetch(keys, parent)
 
     # ---- pins: the scheduler role plans a load by key, the worker role takes the chunks ----
-    def pin(self, keys: list[str]) -> list[bool]:
+    def pin(self, keys: list[str], parent: str | None = None) -> list[bool]:
         """Pin the longest loadable prefix of ``keys`` in the hot cache (fetching from the
-        tiers below) for a load: one flag per pinned chunk, True where it was decoded from a
-        lossy codec. Each pin is taken by the load (``take``) or given back (``unpin``)."""
-        bufs = self.fetch(keys)
+        tiers below; ``parent``: the chunk before ``keys[0]`` in its prompt) for a load: one
+        flag per pinned chunk, True where it was decoded from a lossy codec. Each pin is
+        taken by the load (``take``) or given back (``unpin``)."""
+        bufs = self.fetch(keys, parent)
         self.pins.add(keys[: len(bufs)], bufs)
         return [b.lossy for b in bufs]
 

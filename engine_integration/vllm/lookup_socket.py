@@ -163,7 +163,8 @@ class LookupServer:
         if op == "lookup":
             return {"found": e.lookup(keys)}
         if op == "pin":
-            return {"lossy": e.pin(keys)}
+            parent = msg.get("parent")
+            return {"lossy": e.pin(keys, None if parent is None else e.key_of(str(parent)))}
         if op == "unpin":
             e.unpin(keys)
             return {}
@@ -207,11 +208,11 @@ class LookupClient:
     def lookup(self, keys: list[str]) -> int:
         return min(r.call("lookup", keys=keys)["found"] for r in self.ranks)
 
-    def pin(self, keys: list[str]) -> list[bool]:
+    def pin(self, keys: list[str], parent: str | None = None) -> list[bool]:
         pinned: list[list[bool]] = []
         try:
             for r in self.ranks:
-                pinned.append([bool(f) for f in r.call("pin", keys=keys)["lossy"]])
+                pinned.append([bool(f) for f in r.call("pin", keys=keys, parent=parent)["lossy"]])
         except BaseException:
             for r, flags in zip(self.ranks, pinned, strict=False):
                 r.best_effort("unpin", keys=keys[: len(flags)])

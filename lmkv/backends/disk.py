@@ -408,8 +408,7 @@ class DiskBackend(StorageBackend):
             try:
                 self._unlink(name)
             except BackendError:  # given up as a victim: the policy must know the file again
-                self.policy.removed(name)
-                self.policy.inserted(name, None)
+                self.policy.kept(name)
                 raise
             self._forget(name)
             self.num_evictions += 1

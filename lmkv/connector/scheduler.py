@@ -33,7 +33,7 @@ class ChunkIndex(Protocol):
     def keys(self, tokens: list[int]) -> list[str]: ...
     def tail_key(self, tokens: list[int]) -> str | None: ...
     def lookup(self, keys: list[str]) -> int: ...
-    def pin(self, keys: list[str]) -> list[bool]: ...
+    def pin(self, keys: list[str], parent: str | None = None) -> list[bool]: ...
     def unpin(self, keys: list[str]) -> None: ...
     def prefetch(self, keys: list[str]) -> None: ...
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None: ...
@@ -112,14 +112,18 @@ class SchedulerConnector:
         # from the first chunk the engine lacks.
         first = min(num_computed_tokens // c, full)
         below = self.cache.lookup(st.keys[:first]) if first else 0
-        lossy = self.cache.pin(st.keys[first:full]) if full > first else []
+        # each pin names the chunk before its first (the prefix policies keep a chunk only
+        # behind its parent, and the engine's own hit may hold that parent)
+        lossy = (self.cache.pin(st.keys[first:full], st.keys[first - 1] if first else None)
+                 if full > first else [])
         # at once: whatever follows, these pins are given back or loaded
         st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
         found = first + len(lossy) if lossy else below
         st.gap = range(below, first) if lossy else range(0)
         if (st.tail is not None and first + len(lossy) == full
                 and len(request.prompt_token_ids) - full * c > 1):  # a tail of 1: nothing to load
-            tail = self.cache.pin([st.tail])  # the same prompt again: its partial last chunk
+            # the same prompt again: its partial last chunk
+            tail = self.cache.pin([st.tail], st.keys[full - 1] if full else None)
             if tail:
                 st.pinned.append(st.tail)
                 lossy = lossy + tail

@@ -11,7 +11,7 @@ evictable (a referenced or pinned chunk).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 
 class CachePolicy(ABC):
@@ -33,6 +33,18 @@ class CachePolicy(ABC):
     def victim(self, evictable: Callable[[str], bool]) -> str | None:
         """The key to evict next among those ``evictable`` accepts; None if there is none.
         The cache then removes it (and calls ``removed``)."""
+
+    def continuations(self, keys: Collection[str]) -> list[str]:
+        """The held keys after any of ``keys`` in their prompts (children, theirs, ...), for
+        a cache that drops inner chunks. A policy that keeps no prefix tree knows none."""
+        return []
+
+    def kept(self, key: str) -> None:
+        """The victim ``key`` could not be removed after all (a failed delete): it stays, as
+        a chunk that entered anew (so the next victims are others), not as one that came
+        back. For caches whose chunks name no parent (the disk tier)."""
+        self.removed(key)
+        self.inserted(key, None)
 
     def admit(self, key: str, parent: str | None, contains: Callable[[str], bool]) -> bool:
         """Whether a new chunk is worth keeping. By default every chunk whose prefix parent

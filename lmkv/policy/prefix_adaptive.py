@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from .base import CachePolicy
@@ -129,6 +129,12 @@ class PrefixAdaptivePolicy(CachePolicy):
         self.real.removed(key)
         if key in self.ancestor:
             self._forget(key, self.ancestor.pop(key))
+
+    def kept(self, key: str) -> None:
+        self.real.kept(key)  # still held: no reference for the shadows
+
+    def continuations(self, keys: Collection[str]) -> list[str]:
+        return self.real.continuations(keys)
 
     def victim(self, evictable: Callable[[str], bool]) -> str | None:
         # asked only when full: len is the capacity (the most held, as a run of evictions

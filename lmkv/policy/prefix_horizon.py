@@ -84,6 +84,11 @@ class PrefixHorizonPolicy(PrefixTree):
             self._remember(key, self.nodes[key].count, early)
         return key
 
+    def kept(self, key: str) -> None:
+        self.removed(key)
+        self.history.pop(key, None)  # it never left: not a return that moves the horizon
+        self.inserted(key, None)
+
     def crowded(self) -> bool:
         """No leaf is past the horizon: a victim now would be a newest leaf."""
         return self._pop(self._oldest, lambda _: True, self._past) is None

@@ -36,6 +36,11 @@ class PrefixLFUPolicy(PrefixTreePolicy):
             node.count += seen
             self._set(node)
 
+    def kept(self, key: str) -> None:
+        self.removed(key)
+        self.history.pop(key, None)  # it never left: no count to come back with
+        self.inserted(key, None)
+
     def evicted(self, node: Node) -> None:
         self.age = max(self.age, node.priority)
         self.history[node.key] = node.count

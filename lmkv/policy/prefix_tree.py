@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from .base import CachePolicy
@@ -56,6 +56,25 @@ class PrefixTree(CachePolicy):
         if node is not None:
             node.count += 1
             self._touched(node)
+
+    def continuations(self, keys: Collection[str]) -> list[str]:
+        """Held keys with one of ``keys`` among their ancestors; O(held) (a rare call: the
+        quality gate dropping lossy chunks)."""
+        roots = {self.nodes[k] for k in keys if k in self.nodes}
+        below: dict[Node, bool] = {node: True for node in roots}
+        out = []
+        for key, node in self.nodes.items():
+            path = []
+            up: Node | None = node
+            while up is not None and up not in below:
+                path.append(up)
+                up = up.parent
+            found = up is not None and below[up]
+            for n in path:
+                below[n] = found
+            if found and node not in roots:
+                out.append(key)
+        return out
 
     def removed(self, key: str) -> None:
         node = self.nodes.pop(key, None)

@@ -81,9 +81,12 @@ class HotCache:
         return True
 
     def drop_lossy(self) -> int:
-        """Remove the entries decoded from a lossy codec (readers keep their references)."""
+        """Remove the entries decoded from a lossy codec, and those held after them in their
+        prompts (computed over their KV, and unreachable without them); readers keep their
+        references."""
         with self._lock:
             keys = [k for k, b in self.entries.items() if b.lossy]
+            keys += self.policy.continuations(keys)
             dropped = [self.entries.pop(k) for k in keys]
             for key in keys:
                 self.policy.removed(key)

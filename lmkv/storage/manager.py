@@ -187,16 +187,18 @@ class StorageManager:
             n += 1
         return n
 
-    def fetch(self, keys: list[str]) -> list[ChunkBuffer]:
+    def fetch(self, keys: list[str], parent: str | None = None) -> list[ChunkBuffer]:
         """The longest prefix of ``keys`` that can be had, as chunks in the hot cache with a
-        reference for the caller each. Chunks below the hot cache are read in one job on
-        the I/O worker, ahead of background work; a job that has not finished within
-        FETCH_TIMEOUT (the worker is stuck in a tier call) ends the prefix, and until it
-        finishes later loads take hot chunks only. A key repeated in ``keys`` (content keys
-        of repeated text) gets one more reference to the same chunk."""
+        reference for the caller each; chunks read from a tier join the hot cache after
+        ``parent`` (the chunk before ``keys[0]`` in its prompt) or the chunk before them.
+        Chunks below the hot cache are read in one job on the I/O worker, ahead of
+        background work; a job that has not finished within FETCH_TIMEOUT (the worker is
+        stuck in a tier call) ends the prefix, and until it finishes later loads take hot
+        chunks only. A key repeated in ``keys`` (content keys of repeated text) gets one
+        more reference to the same chunk."""
         unique = list(dict.fromkeys(keys))
         if len(unique) < len(keys):
-            got = dict(zip(unique, self.fetch(unique), strict=False))
+            got = dict(zip(unique, self.fetch(unique, parent), strict=False))
             out, used = [], set()
             for key in keys:
                 if key not in got:
@@ -215,7 +217,7 @@ class StorageManager:
             out.append(buf)
         rest = keys[len(out):]
         if rest and self.tiers and not self._io_stuck():
-            parent = keys[len(out) - 1] if out else None
+            parent = keys[len(out) - 1] if out else parent
             deadline = time.monotonic() + FETCH_TIMEOUT / 2  # no batch starts after it
             try:
                 out += self._wait_load(self.io.submit(

@@ -96,6 +96,28 @@ def test_pins_a_request_never_loads_are_given_back(served, monkeypatch):
     engine.pool.check_integrity()
 
 
+def test_a_pin_names_the_chunk_before_it_in_the_workers_scope(served, monkeypatch):
+    """A pin that starts past the engine's own prefix hit names the chunk before it (the
+    hot cache files what it loads under that parent), in the worker's key scope."""
+    engine, server, remote = served
+    prompt = list(range(1100, 1100 + 3 * CHUNK))
+    _store(engine, prompt)
+    keys = remote.keys(prompt)
+    parents = []
+    real = engine.storage.fetch
+
+    def recording(keys, parent=None):
+        parents.append(parent)
+        return real(keys, parent)
+
+    monkeypatch.setattr(engine.storage, "fetch", recording)
+    assert remote.pin(keys[1:], keys[0]) == [False, False]
+    assert remote.pin(keys[:1]) == [False]
+    assert parents == [engine.key_of(keys[0]), None]
+    remote.unpin(keys)
+    engine.pool.check_integrity()
+
+
 def test_bad_messages_get_an_error_reply(served):
     _, server, remote = served
     rank = remote.ranks[0]
@@ -196,9 +218,9 @@ def test_a_pin_the_scheduler_stopped_waiting_for_is_given_back(served, monkeypat
     _store(engine, prompt)
     real = engine.storage.fetch
 
-    def slow(keys):
+    def slow(keys, parent=None):
         time.sleep(1.0)
-        return real(keys)
+        return real(keys, parent)
 
     engine.storage.fetch = slow
     with pytest.raises(TimeoutError):

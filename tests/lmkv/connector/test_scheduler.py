@@ -200,3 +200,34 @@ def test_a_stale_pin_is_dropped_when_a_save_needs_its_slot(monkeypatch):
     monkeypatch.setattr(engine.pins, "ttl", -1.0)
     assert engine.allocate() is not None and len(engine.pins) == 0
     engine.close()
+
+
+def test_chunks_loaded_past_the_engines_prefix_join_the_hot_cache_under_their_parent(tmp_path):
+    """The engine's own prefix cache holds the prompt's first chunks; lmkv loads the rest
+    from the disk tier. Those join the hot cache's prefix tree under the chunk before them
+    (and the tail under the last full chunk), not as roots: else the prefix policies would
+    evict that parent before its continuation, which no lookup could then reach."""
+    engine = _engine(local_disk=str(tmp_path), max_local_disk_size=0.01, save_unfull_chunk=True)
+    prompt = list(range(5000, 5000 + 4 * CHUNK + 5))
+    keys = engine.keys(prompt)
+    _store(engine, prompt)
+    tail = engine.tail_key(prompt)
+    buf = engine.allocate()
+    buf.num_tokens = 5
+    engine.store(tail, buf, keys[-1])
+    buf.release()
+    engine.drain()
+    engine.storage.hot.clear()
+    for buf in engine.fetch(keys[:2]):  # chunks 0 and 1 hot again, as a lookup brings them
+        buf.release()
+    sched = SchedulerConnector(engine, BLOCK)
+    req = Request("p", prompt)
+    offered, meta = _schedule(sched, req, computed=2 * CHUNK)
+    assert offered == 2 * CHUNK + 4  # chunks 2, 3 and the tail (but its last token)
+    nodes = engine.storage.hot.policy.nodes
+    assert [nodes[k].parent.key for k in (keys[2], keys[3], tail)] == [keys[1], keys[2], keys[3]]
+    assert nodes[keys[1]].children == 1
+    for key in meta.loads[0].keys:
+        engine.take(key).release()
+    sched.request_finished(req)
+    engine.close()

@@ -136,3 +136,54 @@ def test_bookkeeping_stays_bounded_in_a_cache_that_never_fills(name):
     if real is not None:
         heaps += [real._oldest, real._newest]
     assert all(len(h) <= 8 * 4 + 64 for h in heaps)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_dropping_lossy_chunks_drops_what_continues_them(name):
+    """The quality gate drops the chunks decoded from a lossy codec; with a prefix policy,
+    the chunks held after them go too (computed over their KV, and unreachable without
+    them: a parent stored again later must never be evicted before an old continuation)."""
+    hot = _hot(name, 8)
+
+    def put(key, parent, lossy=False):
+        buf = hot.allocate()
+        buf.lossy = lossy
+        assert hot.put(key, buf, parent)
+        buf.release()
+
+    put("a0", None)
+    put("a1", "a0", lossy=True)
+    put("a2", "a1")
+    put("a3", "a2")
+    put("b0", None)
+    put("b1", "b0")
+    dropped = hot.drop_lossy()
+    kept = {"a0", "b0", "b1"} | (set() if name in PREFIX_AWARE else {"a2", "a3"})
+    assert set(hot.entries) == kept and dropped == 6 - len(kept)
+    assert len(hot.policy) == len(kept)
+    if name in PREFIX_AWARE:
+        assert hot.policy.nodes["a0"].children == 0  # a leaf again
+    hot.clear()
+    hot.pool.check_integrity()
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_a_victim_kept_after_a_failed_delete_is_not_counted_as_used(name):
+    """The disk tier gives back a victim whose delete failed (kept): it stays, the next
+    victim is another, and it is not taken as a chunk that came back (no use counted, no
+    horizon moved)."""
+    pol = make_policy(name)
+    for i in range(40):
+        pol.inserted(f"k{i}", None)
+    for _ in range(200):  # every delete fails
+        victim = pol.victim(lambda _: True)
+        assert victim is not None
+        pol.kept(victim)
+    assert len(pol) == 40
+    nodes = getattr(pol, "nodes", {})
+    assert all(n.count == 1 for n in nodes.values())
+    horizon = getattr(getattr(pol, "real", pol), "horizon", 0.0)
+    assert horizon == 0.0
+    first = pol.victim(lambda _: True)
+    pol.kept(first)
+    assert pol.victim(lambda _: True) != first
