@@ -62,6 +62,10 @@ class Persister:
         self.directory = directory
         self.store = store
         self._dirty: OrderedDict[bytes, None] = OrderedDict()
+        # keys that have a file: an evicted key without one (and not being written) leaves
+        # nothing to do, so the queue holds at most the store's keys and the files' keys
+        self._files: set[bytes] = set()
+        self._writing: bytes | None = None
         self._cond = threading.Condition()
         self._busy = False
         self._stopping = False
@@ -80,9 +84,14 @@ class Persister:
         self.directory.mkdir(parents=True, exist_ok=True)
         files = []
         for item in os.scandir(self.directory):
+            if not item.is_file(follow_symlinks=False):
+                continue  # not ours (a directory, a link someone put here)
             if item.name.endswith(TMP_SUFFIX):
-                os.unlink(item.path)  # a write interrupted by a crash
-            elif item.name.endswith(SUFFIX) and item.is_file():
+                try:
+                    os.unlink(item.path)  # a write interrupted by a crash
+                except OSError as exc:
+                    log.warning("cannot remove the temporary file %s: %s", item.path, exc)
+            elif item.name.endswith(SUFFIX):
                 files.append((item.stat().st_mtime_ns, item.path))
         files.sort(reverse=True)  # newest first: they win the space if it runs out
         counts = dict.fromkeys(_Outcome, 0)
@@ -103,10 +112,14 @@ class Persister:
         self._thread = threading.Thread(target=self._run, name="lmkv-persist", daemon=True)
         self._thread.start()
 
-    def mark(self, key: bytes) -> None:
+    def mark(self, key: bytes, present: bool = True) -> None:
+        """``key``'s value was committed (``present``) or removed from the store."""
         with self._cond:
-            self._dirty[key] = None
-            self._cond.notify()
+            if present or key in self._files or key == self._writing:
+                self._dirty[key] = None
+                self._cond.notify()
+            else:  # never written: no file to delete, nothing to do
+                self._dirty.pop(key, None)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every marked key is on disk; False on timeout."""
@@ -134,6 +147,7 @@ class Persister:
                     return
                 key, _ = self._dirty.popitem(last=False)
                 self._busy = True
+                self._writing = key
             try:
                 self._sync(key)
             except OSError as exc:
@@ -143,6 +157,7 @@ class Persister:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._writing = None
                     self._cond.notify_all()
 
     def _sync(self, key: bytes) -> None:
@@ -154,6 +169,7 @@ class Persister:
                 self.files_deleted += 1
             except FileNotFoundError:
                 pass
+            self._has_file(key, False)
             return
         try:
             header = HEADER.pack(
@@ -175,9 +191,17 @@ class Persister:
             except OSError:
                 self._remove_stale(key, tmp, path)
                 raise
+            self._has_file(key, True)
             self.files_written += 1
         finally:
             self.store.release(entry)
+
+    def _has_file(self, key: bytes, present: bool) -> None:
+        with self._cond:
+            if present:
+                self._files.add(key)
+            else:
+                self._files.discard(key)
 
     def _remove_stale(self, key: bytes, tmp: Path, path: Path) -> None:
         """After a failed write of ``key``: remove the partial ``tmp`` and the key's older
@@ -187,7 +211,9 @@ class Persister:
         try:
             path.unlink()
         except FileNotFoundError:
+            self._has_file(key, False)
             return
+        self._has_file(key, False)
         self.files_deleted += 1
         log.warning("removed %s: the newer value of %r could not be written", path, key[:60])
 
@@ -210,17 +236,22 @@ class Persister:
                 return self._corrupt(path, str(exc))
             if self.path_for(key) != path:
                 return self._corrupt(path, "file name does not match its key")
+            self._files.add(key)  # left on disk without room: an eviction of the key deletes it
             if not self.store.fits(length):
                 return _Outcome.NO_ROOM
             pages = self.store.reserve(length, evict=False)
             if pages is None:
                 return _Outcome.NO_ROOM
             crc = zlib.crc32(key, zlib.crc32(head[: HEADER.size]))
-            for segment in self.store.arena.segments(pages, length):
-                if not _read_exactly(f, segment):
-                    self.store.abort(pages)
-                    return self._corrupt(path, "short read")
-                crc = zlib.crc32(segment, crc)
+            try:
+                for segment in self.store.arena.segments(pages, length):
+                    if not _read_exactly(f, segment):
+                        self.store.abort(pages)
+                        return self._corrupt(path, "short read")
+                    crc = zlib.crc32(segment, crc)
+            except BaseException:  # an I/O error: the pages go back before it is reported
+                self.store.abort(pages)
+                raise
             if crc != expected_crc:
                 self.store.abort(pages)
                 return self._corrupt(path, "checksum mismatch")

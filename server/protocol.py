@@ -37,6 +37,7 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 _DRAIN_CHUNK = 256 * 1024
+_EVICT_STEP = 4 << 20  # a PUT evicts for this many more bytes only once those before arrived
 _IOV_MAX = 512  # buffers per sendmsg/recvmsg call, below Linux's IOV_MAX of 1024
 # TCP keepalive: a peer silent for 60 s is probed every 10 s, and after 6 unanswered
 # probes the kernel fails the connection (a dead client host is noticed in ~2 minutes).
@@ -193,22 +194,49 @@ class Connection:
             self.traffic.dropped["bad_key"] += 1
             self._drain(length)
             return True
-        pages = self.store.reserve(length)
-        if pages is None:
-            reason = "busy" if self.store.fits(length) else "too_large"
-            self.traffic.dropped[reason] += 1
-            level = logging.WARNING if reason == "too_large" else logging.DEBUG  # busy: load
-            log.log(level, "%s: PUT of %d bytes not stored (%s)", self.peer, length, reason)
-            self._drain(length)
+        store = self.store
+        need = store.pages_for(length)
+        if not store.fits(length) or not store.room_for(need):
+            self._drop(length, "busy" if store.fits(length) else "too_large")
             return True
+        # Free pages first; pages that evictions free only while the payload arrives: the
+        # first once a byte of it is here, each next (twice as many, up to _EVICT_STEP) once
+        # the bytes before it are in place. A PUT that stops early (a client that disconnects
+        # or stalls after its header) costs other clients' values about what it sent.
+        most = max(1, _EVICT_STEP // store.arena.page_size)
+        step = 1
+        pages: list[int] = []
+        got = 0  # payload bytes in place
         try:
-            self._recv_into(self.store.arena.segments(pages, length), length)
+            while len(pages) < need:
+                want, free = need - len(pages), store.arena.free_pages
+                if want > free:
+                    if got < length:
+                        self._await_payload()
+                    want, step = min(want, max(free, step)), min(2 * step, most)
+                more = store.reserve_pages(want)
+                if more is None:  # readers pinned what was evictable meanwhile
+                    store.abort(pages)
+                    pages = []
+                    self._drop(length - got, "busy")
+                    return True
+                pages += more
+                end = min(length, len(pages) * store.arena.page_size)
+                self._recv_into(_advance(store.arena.segments(pages, end), got), end - got)
+                got = end
         except BaseException:
-            self.store.abort(pages)
+            store.abort(pages)
             raise
         self.traffic.bytes_in += length
         self.store.commit(request.key, length, request.fmt, request.dtype, request.shape, pages)
         return True
+
+    def _drop(self, length: int, reason: str) -> None:
+        """A PUT that will not be stored: count it, and read past the rest of its payload."""
+        self.traffic.dropped[reason] += 1
+        level = logging.WARNING if reason == "too_large" else logging.DEBUG  # busy: load
+        log.log(level, "%s: PUT not stored (%s)", self.peer, reason)
+        self._drain(length)
 
     def _get(self, key: bytes) -> None:
         entry = self.store.acquire(key)
@@ -248,6 +276,20 @@ class Connection:
                 length -= n
                 views = _advance(views, n)
             if length and time.monotonic() > self._deadline:
+                raise _Stalled
+            if self.stopping:
+                raise _Closed
+
+    def _await_payload(self) -> None:
+        """Return once the next payload byte has arrived (left unread); _Closed at EOF."""
+        while True:
+            try:
+                if self.sock.recv(1, socket.MSG_PEEK):
+                    return
+                raise _Closed
+            except BlockingIOError:  # SO_RCVTIMEO expired
+                pass
+            if time.monotonic() > self._deadline:
                 raise _Stalled
             if self.stopping:
                 raise _Closed

@@ -52,10 +52,11 @@ class StoreStats:
 
 
 class Store:
-    def __init__(self, arena: PageArena, on_change: Callable[[bytes], None] | None = None,
+    def __init__(self, arena: PageArena, on_change: Callable[[bytes, bool], None] | None = None,
                  policy: str = DEFAULT_POLICY) -> None:
-        """``on_change(key)`` is called (under the lock, so it must be quick) whenever a
-        key's value is committed or removed. ``policy``: a name in lmkv.policy.POLICIES."""
+        """``on_change(key, present)`` is called (under the lock, so it must be quick)
+        whenever a key's value is committed (True) or removed (False). ``policy``: a name
+        in lmkv.policy.POLICIES."""
         self.arena = arena
         self._on_change = on_change
         self._index: dict[bytes, Entry] = {}
@@ -67,7 +68,7 @@ class Store:
         self._evictions = 0
         self._evicted_bytes = 0
 
-    def set_listener(self, on_change: Callable[[bytes], None] | None) -> None:
+    def set_listener(self, on_change: Callable[[bytes, bool], None] | None) -> None:
         with self._lock:
             self._on_change = on_change
 
@@ -79,12 +80,20 @@ class Store:
         """Whether a value of ``nbytes`` could ever be stored (it is not above the cap)."""
         return self.pages_for(nbytes) <= self.arena.num_pages
 
+    def room_for(self, need: int) -> bool:
+        """Whether ``need`` pages could be had now: free, or held by entries no reader pins."""
+        with self._lock:
+            return need <= self.arena.free_pages + self._evictable_pages
+
     def reserve(self, nbytes: int, evict: bool = True) -> list[int] | None:
         """Pages for a value of ``nbytes``, evicting entries the policy picks if needed; None
         if they cannot be found (value above the cap, or the rest is pinned/in flight); then
         nothing is evicted."""
+        return self.reserve_pages(self.pages_for(nbytes), evict)
+
+    def reserve_pages(self, need: int, evict: bool = True) -> list[int] | None:
+        """``need`` pages, as ``reserve``."""
         arena = self.arena
-        need = self.pages_for(nbytes)
         with self._lock:
             missing = need - arena.free_pages
             if missing > 0 and (not evict or missing > self._evictable_pages):
@@ -121,7 +130,7 @@ class Store:
                 self._policy.inserted(_name(key), None)
             self._stored_bytes += length
             if notify and self._on_change is not None:
-                self._on_change(key)
+                self._on_change(key, True)
 
     def abort(self, pages: list[int]) -> None:
         with self._lock:
@@ -225,7 +234,7 @@ class Store:
         if entry.readers == 0:
             self.arena.free(entry.pages)
         if notify and self._on_change is not None:
-            self._on_change(entry.key)
+            self._on_change(entry.key, False)
 
 
 def _name(key: bytes) -> str:

@@ -73,3 +73,38 @@ def test_empty_values_count_against_the_cap(spawn_server):
     assert stats["entries"] == 16 and stats["evictions"] == 84
     assert stats["used_bytes"] == stats["capacity_bytes"] == 1 << 20
     backend.close()
+
+
+def test_a_put_that_stops_early_evicts_about_what_it_sent(spawn_server):
+    """A full cache: another client's PUT that announces 4 MiB and then disconnects after
+    its header (or after part of its payload) evicts no value for the bytes it never sent;
+    while such a PUT stalls, other clients' PUTs are still stored."""
+    import socket
+    import time
+
+    from lmkv.backends import lm_wire as wire
+
+    server = spawn_server("--max-memory", str(CAP), "--page-size", "64KiB",
+                          "--max-value-size", "8MiB", "--io-timeout", "5")
+    backend = LMBackend(server.url)
+    keys = [f"victim@{i}" for i in range(CAP // VALUE)]
+    for i, key in enumerate(keys):
+        backend.put([(key, bytes([i]) * VALUE)])
+    assert backend.contains(keys) == [True] * len(keys)
+
+    def truncated_put(sent: int, stall: float = 0.3) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        sock.sendall(wire.pack_request(wire.Command.PUT, b"evil@1", 4 << 20) + b"x" * sent)
+        time.sleep(stall)
+        return sock
+
+    truncated_put(0).close()  # a header alone
+    assert backend.contains(keys) == [True] * len(keys)
+    truncated_put(VALUE).close()  # a quarter MiB of payload: about that is evicted
+    assert sum(backend.contains(keys)) >= len(keys) - 3
+    stalled = truncated_put(0, stall=0)
+    backend.put([("legit@1", b"L" * VALUE)])
+    assert backend.get(["legit@1"]) == [b"L" * VALUE]
+    stalled.close()
+    assert server.stats()["evictions"] <= 4
+    backend.close()

@@ -102,3 +102,84 @@ def test_a_failed_write_leaves_no_file_for_its_key(spawn_server, tmp_path):
     backend = LMBackend(server.url)
     assert backend.get(["f@1", "f@2"]) == [None, b"kept"]
     backend.close()
+
+
+def _put(store, key: bytes, n: int) -> None:
+    pages = store.reserve(n)
+    for seg in store.arena.segments(pages, n):
+        seg[:] = b"v" * len(seg)
+    store.commit(key, n, 4, 6, (n, 0, 0, 0), pages)
+
+
+def test_the_write_queue_holds_no_key_that_left_without_a_file(tmp_path):
+    """Keys evicted before the writer reached them leave nothing to write nor delete: the
+    queue stays within the store's keys and the files' keys (it grew with every key ever
+    stored while the writer fell behind). An evicted key that has a file is queued, and
+    its file deleted."""
+    from pathlib import Path
+
+    from lmkv_server.arena import PageArena
+    from lmkv_server.persistence import Persister
+    from lmkv_server.store import Store
+
+    store = Store(PageArena(8, 64 << 10, prefault=False), policy="lru")
+    persister = Persister(Path(tmp_path), store)
+    store.set_listener(persister.mark)  # the writer is not started: it has fallen behind
+    for i in range(1000):
+        _put(store, b"k%d" % i, 1000)
+    assert persister.pending <= 8
+    persister._sync(b"k999")  # as the writer does: a file for a held key
+    assert persister.path_for(b"k999").exists()
+    for i in range(1000, 1010):
+        _put(store, b"k%d" % i, 1000)  # k999 is evicted
+    persister.start()
+    assert persister.flush(10)
+    assert not persister.path_for(b"k999").exists()
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == sorted(
+        persister.path_for(b"k%d" % i).name for i in range(1002, 1010))
+    persister.stop(10)
+
+
+def test_a_reload_that_cannot_read_a_file_gives_its_pages_back(tmp_path, monkeypatch):
+    """A read error in one persisted file (a bad sector) skips that file and returns the
+    pages reserved for it; a directory or link named like a temporary file is left alone."""
+    import errno
+    from pathlib import Path
+
+    import lmkv_server.persistence as persistence
+    from lmkv_server.arena import PageArena
+    from lmkv_server.store import Store
+
+    store = Store(PageArena(16, 64 << 10, prefault=False))
+    writer = persistence.Persister(Path(tmp_path), store)
+    for key in (b"good", b"bad"):
+        _put(store, key, 300_000)
+        writer._sync(key)
+    (tmp_path / "snapshot.tmp").mkdir()
+    bad = str(writer.path_for(b"bad"))
+    real_open = open
+
+    class Failing:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def readinto(self, view):
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(persistence, "open", lambda path, *a, **k: (
+        Failing(real_open(path, *a, **k)) if str(path) == bad else real_open(path, *a, **k)),
+        raising=False)
+    again = Store(PageArena(16, 64 << 10, prefault=False))
+    result = persistence.Persister(Path(tmp_path), again).load()
+    assert (result.loaded, result.corrupt) == (1, 1)
+    again.check_integrity()
+    assert (tmp_path / "snapshot.tmp").is_dir()
