@@ -34,16 +34,14 @@ def run(config: ServerConfig) -> None:
 
 
 class ListenError(OSError):
-    """The lm:// port cannot be bound (in use, not permitted, no such address)."""
+    """A port cannot be bound (in use, not permitted, no such address)."""
 
 
 async def serve(config: ServerConfig) -> None:
-    try:  # before the arena is touched: a port in use fails at once
-        sock = socket.create_server((config.host, config.port), backlog=1024)
-    except OSError as e:
-        hint = " (is another lmkv_server running?)" if e.errno == errno.EADDRINUSE else ""
-        why = os.strerror(e.errno) if e.errno else str(e)
-        raise ListenError(f"cannot listen on {config.host}:{config.port}: {why}{hint}") from e
+    # both ports before the arena is touched: a port in use fails at once
+    sock = _bind(config.host, config.port, "")
+    admin_sock = (_bind(config.host, config.admin_port, "--admin-port ")
+                  if config.admin_port is not None else None)
     if not config.loopback_only:
         log.warning(
             "binding %s: the lm:// protocol has no authentication or encryption; %s can "
@@ -69,14 +67,26 @@ async def serve(config: ServerConfig) -> None:
         persister.start()
     listener = Listener(sock, store, config)
     listener.start()
+    try:  # whatever fails from here on, the listener and the persister are stopped
+        await _serve(config, store, listener, persister, admin_sock)
+    finally:
+        log.info("shutting down")
+        await asyncio.to_thread(listener.stop)
+        if persister is not None:
+            await asyncio.to_thread(persister.stop)
+            log.info("persistence flushed (%d files written)", persister.files_written)
 
+
+async def _serve(config: ServerConfig, store: Store, listener: Listener,
+                 persister: Persister | None, admin_sock: socket.socket | None) -> None:
+    """Serve the admin HTTP (if any) until SIGINT/SIGTERM."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
     admin = admin_task = None
-    if config.admin_port is not None:
+    if admin_sock is not None:
         registry = build_registry(store, listener.traffic, persister)
         app = build_admin_app(config, store, listener.traffic, persister, registry)
         admin = _AdminServer(
@@ -89,25 +99,34 @@ async def serve(config: ServerConfig) -> None:
                 lifespan="off",
             )
         )
-        admin_task = asyncio.create_task(admin.serve())
+        admin_task = asyncio.create_task(admin.serve(sockets=[admin_sock]))
     log.info(
         "lmkv_server listening on %s:%d (max_memory=%d bytes, cache_policy=%s, admin port %s)",
         config.host,
         listener.port,
-        arena.capacity,
+        store.arena.capacity,
         config.cache_policy,
         config.admin_port,
     )
-    await stop.wait()
-
-    log.info("shutting down")
-    await asyncio.to_thread(listener.stop)
+    waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([t for t in (waiter, admin_task) if t is not None],
+                                 return_when=asyncio.FIRST_COMPLETED)
     if admin is not None and admin_task is not None:
+        if admin_task in done:  # the admin server ended by itself: a failure
+            waiter.cancel()
+            admin_task.result()  # raises what ended it
+            raise RuntimeError("the admin HTTP server stopped")
         admin.should_exit = True
         await admin_task
-    if persister is not None:
-        await asyncio.to_thread(persister.stop)
-        log.info("persistence flushed (%d files written)", persister.files_written)
+
+
+def _bind(host: str, port: int, what: str) -> socket.socket:
+    try:
+        return socket.create_server((host, port), backlog=1024)
+    except OSError as e:
+        hint = " (is another lmkv_server running?)" if e.errno == errno.EADDRINUSE else ""
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise ListenError(f"cannot listen on {what}{host}:{port}: {why}{hint}") from e
 
 
 class _AdminServer(uvicorn.Server):

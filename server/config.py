@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +70,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# timeouts are kernel timevals (0 would mean none) and deadlines: finite, at least 1 ms
+MIN_TIMEOUT, MAX_TIMEOUT = 0.001, 7 * 86400.0
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_LEVEL_ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}  # logging's other spellings
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -118,15 +123,19 @@ class ServerConfig:
             raise ValueError(f"max_value_size must be in (0, {MAX_LENGTH}] (int32 length)")
         if self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
-        if self.io_timeout <= 0:
-            raise ValueError("io_timeout must be positive")
-        if self.idle_timeout < 0:
-            raise ValueError("idle_timeout must be 0 (never) or positive")
+        if not MIN_TIMEOUT <= self.io_timeout <= MAX_TIMEOUT:  # (NaN fails too)
+            raise ValueError(f"io_timeout must be in [{MIN_TIMEOUT}, {MAX_TIMEOUT:.0f}] seconds, "
+                             f"got {self.io_timeout}")
+        if not (self.idle_timeout == 0 or MIN_TIMEOUT <= self.idle_timeout <= MAX_TIMEOUT):
+            raise ValueError(f"idle_timeout must be 0 (never) or in [{MIN_TIMEOUT}, "
+                             f"{MAX_TIMEOUT:.0f}] seconds, got {self.idle_timeout}")
         if self.cache_policy not in POLICIES:
             raise ValueError(f"cache_policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.cache_policy!r}")
-        if logging.getLevelName(self.log_level.upper()) not in range(0, 51):
-            raise ValueError(f"unknown log level {self.log_level!r}")
+        level = _LEVEL_ALIASES.get(self.log_level.upper(), self.log_level.upper())
+        if level not in LOG_LEVELS:
+            raise ValueError(f"unknown log level {self.log_level!r} (one of {', '.join(LOG_LEVELS)})")
+        object.__setattr__(self, "log_level", level)  # as uvicorn names it too
 
     @property
     def num_pages(self) -> int:

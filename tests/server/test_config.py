@@ -38,12 +38,20 @@ def test_config_validation():
         ServerConfig(max_value_size=3 * GIB)
     with pytest.raises(ValueError, match="port"):
         ServerConfig(port=70000)
-    with pytest.raises(ValueError, match="log level"):
+    with pytest.raises(ValueError, match="log level 'CHATTY' .one of DEBUG, INFO, WARNING"):
         ServerConfig(log_level="CHATTY")
+    assert ServerConfig(log_level="warn").log_level == "WARNING"  # uvicorn knows no "warn"
+    assert ServerConfig(log_level="Fatal").log_level == "CRITICAL"
     with pytest.raises(ValueError, match="cache_policy must be one of lru, .*got 'mru'"):
         ServerConfig(cache_policy="mru")
     with pytest.raises(ValueError, match="idle_timeout must be 0"):
         ServerConfig(idle_timeout=-1)
+    for bad in (float("inf"), float("nan"), 1e-7, 0):  # inf, nan: no deadline; 1e-7: a 0 timeval
+        with pytest.raises(ValueError, match="io_timeout must be in"):
+            ServerConfig(io_timeout=bad)
+        if bad:
+            with pytest.raises(ValueError, match="idle_timeout must be 0"):
+                ServerConfig(idle_timeout=bad)
 
 
 def test_loopback_detection():

@@ -97,6 +97,25 @@ def test_a_port_in_use_is_a_clear_error_before_the_memory_is_touched(server_env)
     assert "Traceback" not in out.stderr
 
 
+def test_an_admin_port_in_use_stops_the_start_instead_of_serving_half(server_env):
+    """The admin port is bound with the lm:// port, before anything runs: a port in use
+    ends the start with a clear error (before: the lm:// listener ran on without the admin
+    server, and the process never exited)."""
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as busy, socket.create_server(("127.0.0.1", 0)) as free:
+        admin, port = busy.getsockname()[1], free.getsockname()[1]
+        free.close()
+        out = subprocess.run([sys.executable, "-m", "lmkv_server", "127.0.0.1", str(port),
+                              "--max-memory", "8MiB", "--admin-port", str(admin)],
+                             env=server_env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"lmkv_server: error: cannot listen on --admin-port 127.0.0.1:{admin}: Address already "
+        "in use (is another lmkv_server running?)")
+
+
 def test_misbehaving_clients_are_logged_once_a_minute_and_refusals_counted(spawn_server):
     """1000 GETs with a bad key, 50 unknown commands on new connections and 20 connections
     past --max-connections: a few log lines (before: one per frame or connection), each
