@@ -102,7 +102,8 @@ class LMKVConfig:
         _require(self.codec_check_every is None or self.codec_check_every >= 0,
                  "codec_check_every", "must be >= 0 (0 = off) or null (on with a lossy codec)")
         _require(0 <= self.codec_min_agreement <= 1, "codec_min_agreement", "must be in [0, 1]")
-        _require(self.remote_timeout > 0, "remote_timeout", "must be > 0 (seconds)")
+        _require(0.001 <= self.remote_timeout <= 3600, "remote_timeout",  # (NaN fails too)
+                 "must be in [0.001, 3600] seconds")
         _require(self.blend_check_layer >= 0, "blend_check_layer", "must be >= 0")
         _require(bool(self.blend_special_str), "blend_special_str", "must not be empty")
         _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a TCP port (0 = off)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 import select
 import socket
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_VALUE_SIZE = 256 << 20  # lmkv_server's default: a larger PUT would be refused
 RECEIVE_STEP = 16 << 20  # a value is received into memory grown by this much as it arrives
+MIN_TIMEOUT = 0.001  # seconds; socket timeouts run on the kernel's 1-4 ms timer tick
 # lmcache_server parses the key of every frame, HEALTH included, and drops the connection
 # if it is not model@world_size@worker_id@chunk_hash_hex@dtype
 _HEALTH_KEY = b"lmkv-health@1@0@0@uint8"
@@ -54,8 +56,10 @@ def parse_lm_url(url: str) -> LMAddress:
 class LMBackend(StorageBackend):
     """One persistent TCP connection to an lm:// server, used serially.
 
-    Every call is bounded: ``connect_timeout`` for connecting, ``timeout`` for each reply
-    to arrive in full and for each send to make progress. Any failure closes the
+    Every call is bounded: ``connect_timeout`` for connecting, ``timeout`` for each request
+    and its reply, from the first byte sent to the last byte received (in a batch read,
+    each reply from the end of the one before). A PUT, which may be large, and a batch of
+    requests must make progress within ``timeout`` at every send. Any failure closes the
     connection and raises BackendError; the next call reconnects. A connection that the
     server closed between calls (restart, idle close) is replaced before anything is sent.
 
@@ -76,8 +80,10 @@ class LMBackend(StorageBackend):
         connect_timeout: float = 3.0,
         max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
     ) -> None:
-        if timeout <= 0 or connect_timeout <= 0:
-            raise ValueError("timeouts must be positive")
+        for name, seconds in (("timeout", timeout), ("connect_timeout", connect_timeout)):
+            if not MIN_TIMEOUT <= seconds < math.inf:  # NaN fails too
+                raise ValueError(
+                    f"{name} must be finite and at least {MIN_TIMEOUT} s, got {seconds!r}")
         if not 0 < max_value_size <= wire.MAX_LENGTH:
             raise ValueError(f"max_value_size must be in (0, {wire.MAX_LENGTH}]")
         self.address = parse_lm_url(url)
@@ -108,7 +114,7 @@ class LMBackend(StorageBackend):
         sock = self._connection()
         try:
             for header, payload in frames:
-                self._send(sock, [header, payload])
+                self._send(sock, [header, payload], None)
         except OSError as exc:
             self._fail("put to", exc)
 
@@ -119,7 +125,8 @@ class LMBackend(StorageBackend):
         values: list[bytes | None] = []
         try:
             for request in requests:
-                deadline = self._send(sock, [request])
+                deadline = time.monotonic() + self.timeout
+                self._send(sock, [request], deadline)
                 length = self._read_value_header(sock, deadline)
                 if length is None:
                     values.append(None)
@@ -137,7 +144,8 @@ class LMBackend(StorageBackend):
         view = memoryview(buffer).cast("B")
         sock = self._connection()
         try:
-            deadline = self._send(sock, [request])
+            deadline = time.monotonic() + self.timeout
+            self._send(sock, [request], deadline)
             length = self._read_value_header(sock, deadline)
             if length is None:
                 return None
@@ -157,7 +165,7 @@ class LMBackend(StorageBackend):
         sock = self._connection()
         lengths: list[int | None] = []
         try:
-            self._send(sock, requests)
+            self._send(sock, requests, None)
             for key, view in zip(keys, views, strict=True):
                 deadline = time.monotonic() + self.timeout
                 length = self._read_value_header(sock, deadline)
@@ -179,8 +187,9 @@ class LMBackend(StorageBackend):
         found = []
         try:
             for request in requests:
-                deadline = self._send(sock, [request])
-                found.append(self._read_response(sock, deadline).code == wire.Code.SUCCESS)
+                deadline = time.monotonic() + self.timeout
+                self._send(sock, [request], deadline)
+                found.append(self._read_answer(sock, deadline))
         except OSError as exc:
             self._fail("exist on", exc)
         return found
@@ -189,8 +198,9 @@ class LMBackend(StorageBackend):
         """True if the server answers HEALTH (lmcache_server 0.5.6 does too)."""
         sock = self._connection()
         try:
-            deadline = self._send(sock, [wire.pack_request(wire.Command.HEALTH, _HEALTH_KEY)])
-            return self._read_response(sock, deadline).code == wire.Code.SUCCESS
+            deadline = time.monotonic() + self.timeout
+            self._send(sock, [wire.pack_request(wire.Command.HEALTH, _HEALTH_KEY)], deadline)
+            return self._read_answer(sock, deadline)
         except OSError as exc:
             self._fail("health of", exc)
 
@@ -209,10 +219,8 @@ class LMBackend(StorageBackend):
                 raise BackendError(f"cannot connect to {self._where()}: {exc}") from exc
             # Blocking socket with kernel timeouts: a reply is received with one
             # recv(MSG_WAITALL) and the kernel does the waiting, not Python's poll loop.
+            # Each send and receive sets its own timeout (SO_SNDTIMEO, SO_RCVTIMEO).
             sock.settimeout(None)
-            timeval = _timeval(self.timeout)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
         return self._sock
@@ -225,15 +233,31 @@ class LMBackend(StorageBackend):
         poller.register(sock, select.POLLIN)
         return bool(poller.poll(0))
 
-    def _send(self, sock: socket.socket, buffers: list[bytes | memoryview]) -> float:
-        """Send ``buffers``; returns the deadline for the reply."""
+    def _send(self, sock: socket.socket, buffers: list[bytes | memoryview],
+              deadline: float | None) -> None:
+        """Send ``buffers`` by ``deadline``; with None, each send must make progress within
+        ``timeout`` instead. A send that moves nothing in time raises BlockingIOError."""
         for buf in buffers:
-            sock.sendall(buf)  # each partial send must progress within SO_SNDTIMEO
-        return time.monotonic() + self.timeout
+            view = memoryview(buf).cast("B")
+            while view.nbytes:
+                wait = self.timeout if deadline is None else deadline - time.monotonic()
+                if wait <= 0:
+                    raise TimeoutError("timed out sending")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(wait))
+                view = view[sock.send(view):]  # short if SO_SNDTIMEO cut it off
 
     def _read_response(self, sock: socket.socket, deadline: float) -> wire.ResponseHeader:
         self._recv_exactly(sock, memoryview(self._header), deadline)
         return wire.unpack_response(self._header)
+
+    def _read_answer(self, sock: socket.socket, deadline: float) -> bool:
+        """An EXIST or HEALTH reply: a bare header, 200 (yes) or 400 (no)."""
+        reply = self._read_response(sock, deadline)
+        if reply.code not in (wire.Code.SUCCESS, wire.Code.FAIL) or reply.length != 0:
+            # not such a reply: the stream is out of step
+            self._fail_with(f"{self._where()} answered with code {reply.code}, "
+                            f"length {reply.length}")
+        return reply.code == wire.Code.SUCCESS
 
     def _read_value_header(self, sock: socket.socket, deadline: float) -> int | None:
         reply = self._read_response(sock, deadline)
@@ -271,16 +295,18 @@ class LMBackend(StorageBackend):
 
     def _recv_exactly(self, sock: socket.socket, view: memoryview, deadline: float) -> None:
         while view.nbytes:
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                raise TimeoutError("timed out waiting for the reply")
+            # each receive waits at most the time left, so the reply as a whole is bounded
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wait))
             try:
                 n = sock.recv_into(view, view.nbytes, socket.MSG_WAITALL)
             except BlockingIOError:  # SO_RCVTIMEO expired with nothing received
-                n = -1
+                continue
             if n == 0:
                 self._fail_with(f"{self._where()} closed the connection mid-reply")
-            if n > 0:
-                view = view[n:]
-            if view.nbytes and time.monotonic() >= deadline:
-                raise TimeoutError("timed out waiting for the reply")
+            view = view[n:]
 
     def _key(self, key: str) -> bytes:
         try:
@@ -303,8 +329,10 @@ class LMBackend(StorageBackend):
 
 
 def _timeval(seconds: float) -> bytes:
-    whole = int(seconds)
-    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
+    """A struct timeval of ``seconds`` (finite), rounded up to at least 1 us: the kernel
+    takes timeval 0 as no timeout at all."""
+    whole, micros = divmod(max(1, math.ceil(seconds * 1e6)), 1_000_000)
+    return struct.pack("@ll", whole, micros)
 
 
 _LMCACHE_KEY = re.compile(r"[^@\s]+@\d+@\d+@-?[0-9a-f]+@[a-z0-9_]+(@\S*)?")

@@ -58,6 +58,9 @@ def test_lmcache_yaml_is_accepted(tmp_path):
     ("metrics_port: 70000\n", "metrics_port"),
     ("local_cpu: false\n", "local_cpu"),  # with no tier below, nothing would be stored
     ("codec_check_every: -1\n", "codec_check_every"),
+    ("remote_timeout: .inf\n", "remote_timeout"),  # no deadline at all
+    ("remote_timeout: .nan\n", "remote_timeout"),
+    ("remote_timeout: 0.0000001\n", "remote_timeout"),  # a 0 timeval: no timeout
 ])
 def test_bad_keys_and_values_name_the_key(tmp_path, yaml_text, key):
     path = tmp_path / "c.yaml"

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import re
 import signal
 import socket
+import struct
 import threading
 import time
 import tracemalloc
+from collections.abc import Callable
 
 import pytest
 
@@ -80,11 +85,15 @@ def test_restart_between_calls_is_invisible(spawn_server):
     assert backend.get(["x@1"]) == [b"v"]
 
 
-class FakeServer:
-    """Accepts connections and replies with ``reply`` (or nothing) to each request."""
+Handler = Callable[[socket.socket], None]
 
-    def __init__(self, reply: bytes | None) -> None:
-        self.reply = reply
+
+class FakeServer:
+    """A scripted lm:// server: ``handler(conn)`` serves each connection in its own thread;
+    connections stay open until close()."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"lm://127.0.0.1:{self.listener.getsockname()[1]}"
         self.conns: list[socket.socket] = []
@@ -97,9 +106,11 @@ class FakeServer:
             except OSError:
                 return
             self.conns.append(conn)
-            conn.recv(wire.REQUEST_SIZE)
-            if self.reply is not None:
-                conn.sendall(self.reply)
+            threading.Thread(target=self._run, args=(conn,), daemon=True).start()
+
+    def _run(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):  # closed under the handler
+            self.handler(conn)
 
     def close(self) -> None:
         self.listener.close()
@@ -107,8 +118,31 @@ class FakeServer:
             conn.close()
 
 
+def reply_once(reply: bytes | None) -> Handler:
+    """Reads one request and sends ``reply`` (or nothing)."""
+
+    def handler(conn: socket.socket) -> None:
+        conn.recv(wire.REQUEST_SIZE)
+        if reply is not None:
+            conn.sendall(reply)
+
+    return handler
+
+
+def reply_each(reply: bytes, first: bytes = b"") -> Handler:
+    """Answers every request with ``reply``, the first one preceded by ``first``."""
+
+    def handler(conn: socket.socket) -> None:
+        prefix = first
+        while len(conn.recv(wire.REQUEST_SIZE, socket.MSG_WAITALL)) == wire.REQUEST_SIZE:
+            conn.sendall(prefix + reply)
+            prefix = b""
+
+    return handler
+
+
 def test_unresponsive_server_times_out():
-    fake = FakeServer(reply=None)
+    fake = FakeServer(reply_once(None))
     backend = LMBackend(fake.url, timeout=0.5)
     t0 = time.monotonic()
     with pytest.raises(BackendError, match="timed out"):
@@ -119,7 +153,7 @@ def test_unresponsive_server_times_out():
 
 def test_oversized_reply_is_refused():
     huge = wire.pack_response(wire.Code.SUCCESS, 1 << 30, 4, 6, (1 << 30, 0, 0, 0))
-    fake = FakeServer(reply=huge)
+    fake = FakeServer(reply_once(huge))
     backend = LMBackend(fake.url, timeout=1, max_value_size=1 << 20)
     with pytest.raises(BackendError, match="announced a 1073741824-byte value"):
         backend.get(["k@1"])
@@ -127,7 +161,7 @@ def test_oversized_reply_is_refused():
 
 
 def test_truncated_reply_raises():
-    fake = FakeServer(reply=wire.pack_response(wire.Code.SUCCESS, 100, 4, 6) + b"x" * 10)
+    fake = FakeServer(reply_once(wire.pack_response(wire.Code.SUCCESS, 100, 4, 6) + b"x" * 10))
     backend = LMBackend(fake.url, timeout=1)
     threading.Timer(0.2, fake.close).start()
     with pytest.raises(BackendError):
@@ -178,7 +212,7 @@ def test_a_length_announced_but_not_sent_costs_only_what_came():
     """A server that announces a 1 GiB value and sends 10 bytes: the client fails the call
     without having allocated the gigabyte."""
     reply = wire.pack_response(wire.Code.SUCCESS, 1 << 30, 4, 6, (1 << 30, 0, 0, 0)) + b"x" * 10
-    fake = FakeServer(reply=reply)
+    fake = FakeServer(reply_once(reply))
     backend = LMBackend(fake.url, timeout=0.5, max_value_size=1 << 30)
     tracemalloc.start()
     try:
@@ -192,11 +226,91 @@ def test_a_length_announced_but_not_sent_costs_only_what_came():
 
 
 def test_a_reply_code_that_is_no_reply_fails_the_call():
-    fake = FakeServer(reply=wire.pack_response(500, 0, 0, 0))
+    fake = FakeServer(reply_once(wire.pack_response(500, 0, 0, 0)))
     backend = LMBackend(fake.url, timeout=1)
     with pytest.raises(BackendError, match="code 500"):
         backend.get(["k@1"])
     fake.close()
+
+
+@pytest.mark.parametrize("reply, first", [
+    (wire.pack_response(999), b""),
+    (wire.pack_response(wire.Code.SUCCESS, 5), b""),  # a body, which these replies never have
+    (wire.pack_response(wire.Code.SUCCESS), b"\0"),  # one stray byte: the stream out of step
+], ids=["code-999", "length-5", "one-byte-out-of-step"])
+def test_exist_and_health_fail_on_a_reply_that_is_no_answer(reply, first):
+    fake = FakeServer(reply_each(reply, first))
+    backend = LMBackend(fake.url, timeout=1)
+    with pytest.raises(BackendError, match="answered with code"):
+        backend.contains(["a@1", "b@1", "c@1"])
+    assert backend._sock is None  # dropped, not read on out of step
+    with pytest.raises(BackendError, match="answered with code"):
+        backend.health()
+    fake.close()
+
+
+@pytest.mark.parametrize("code, answer", [(wire.Code.SUCCESS, True), (wire.Code.FAIL, False)])
+def test_exist_and_health_answers_keep_the_connection(code, answer):
+    fake = FakeServer(reply_each(wire.pack_response(code)))
+    backend = LMBackend(fake.url, timeout=1)
+    assert backend.contains(["a@1", "b@1"]) == [answer, answer]
+    assert backend.health() is answer
+    assert len(fake.conns) == 1
+    fake.close()
+
+
+@pytest.mark.parametrize("call", [
+    lambda backend: backend.get(["k@1"]),
+    lambda backend: backend.get_into("k@1", bytearray(4096)),
+    lambda backend: backend.get_into_many(["k@1"], [memoryview(bytearray(4096))]),
+], ids=["get", "get_into", "get_into_many"])
+def test_a_reply_stalled_after_its_header_times_out_within_the_timeout(call):
+    """Each receive waits only for the time left to the reply's deadline, not for a whole
+    timeout of its own (which took 0.3 + 0.5 s here)."""
+    def header_late_then_stall(conn: socket.socket) -> None:
+        conn.recv(wire.REQUEST_SIZE)
+        time.sleep(0.3)
+        conn.sendall(wire.pack_response(wire.Code.SUCCESS, 1000, 4, 6, (1000, 0, 0, 0)))
+
+    fake = FakeServer(header_late_then_stall)
+    backend = LMBackend(fake.url, timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match="timed out"):
+        call(backend)
+    assert time.monotonic() - t0 < 0.65
+    fake.close()
+
+
+@pytest.mark.parametrize("name, seconds", [
+    ("timeout", math.inf), ("timeout", math.nan), ("timeout", 1e-7), ("timeout", 0.0),
+    ("timeout", -1.0), ("connect_timeout", math.inf), ("connect_timeout", 1e-4),
+])
+def test_timeouts_must_be_finite_and_at_least_a_millisecond(name, seconds):
+    message = f"{name} must be finite and at least 0.001 s, got {seconds!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LMBackend("lm://127.0.0.1:1", **{name: seconds})
+
+
+def test_the_shortest_timeout_times_out():
+    fake = FakeServer(reply_once(None))
+    backend = LMBackend(fake.url, timeout=lm.MIN_TIMEOUT)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match="timed out"):
+        backend.contains(["k@1"])
+    assert time.monotonic() - t0 < 0.5
+    fake.close()
+
+
+def test_a_wait_under_a_microsecond_is_still_a_wait():
+    """The kernel reads a timeval of 0 as no timeout: a wait is rounded up to 1 us."""
+    assert [struct.unpack("@ll", lm._timeval(s)) for s in (1e-7, 0.0, 0.0015, 2.5)] == [
+        (0, 1), (0, 1), (0, 1500), (2, 500_000)]
+    ours, peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, lm._timeval(1e-7))
+    threading.Timer(2, peer.close).start()  # ends the wait if it has no timeout
+    with pytest.raises(BlockingIOError):
+        ours.recv(1)
+    ours.close()
 
 
 def test_frozen_server_times_out_then_recovers(spawn_server):
