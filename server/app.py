@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
+import resource
 import signal
 import socket
 from collections.abc import Iterator
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .admin import build_admin_app
 from .arena import PageArena
@@ -26,6 +29,9 @@ from .persistence import Persister
 from .store import Store
 
 log = logging.getLogger("lmkv_server")
+
+ADMIN_CONNECTIONS = 16  # admin HTTP connections open at once (more are closed at accept)
+RESERVED_FILES = 32  # descriptors besides connections: listening sockets, persistence, logs
 
 
 def run(config: ServerConfig) -> None:
@@ -38,6 +44,7 @@ class ListenError(OSError):
 
 
 async def serve(config: ServerConfig) -> None:
+    config = _fit_open_files(config)
     # both ports before the arena is touched: a port in use fails at once
     sock = _bind(config.host, config.port, "")
     admin_sock = (_bind(config.host, config.admin_port, "--admin-port ")
@@ -97,6 +104,8 @@ async def _serve(config: ServerConfig, store: Store, listener: Listener,
                 log_level=config.log_level.lower(),
                 access_log=False,
                 lifespan="off",
+                http=_AdminHTTP,
+                backlog=ADMIN_CONNECTIONS,  # also what one pass of asyncio's accept loop takes
             )
         )
         admin_task = asyncio.create_task(admin.serve(sockets=[admin_sock]))
@@ -118,6 +127,42 @@ async def _serve(config: ServerConfig, store: Store, listener: Listener,
             raise RuntimeError("the admin HTTP server stopped")
         admin.should_exit = True
         await admin_task
+
+
+def _fit_open_files(config: ServerConfig) -> ServerConfig:
+    """Raise the open-file limit to what --max-connections needs (up to the hard limit);
+    where the hard limit is lower, lower max_connections to fit it, with a warning: past
+    the limit, accept fails and new clients would hang in the backlog, never refused."""
+    need = config.max_connections + RESERVED_FILES + ADMIN_CONNECTIONS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return config
+    fit = soft - RESERVED_FILES - ADMIN_CONNECTIONS
+    if fit < 1:
+        raise ListenError(f"the process may open only {soft} files (ulimit -n): too few to "
+                          "serve clients; raise the limit")
+    log.warning("--max-connections lowered from %d to %d: the process may open at most %d "
+                "files (ulimit -n; raise it to serve more)", config.max_connections, fit, soft)
+    return dataclasses.replace(config, max_connections=fit)
+
+
+class _AdminHTTP(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, with the admin port's connections bounded: beyond
+    ADMIN_CONNECTIONS a new one is closed at once, and one that sends nothing is closed
+    after the keep-alive timeout (uvicorn times out only connections that had a request)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > ADMIN_CONNECTIONS:
+            transport.close()
+            return
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
 
 def _bind(host: str, port: int, what: str) -> socket.socket:

@@ -9,7 +9,10 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+
 from lmkv.backends import lm_wire as wire
+from lmkv.backends.base import BackendError
 from lmkv.backends.lm import LMBackend
 from lmkv_server.arena import PageArena
 from lmkv_server.config import ServerConfig
@@ -162,3 +165,59 @@ def test_misbehaving_clients_are_logged_once_a_minute_and_refusals_counted(spawn
     metrics = server.admin("/metrics")
     assert re.search(r'lmkv_server_refused_connections_total\{reason="max_connections"\} 20', metrics)
     assert re.search(r'lmkv_server_protocol_errors_total\{kind="bad_key"\} 1000', metrics)
+
+
+def test_a_low_open_file_limit_lowers_max_connections_so_clients_are_refused_not_hung(server_env):
+    """Under a hard limit of 64 open files, --max-connections 1024 is lowered to what fits
+    (with a warning), so the client past it is refused at once; before, accept failed with
+    EMFILE and that client hung in the backlog. The admin port keeps at most 16 connections
+    (the rest are closed at accept), so idle ones there cannot use the descriptors up."""
+    import resource
+    import subprocess
+    import sys
+
+    from lmkv_server.launcher import free_port
+
+    port, admin = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmkv_server", "127.0.0.1", str(port), "--max-memory", "8MiB",
+         "--no-prefault", "--admin-port", str(admin), "--max-connections", "1024"],
+        env=server_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    held = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            probe = LMBackend(f"lm://127.0.0.1:{port}")
+            try:
+                probe.health()
+                break
+            except BackendError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+            finally:
+                probe.close()
+        held += [socket.create_connection(("127.0.0.1", admin), timeout=5) for _ in range(40)]
+        time.sleep(0.5)
+        closed = 0
+        for sock in held:
+            sock.settimeout(0.2)
+            with contextlib.suppress(TimeoutError):
+                try:
+                    closed += sock.recv(1) == b""
+                except ConnectionResetError:
+                    closed += 1
+        assert closed >= 40 - 16
+        held += [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(16)]
+        late = LMBackend(f"lm://127.0.0.1:{port}", timeout=3)
+        start = time.monotonic()
+        with pytest.raises(BackendError):
+            late.health()
+        assert time.monotonic() - start < 2  # refused, not left to time out
+    finally:
+        for sock in held:
+            sock.close()
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert "--max-connections lowered from 1024 to 16" in out
+    assert "Traceback" not in out
