@@ -122,14 +122,16 @@ class Connection:
                 pass
         except _Closed:
             if not self.stopping:
-                log.info("%s closed the connection inside a frame", self.peer)
+                self.quiet.log(log, logging.INFO, "closed", "%s closed the connection inside a "
+                               "frame", self.peer)
         except _Stalled:
             self.traffic.protocol_errors["timeout"] += 1
             self.quiet.log(log, logging.WARNING, "timeout", "%s: frame not completed within "
                            "%ss; closing", self.peer, self.config.io_timeout)
         except OSError as exc:  # including ETIMEDOUT: keepalive probes went unanswered
             if not self.stopping:
-                log.info("%s: connection error: %s", self.peer, exc)
+                self.quiet.log(log, logging.INFO, "error", "%s: connection error: %s",
+                               self.peer, exc)
         finally:
             self.sock.close()
 

@@ -221,3 +221,24 @@ def test_a_low_open_file_limit_lowers_max_connections_so_clients_are_refused_not
         out = proc.communicate(timeout=30)[0]
     assert "--max-connections lowered from 1024 to 16" in out
     assert "Traceback" not in out
+
+
+def test_clients_that_drop_mid_frame_are_logged_once_a_minute(spawn_server):
+    """30 clients that send half a header and reset the connection: one log line (before:
+    one per connection, at INFO, unthrottled)."""
+    import struct
+
+    server = spawn_server("--max-memory", "1MiB")
+    for _ in range(30):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        sock.sendall(wire.pack_request(wire.Command.GET, b"k")[:10])
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        time.sleep(0.02)
+        sock.close()  # RST
+    deadline = time.monotonic() + 10
+    while server.stats()["traffic"]["connections"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    log = server.log()
+    lines = [line for line in log.splitlines() if "connection error" in line or "inside a frame" in line]
+    assert 1 <= len(lines) <= 2, log
