@@ -190,7 +190,8 @@ class LMKVCache:
         [0, len(tokens)), keys before RoPE with blend_store_pre_rope. Returns False if the
         hot cache had no room."""
         c = self.chunk_size
-        for i, key in enumerate(self.content_keys(tokens)):
+        keys = self.content_keys(tokens)
+        for i, key in enumerate(keys):
             buf = self.allocate()
             if buf is None:
                 return False
@@ -199,7 +200,8 @@ class LMKVCache:
             buf.kv[:, :, part.shape[2] :].zero_()
             buf.num_tokens = part.shape[2]  # a tail is stored at its own size below the hot cache
             buf.position = NO_POSITION if self.config.blend_store_pre_rope else i * c
-            self.store(key, buf)
+            # a piece after the first is useful only with those before it (as fetched)
+            self.store(key, buf, keys[i - 1] if i else None)
             buf.release()
         return True
 

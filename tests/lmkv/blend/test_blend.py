@@ -143,3 +143,18 @@ def test_a_rag_chunk_tail_is_stored_at_its_own_size(tmp_path, codec):
         b.release()
     again.pool.check_integrity()
     again.close()
+
+
+def test_the_pieces_of_a_long_rag_chunk_are_kept_in_order():
+    """A RAG chunk longer than chunk_size is stored as pieces, each under the one before
+    it: a prefix policy gives up the last piece first (a later piece without the earlier
+    ones serves nothing: blending needs the whole chunk)."""
+    cfg = load_config(env={}, chunk_size=16, max_local_cpu_size=0.01, enable_blending=True)
+    cache = LMKVCache(cfg, KVLayout(2, 1, 4, torch.float32, 16), "m")
+    tokens = list(range(100, 100 + 40))
+    cache.store_chunk(tokens, torch.randn(2, 2, len(tokens), 1, 4))
+    keys = cache.content_keys(tokens)
+    nodes = cache.storage.hot.policy.nodes
+    assert [None if nodes[k].parent is None else nodes[k].parent.key for k in keys] == [
+        None, keys[0], keys[1]]
+    cache.close()
