@@ -122,7 +122,7 @@ def test_chunks_the_engine_has_are_not_fetched_again(tiny_model_dir, tmp_path):
         lmkv = llm.engine.kv_connector.cache
         fetched: list[str] = []
         real_fetch = lmkv.fetch
-        lmkv.fetch = lambda keys: fetched.extend(keys) or real_fetch(keys)
+        lmkv.fetch = lambda keys, parent=None: fetched.extend(keys) or real_fetch(keys, parent)
         llm.generate([base[: 2 * CHUNK + 1]], GREEDY)  # chunks 0, 1 now in the engine's cache
         lmkv.storage.hot.clear()
         fetched.clear()
