@@ -22,6 +22,7 @@ command, negative or oversized length, timeout inside a frame) closes this conne
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import struct
 import time
@@ -37,6 +38,7 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 _DRAIN_CHUNK = 256 * 1024
+_DEADLINE_SLACK = 0.1  # seconds a wait may end past its frame's deadline
 _EVICT_STEP = 4 << 20  # a PUT evicts for this many more bytes only once those before arrived
 _IOV_MAX = 512  # buffers per sendmsg/recvmsg call, below Linux's IOV_MAX of 1024
 # TCP keepalive: a peer silent for 60 s is probed every 10 s, and after 6 unanswered
@@ -111,10 +113,13 @@ class Connection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _KEEPALIVE_IDLE_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _KEEPALIVE_INTERVAL_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _KEEPALIVE_PROBES)
-        # receives wake at least this often, to look at the clock and the stop flag
-        wake = min(config.io_timeout, config.idle_timeout or config.io_timeout)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wake))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(config.io_timeout))
+        # receives wake at least this often, to look at the clock and the stop flag; inside a
+        # frame, a wait that the frame's deadline cuts short sets a shorter timeout
+        self._wake = min(config.io_timeout, config.idle_timeout or config.io_timeout)
+        self._waits = {socket.SO_RCVTIMEO: self._wake, socket.SO_SNDTIMEO: config.io_timeout}
+        self._set = dict(self._waits)  # the timeouts set on the socket now
+        for option, seconds in self._waits.items():
+            sock.setsockopt(socket.SOL_SOCKET, option, _timeval(seconds))
 
     def serve(self) -> None:
         try:
@@ -140,9 +145,11 @@ class Connection:
         header = memoryview(self._header)
         idle = self.config.idle_timeout
         idle_since = time.monotonic()
+        for option, seconds in self._waits.items():  # a frame before this one shortened them
+            self._wait_at_most(option, seconds)
         while True:  # idle: wait for a frame, up to idle_timeout (0: as long as it takes)
-            try:
-                n = self.sock.recv_into(header, wire.REQUEST_SIZE, socket.MSG_WAITALL)
+            try:  # not MSG_WAITALL: the frame's clock starts with its first bytes
+                n = self.sock.recv_into(header, wire.REQUEST_SIZE)
                 break
             except BlockingIOError:  # SO_RCVTIMEO expired with nothing received
                 if self.stopping:
@@ -268,6 +275,7 @@ class Connection:
     def _recv_into(self, views: list[memoryview], length: int) -> None:
         """Fill ``views`` (``length`` bytes in all) before the frame's deadline."""
         while length:
+            self._until_deadline(socket.SO_RCVTIMEO)
             try:
                 n = self.sock.recvmsg_into(views[:_IOV_MAX], 0, socket.MSG_WAITALL)[0]
             except BlockingIOError:  # SO_RCVTIMEO expired
@@ -285,6 +293,7 @@ class Connection:
     def _await_payload(self) -> None:
         """Return once the next payload byte has arrived (left unread); _Closed at EOF."""
         while True:
+            self._until_deadline(socket.SO_RCVTIMEO)
             try:
                 if self.sock.recv(1, socket.MSG_PEEK):
                     return
@@ -295,6 +304,21 @@ class Connection:
                 raise _Stalled
             if self.stopping:
                 raise _Closed
+
+    def _until_deadline(self, option: int) -> None:
+        """The next wait of ``option`` (SO_RCVTIMEO, SO_SNDTIMEO) ends by the frame's
+        deadline (within _DEADLINE_SLACK): _Stalled if it has passed, a shorter timeout if
+        it is nearer than the usual one (a syscall only then: frames that take their time)."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise _Stalled
+        usual = self._waits[option]
+        self._wait_at_most(option, left if left + _DEADLINE_SLACK < usual else usual)
+
+    def _wait_at_most(self, option: int, seconds: float) -> None:
+        if seconds != self._set[option]:
+            self.sock.setsockopt(socket.SOL_SOCKET, option, _timeval(seconds))
+            self._set[option] = seconds
 
     def _drain(self, length: int) -> None:
         """Read and discard a PUT payload that will not be stored."""
@@ -307,6 +331,7 @@ class Connection:
     def _send(self, buffers: list[bytes | memoryview]) -> None:
         """Send ``buffers`` in order before the frame's deadline; one call in practice."""
         while buffers:
+            self._until_deadline(socket.SO_SNDTIMEO)
             try:
                 sent = self.sock.sendmsg(buffers[:_IOV_MAX])
             except BlockingIOError:  # SO_SNDTIMEO expired with nothing sent
@@ -328,8 +353,9 @@ def _advance(views: list, n: int) -> list:
 
 
 def _timeval(seconds: float) -> bytes:
-    whole = int(seconds)
-    return struct.pack("@ll", whole, int((seconds - whole) * 1e6))
+    """A struct timeval of ``seconds``, at least 1 us (the kernel takes 0 as no timeout)."""
+    whole, micros = divmod(max(1, math.ceil(seconds * 1e6)), 1_000_000)
+    return struct.pack("@ll", whole, micros)
 
 
 def _peer_name(sock: socket.socket) -> str:

@@ -190,3 +190,44 @@ def test_random_garbage_never_takes_the_server_down(server, client):
     assert server.alive()
     client.put([("post-fuzz@1", b"alive")])
     assert client.get(["post-fuzz@1"]) == [b"alive"]
+
+
+def test_a_frame_is_cut_off_at_io_timeout_not_twice_it(spawn_server):
+    """--io-timeout bounds a frame from its first byte: a header trickled a byte every
+    0.2 s, and a GET whose reader stops reading an 8 MiB value, are closed within the
+    timeout plus a little (before: up to twice it, each wait could run a whole timeout)."""
+    server = spawn_server("--io-timeout", "1", "--max-memory", "16MiB", "--max-value-size", "16MiB")
+    frame = wire.pack_request(wire.Command.GET, b"k@1")
+    with raw_connection(server) as sock:
+        sock.sendall(frame[:1])
+        start = time.monotonic()
+        closed = None
+        for i in range(1, len(frame)):
+            time.sleep(0.2)
+            try:
+                sock.sendall(frame[i : i + 1])
+            except OSError:
+                closed = time.monotonic() - start
+                break
+            sock.setblocking(False)
+            try:
+                if sock.recv(1) == b"":
+                    closed = time.monotonic() - start
+                    break
+            except BlockingIOError:
+                pass
+            finally:
+                sock.setblocking(True)
+        assert closed is not None and closed < 1.6
+    with raw_connection(server) as sock:
+        sock.sendall(wire.pack_request(wire.Command.PUT, b"big@1", 8 << 20) + os.urandom(8 << 20))
+        assert request(sock, wire.pack_request(wire.Command.EXIST, b"big@1")).code == 200
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+        sock.connect(("127.0.0.1", server.port))
+        sock.sendall(wire.pack_request(wire.Command.GET, b"big@1"))
+        start = time.monotonic()
+        deadline = start + 10
+        while server.stats()["traffic"]["connections"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert time.monotonic() - start < 1.6
