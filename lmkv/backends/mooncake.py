@@ -4,7 +4,8 @@ Settings other than the master's address follow LMCache's names, from the JSON f
 by MOONCAKE_CONFIG_PATH or the URL's query: local_hostname, metadata_server,
 global_segment_size, local_buffer_size, protocol, device_name. Chunks move zero-copy
 (put_from / get_into) when they live in memory registered with ``register_memory`` (lmkv's
-chunk pool); otherwise through Python bytes.
+chunk pool); otherwise through Python bytes. The client's calls to the master time out
+after ``remote_timeout`` (Mooncake's MC_RPC_TIMEOUT_MS, unless set: its default is 30 s).
 """
 
 from __future__ import annotations
@@ -68,6 +69,22 @@ def _check_metadata_server(url: str, timeout: float) -> None:
         raise BackendError(f"Mooncake metadata server {url} does not answer: {e}") from e
 
 
+def _bound_master_calls(timeout: float) -> None:
+    """Mooncake's calls to its master (and each of setup()'s 20 tries, which hold the GIL)
+    wait MC_RPC_TIMEOUT_MS, 30 s unless set: a hung master stopped a lookup for 30 s and the
+    whole engine for 10 minutes. Set it to ``timeout`` where the operator did not (read when
+    a client is made; it moves metadata only, the chunks go over the transfer engine)."""
+    global _rpc_timeout_ours
+    if "MC_RPC_TIMEOUT_MS" not in os.environ or _rpc_timeout_ours:
+        _rpc_timeout_ours = True
+        os.environ["MC_RPC_TIMEOUT_MS"] = str(max(1, round(timeout * 1000)))
+        log.info("lmkv: Mooncake's calls to its master time out after %s ms (remote_timeout; "
+                 "MC_RPC_TIMEOUT_MS sets it)", os.environ["MC_RPC_TIMEOUT_MS"])
+
+
+_rpc_timeout_ours = False  # MC_RPC_TIMEOUT_MS was set here, not by the operator
+
+
 def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
@@ -91,6 +108,7 @@ class MooncakeBackend(StorageBackend):
         except OSError as e:
             raise BackendError(f"Mooncake master {host}:{port} unreachable: {e}") from e
         _check_metadata_server(s["metadata_server"], timeout)
+        _bound_master_calls(timeout)
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(s["local_hostname"], s["metadata_server"], s["global_segment_size"],
                               s["local_buffer_size"], s["protocol"], s["device_name"],

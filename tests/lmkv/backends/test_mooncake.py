@@ -113,3 +113,43 @@ def test_a_hung_master_is_probed_off_the_lookup_thread(store):
         time.sleep(0.1)
     assert tier.contains(["k"]) == [True]
     tier.close()
+
+
+def test_a_hung_master_costs_remote_timeout_per_call_not_30_s(store, monkeypatch):
+    """lmkv sets Mooncake's MC_RPC_TIMEOUT_MS to remote_timeout (its default is 30 s): a
+    call to a hung master fails within about that, and so does each of a new client's 20
+    setup tries, which hold the GIL (a client made when the probe of the metadata server
+    could not tell, e.g. a metadata server apart from the master: 10 minutes before)."""
+    import signal
+    import time
+
+    import lmkv.backends.mooncake as mooncake
+
+    monkeypatch.delenv("MC_RPC_TIMEOUT_MS", raising=False)
+    monkeypatch.setattr(mooncake, "_rpc_timeout_ours", False)
+    backend = mooncake.MooncakeBackend(store.url, timeout=0.25)
+    assert os.environ["MC_RPC_TIMEOUT_MS"] == "250"
+    backend.put([("k", b"v" * 100)])
+    master = store.procs[0]
+    os.kill(master.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(BackendError):
+            backend.contains(["k"])
+        assert time.monotonic() - start < 3
+        monkeypatch.setattr(mooncake, "_check_metadata_server", lambda url, timeout: None)
+        start = time.monotonic()
+        with pytest.raises(BackendError, match="setup"):
+            mooncake.MooncakeBackend(store.url, timeout=0.25)
+        assert time.monotonic() - start < 20 * 0.25 + 10
+    finally:
+        os.kill(master.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while True:  # the same client answers again
+        try:
+            assert backend.contains(["k"]) == [True]
+            break
+        except BackendError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    backend.close()
