@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmkv.backends.lm_socket import MIN_TIMEOUT
 from lmkv.backends.lm_wire import MAX_LENGTH
 from lmkv.policy import DEFAULT_POLICY, POLICIES
 
@@ -70,8 +71,8 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-# timeouts are kernel timevals (0 would mean none) and deadlines: finite, at least 1 ms
-MIN_TIMEOUT, MAX_TIMEOUT = 0.001, 7 * 86400.0
+# timeouts are kernel timevals and deadlines: finite, at least MIN_TIMEOUT (1 ms)
+MAX_TIMEOUT = 7 * 86400.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _LEVEL_ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}  # logging's other spellings
 

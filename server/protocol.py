@@ -22,14 +22,13 @@ command, negative or oversized length, timeout inside a frame) closes this conne
 from __future__ import annotations
 
 import logging
-import math
 import socket
-import struct
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
 from lmkv.backends import lm_wire as wire
+from lmkv.backends.lm_socket import SocketTimeouts
 from lmkv.logs import LogThrottle
 
 from .config import ServerConfig
@@ -38,7 +37,6 @@ from .store import Store
 log = logging.getLogger(__name__)
 
 _DRAIN_CHUNK = 256 * 1024
-_DEADLINE_SLACK = 0.1  # seconds a wait may end past its frame's deadline
 _EVICT_STEP = 4 << 20  # a PUT evicts for this many more bytes only once those before arrived
 _IOV_MAX = 512  # buffers per sendmsg/recvmsg call, below Linux's IOV_MAX of 1024
 # TCP keepalive: a peer silent for 60 s is probed every 10 s, and after 6 unanswered
@@ -114,12 +112,9 @@ class Connection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _KEEPALIVE_INTERVAL_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _KEEPALIVE_PROBES)
         # receives wake at least this often, to look at the clock and the stop flag; inside a
-        # frame, a wait that the frame's deadline cuts short sets a shorter timeout
-        self._wake = min(config.io_timeout, config.idle_timeout or config.io_timeout)
-        self._waits = {socket.SO_RCVTIMEO: self._wake, socket.SO_SNDTIMEO: config.io_timeout}
-        self._set = dict(self._waits)  # the timeouts set on the socket now
-        for option, seconds in self._waits.items():
-            sock.setsockopt(socket.SOL_SOCKET, option, _timeval(seconds))
+        # frame, a wait that the frame's deadline cuts short gets a shorter timeout
+        wake = min(config.io_timeout, config.idle_timeout or config.io_timeout)
+        self._timeouts = SocketTimeouts(sock, wake, config.io_timeout)
 
     def serve(self) -> None:
         try:
@@ -145,8 +140,7 @@ class Connection:
         header = memoryview(self._header)
         idle = self.config.idle_timeout
         idle_since = time.monotonic()
-        for option, seconds in self._waits.items():  # a frame before this one shortened them
-            self._wait_at_most(option, seconds)
+        self._timeouts.restore()  # a frame before this one may have shortened them
         while True:  # idle: wait for a frame, up to idle_timeout (0: as long as it takes)
             try:  # not MSG_WAITALL: the frame's clock starts with its first bytes
                 n = self.sock.recv_into(header, wire.REQUEST_SIZE)
@@ -307,18 +301,11 @@ class Connection:
 
     def _until_deadline(self, option: int) -> None:
         """The next wait of ``option`` (SO_RCVTIMEO, SO_SNDTIMEO) ends by the frame's
-        deadline (within _DEADLINE_SLACK): _Stalled if it has passed, a shorter timeout if
-        it is nearer than the usual one (a syscall only then: frames that take their time)."""
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise _Stalled
-        usual = self._waits[option]
-        self._wait_at_most(option, left if left + _DEADLINE_SLACK < usual else usual)
-
-    def _wait_at_most(self, option: int, seconds: float) -> None:
-        if seconds != self._set[option]:
-            self.sock.setsockopt(socket.SOL_SOCKET, option, _timeval(seconds))
-            self._set[option] = seconds
+        deadline; _Stalled if it has passed."""
+        try:
+            self._timeouts.until(option, self._deadline)
+        except TimeoutError:
+            raise _Stalled from None
 
     def _drain(self, length: int) -> None:
         """Read and discard a PUT payload that will not be stored."""
@@ -351,11 +338,6 @@ def _advance(views: list, n: int) -> list:
         return [memoryview(views[i])[n:], *views[i + 1 :]]
     return views[i:]
 
-
-def _timeval(seconds: float) -> bytes:
-    """A struct timeval of ``seconds``, at least 1 us (the kernel takes 0 as no timeout)."""
-    whole, micros = divmod(max(1, math.ceil(seconds * 1e6)), 1_000_000)
-    return struct.pack("@ll", whole, micros)
 
 
 def _peer_name(sock: socket.socket) -> str:

@@ -12,7 +12,6 @@ import math
 import re
 import select
 import socket
-import struct
 import time
 from collections.abc import Sequence
 from typing import NamedTuple, NoReturn
@@ -20,13 +19,13 @@ from urllib.parse import urlsplit
 
 from lmkv.backends import lm_wire as wire
 from lmkv.backends.base import Arrived, BackendError, StorageBackend
+from lmkv.backends.lm_socket import MIN_TIMEOUT, SocketTimeouts
 from lmkv.logs import LogThrottle
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_VALUE_SIZE = 256 << 20  # lmkv_server's default: a larger PUT would be refused
 RECEIVE_STEP = 16 << 20  # a value is received into memory grown by this much as it arrives
-MIN_TIMEOUT = 0.001  # seconds; socket timeouts run on the kernel's 1-4 ms timer tick
 # lmcache_server parses the key of every frame, HEALTH included, and drops the connection
 # if it is not model@world_size@worker_id@chunk_hash_hex@dtype
 _HEALTH_KEY = b"lmkv-health@1@0@0@uint8"
@@ -57,9 +56,10 @@ class LMBackend(StorageBackend):
     """One persistent TCP connection to an lm:// server, used serially.
 
     Every call is bounded: ``connect_timeout`` for connecting, ``timeout`` for each request
-    and its reply, from the first byte sent to the last byte received (in a batch read,
-    each reply from the end of the one before). A PUT, which may be large, and a batch of
-    requests must make progress within ``timeout`` at every send. Any failure closes the
+    and its reply, from the first byte sent to the last byte received, within
+    lm_socket.DEADLINE_SLACK (in a batch read, each reply from the end of the one before).
+    A PUT, which may be large, and a batch of requests must make progress within
+    ``timeout`` at every send. Any failure closes the
     connection and raises BackendError; the next call reconnects. A connection that the
     server closed between calls (restart, idle close) is replaced before anything is sent.
 
@@ -91,6 +91,7 @@ class LMBackend(StorageBackend):
         self.connect_timeout = connect_timeout
         self.max_value_size = max_value_size
         self._sock: socket.socket | None = None
+        self._timeouts: SocketTimeouts | None = None  # of _sock
         self._header = bytearray(wire.RESPONSE_SIZE)
         self._quiet = LogThrottle()
 
@@ -219,9 +220,9 @@ class LMBackend(StorageBackend):
                 raise BackendError(f"cannot connect to {self._where()}: {exc}") from exc
             # Blocking socket with kernel timeouts: a reply is received with one
             # recv(MSG_WAITALL) and the kernel does the waiting, not Python's poll loop.
-            # Each send and receive sets its own timeout (SO_SNDTIMEO, SO_RCVTIMEO).
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._timeouts = SocketTimeouts(sock, self.timeout, self.timeout)
             self._sock = sock
         return self._sock
 
@@ -240,10 +241,7 @@ class LMBackend(StorageBackend):
         for buf in buffers:
             view = memoryview(buf).cast("B")
             while view.nbytes:
-                wait = self.timeout if deadline is None else deadline - time.monotonic()
-                if wait <= 0:
-                    raise TimeoutError("timed out sending")
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(wait))
+                self._timeouts.until(socket.SO_SNDTIMEO, deadline)
                 view = view[sock.send(view):]  # short if SO_SNDTIMEO cut it off
 
     def _read_response(self, sock: socket.socket, deadline: float) -> wire.ResponseHeader:
@@ -295,11 +293,8 @@ class LMBackend(StorageBackend):
 
     def _recv_exactly(self, sock: socket.socket, view: memoryview, deadline: float) -> None:
         while view.nbytes:
-            wait = deadline - time.monotonic()
-            if wait <= 0:
-                raise TimeoutError("timed out waiting for the reply")
             # each receive waits at most the time left, so the reply as a whole is bounded
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wait))
+            self._timeouts.until(socket.SO_RCVTIMEO, deadline)
             try:
                 n = sock.recv_into(view, view.nbytes, socket.MSG_WAITALL)
             except BlockingIOError:  # SO_RCVTIMEO expired with nothing received
@@ -326,13 +321,6 @@ class LMBackend(StorageBackend):
 
     def _where(self) -> str:
         return f"lm://{self.address.host}:{self.address.port}"
-
-
-def _timeval(seconds: float) -> bytes:
-    """A struct timeval of ``seconds`` (finite), rounded up to at least 1 us: the kernel
-    takes timeval 0 as no timeout at all."""
-    whole, micros = divmod(max(1, math.ceil(seconds * 1e6)), 1_000_000)
-    return struct.pack("@ll", whole, micros)
 
 
 _LMCACHE_KEY = re.compile(r"[^@\s]+@\d+@\d+@-?[0-9a-f]+@[a-z0-9_]+(@\S*)?")
