@@ -211,11 +211,11 @@ class Persister:
         try:
             path.unlink()
         except FileNotFoundError:
-            self._has_file(key, False)
-            return
+            pass
+        else:
+            self.files_deleted += 1
+            log.warning("removed %s: the newer value of %r could not be written", path, key[:60])
         self._has_file(key, False)
-        self.files_deleted += 1
-        log.warning("removed %s: the newer value of %r could not be written", path, key[:60])
 
     def _load_file(self, path: Path) -> _Outcome:
         with open(path, "rb", buffering=0) as f:

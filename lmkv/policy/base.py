@@ -44,7 +44,11 @@ class CachePolicy(ABC):
         a chunk that entered anew (so the next victims are others), not as one that came
         back. For caches whose chunks name no parent (the disk tier)."""
         self.removed(key)
+        self._never_left(key)
         self.inserted(key, None)
+
+    def _never_left(self, key: str) -> None:  # noqa: B027 - an optional hook
+        """Forget what was remembered of ``key`` as a chunk that left (``kept``)."""
 
     def admit(self, key: str, parent: str | None, contains: Callable[[str], bool]) -> bool:
         """Whether a new chunk is worth keeping. By default every chunk whose prefix parent

@@ -84,10 +84,8 @@ class PrefixHorizonPolicy(PrefixTree):
             self._remember(key, self.nodes[key].count, early)
         return key
 
-    def kept(self, key: str) -> None:
-        self.removed(key)
-        self.history.pop(key, None)  # it never left: not a return that moves the horizon
-        self.inserted(key, None)
+    def _never_left(self, key: str) -> None:
+        self.history.pop(key, None)  # not a return that moves the horizon
 
     def crowded(self) -> bool:
         """No leaf is past the horizon: a victim now would be a newest leaf."""

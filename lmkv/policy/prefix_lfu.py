@@ -36,10 +36,8 @@ class PrefixLFUPolicy(PrefixTreePolicy):
             node.count += seen
             self._set(node)
 
-    def kept(self, key: str) -> None:
-        self.removed(key)
-        self.history.pop(key, None)  # it never left: no count to come back with
-        self.inserted(key, None)
+    def _never_left(self, key: str) -> None:
+        self.history.pop(key, None)  # no count to come back with
 
     def evicted(self, node: Node) -> None:
         self.age = max(self.age, node.priority)
