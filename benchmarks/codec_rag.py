@@ -8,10 +8,13 @@ Each prompt is prefilled once (lossless: the reference answer and 64 greedy toke
 chunks (lmkv's hot cache) are then replaced by codec.decode(codec.encode(kv)) and the prompt
 is run again, the chunks loaded instead of computed (the last partial chunk, the question's
 end, is computed). Settings: per-token int8 (one fp16 scale per token, layer, K/V) and
-cachegen at each error target, calibrated on "dev" prompts of the same set. One line per
+cachegen at each error target, calibrated on "dev" prompts of the same set (the targets
+weighed by each layer's measured effect on the answers, as `engine calibrate` does; --ramp:
+the ramp alone). One line per
 setting: size vs fp16 of the stored KV, QA accuracy, greedy agreement over 64 tokens with the
 lossless run; the size each error target would take without cachegen's decorrelating
-transform (per channel, as before it; size only); then the summary lines of the issue's
+transform (per channel, as before it; size only), and on the ramp alone at the same error
+target (size only; equal divergence predicted); then the summary lines of the issue's
 targets and decode GB/s on one core vs the disk's raw read rate.
 """
 
@@ -31,7 +34,7 @@ from common import best, raw_read_seconds  # noqa: E402
 from quality.rag_qa import MAX_TOKENS, make_examples  # noqa: E402
 
 from lmkv.codec import cachegen, native  # noqa: E402
-from lmkv.codec.calibrate import full_chunks  # noqa: E402
+from lmkv.codec.calibrate import full_chunks, measure_sensitivity  # noqa: E402
 from lmkv.codec.calibration import CacheGenTable, CalibrationSettings, calibrate  # noqa: E402
 from lmkv.config import load_config  # noqa: E402
 from lmkv.ops_torch import rerotate_keys  # noqa: E402
@@ -89,6 +92,8 @@ def main() -> None:
                     help="the last layer's error target relative to the first's, for every target")
     ap.add_argument("--value-ratio", type=float, default=CalibrationSettings().value_ratio,
                     help="V's error target relative to K's, for every error target")
+    ap.add_argument("--ramp", action="store_true",
+                    help="targets on the ramp alone, not weighed by each layer's measured effect")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--seconds", type=float, default=0, help="stop adding prompts after this")
     ap.add_argument("--decode-only", action="store_true",
@@ -105,19 +110,32 @@ def main() -> None:
 
     count = lambda t: len(tok.encode(t))  # noqa: E731
     rope = llm.engine.rope_inv_freq
-    calib, calib_rotated = [], []
+    calib, calib_rotated, dev_ids = [], [], []
     for e in make_examples(args.calib, "dev", count, seed=1):
-        chunks = pre_rope_chunks(llm, encode(e), args.chunk)
+        dev_ids.append(encode(e))
+        chunks = pre_rope_chunks(llm, dev_ids[-1], args.chunk)
         calib += chunks
         calib_rotated += rotated(chunks, rope)
     vr = args.value_ratio
     dr = args.deep_ratio
-    profile = dict(deep_ratio=dr, value_ratio=vr)
-    tables = {err: calibrate(calib, CalibrationSettings(error=err, **profile), rope=rope)
-              for err in args.errors}
+    profile = dict(deep_ratio=dr, value_ratio=vr, weigh_layers=not args.ramp)
+    ramp = {err: calibrate(calib, CalibrationSettings(error=err, **profile), rope=rope)
+            for err in args.errors}  # the targets before weighing the layers
+    sensitivity = None
+    if not args.ramp:  # measured once (per squared target), as engine calibrate does
+        sensitivity = measure_sensitivity(llm.engine, next(iter(ramp.values())), dev_ids, args.chunk)
+    tables = {err: calibrate(calib, CalibrationSettings(error=err, **profile), rope=rope,
+                             sensitivity=sensitivity) for err in args.errors}
     print(f"calibrated on {args.calib} dev prompts ({len(calib)} chunks): errors {args.errors}, "
-          f"V's target {vr:g}x K's, the last layer's {dr:g}x the first's", flush=True)
-    default = tables.get(CalibrationSettings().error) or next(iter(tables.values()))
+          f"V's target {vr:g}x K's, the last layer's {dr:g}x the first's, "
+          + ("on that ramp" if args.ramp else "then weighed by each layer's measured sensitivity"),
+          flush=True)
+    for err, t in tables.items():
+        print(f"targets at {err:g} per layer, K: " + " ".join(f"{x:.2g}" for x in t.target[0].tolist())
+              + "; V: " + " ".join(f"{x:.2g}" for x in t.target[1].tolist()), flush=True)
+    default_error = CalibrationSettings().error
+    default_error = default_error if default_error in tables else next(iter(tables))
+    default = tables[default_error]
     if args.decode_only:
         kv_sample = []
         for e in make_examples(2, "heldout", count):
@@ -125,12 +143,13 @@ def main() -> None:
             llm.generate([ids], FIRST)
             kv_sample += list(enumerate(chunks_of(llm, ids)))
         llm.close()
-        decode_speed(default, kv_sample[:8], args.chunk)
+        decode_speed(default_error, default, kv_sample[:8], args.chunk)
         return
-    per_channel = {err: calibrate(calib, CalibrationSettings(error=err, **profile,
-                                                             transform=False), rope=rope)
+    per_channel = {err: calibrate(calib, CalibrationSettings(error=err, **profile, transform=False),
+                                  rope=rope, sensitivity=sensitivity)
                    for err in args.errors}  # size only: what the transform saves
-    as_rotated = {err: calibrate(calib_rotated, CalibrationSettings(error=err, **profile))
+    as_rotated = {err: calibrate(calib_rotated, CalibrationSettings(error=err, **profile),
+                                 sensitivity=sensitivity)
                   for err in args.errors}  # size only: what coding keys un-rotated saves
 
     settings: dict[str, Transform] = {"int8": int8_roundtrip}
@@ -138,7 +157,7 @@ def main() -> None:
     correct = {"lossless": 0} | {s: 0 for s in settings}
     agree = {s: 0 for s in settings}
     size = {"fp16": 0, "int8": 0} | {f"{kind} {err:g}": 0 for err in tables
-                                       for kind in ("cachegen", "per-channel", "as-rotated")}
+                                       for kind in ("cachegen", "per-channel", "as-rotated", "ramp")}
     examples = make_examples(args.n, "heldout", count)
     lengths, kv_sample = [], []
     start = time.perf_counter()
@@ -159,6 +178,7 @@ def main() -> None:
                 size[f"cachegen {err:g}"] += len(cachegen.encode(c, t, position=pos))
                 size[f"per-channel {err:g}"] += len(cachegen.encode(c, per_channel[err], position=pos))
                 size[f"as-rotated {err:g}"] += len(cachegen.encode(c, as_rotated[err]))
+                size[f"ramp {err:g}"] += len(cachegen.encode(c, ramp[err], position=pos))
         exact: dict[str, torch.Tensor] = {}
         for name, fn in settings.items():
             out = serve_transformed(llm, ids, GEN, fn, exact).output_token_ids
@@ -190,6 +210,10 @@ def main() -> None:
         print(f"{name} (keys coded un-rotated) vs the same error target calibrated on keys as "
               f"rotated: {size[f'as-rotated {err:g}'] / 1e6:.1f} MB vs {size[name] / 1e6:.1f} MB: "
               f"as-rotated/cachegen = {size[f'as-rotated {err:g}'] / size[name]:.2f}x")
+        if sensitivity is not None:
+            print(f"{name} (targets weighed by layer sensitivity) vs the same error target on "
+                  f"the ramp (equal predicted divergence): {size[f'ramp {err:g}'] / 1e6:.1f} MB vs "
+                  f"{size[name] / 1e6:.1f} MB: ramp/cachegen = {size[f'ramp {err:g}'] / size[name]:.2f}x")
     within = [err for err in tables if acc[f"cachegen {err:g}"] >= acc["lossless"] - 1]
     if within:
         best_err = max(within)
@@ -207,10 +231,11 @@ def main() -> None:
     else:
         print(f"no cachegen error target at or above per-token int8's accuracy {acc['int8']:.1f}%")
 
-    decode_speed(default, kv_sample, args.chunk)
+    decode_speed(default_error, default, kv_sample, args.chunk)
 
 
-def decode_speed(table: CacheGenTable, sample: list[tuple[int, torch.Tensor]], chunk: int) -> None:
+def decode_speed(error: float, table: CacheGenTable, sample: list[tuple[int, torch.Tensor]],
+                 chunk: int) -> None:
     """The decode speed of ``table`` on one core vs the disk's raw read rate of the same KV
     (chunks with their index in their prompt)."""
     kv_sample = [c for _, c in sample]
@@ -232,7 +257,7 @@ def decode_speed(table: CacheGenTable, sample: list[tuple[int, torch.Tensor]], c
     dec, disk = model_bytes / dec_s / 1e9, nbytes / secs / 1e9
     lib = native.library()
     how = "torch" if lib is None else "native, AMX" if lib.lmkv_amx() else "native"
-    print(f"cachegen {table.target[0, 0].item():g} decode vs disk read (one core, {how}, "
+    print(f"cachegen {error:g} decode vs disk read (one core, {how}, "
           f"{len(kv_sample)} chunks): {dec:.2f} GB/s of KV produced vs {disk:.2f} GB/s raw read: "
           f"{dec / disk:.2f}x")
 

@@ -24,3 +24,10 @@ class KVComputer(Protocol):
         """KV of each sequence computed alone at positions [0, n): [2, L, n, Hkv, D] each,
         in the engine's KV dtype; with ``pre_rope`` the keys as projected, before RoPE."""
         ...
+
+    def continuation_logits(self, tokens: list[int], prefix_kv: torch.Tensor) -> torch.Tensor:
+        """Logits [n - P, vocab] (fp32) of each position of ``tokens[P:]``, attending to
+        ``prefix_kv`` [2, L, P, Hkv, D] (keys rotated to their positions, as compute_kv
+        returns them) for ``tokens[:P]``: how the model answers over KV it did not compute
+        (the codec's calibration weighs each layer's error by it)."""
+        ...

@@ -84,6 +84,36 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[
     return model.compute_logits(last)[0], recomputed
 
 
+@torch.inference_mode()
+def continuation_logits(model: LlamaForCausalLM, tokens: list[int], prefix_kv: torch.Tensor
+                        ) -> torch.Tensor:
+    """Logits [n - P, vocab] (fp32) of every position of ``tokens[P:]``, computed over the
+    given KV of ``tokens[:P]`` (``prefix_kv`` [2, L, P, Hkv, D], keys rotated to their
+    positions, e.g. decoded from a lossy frame) and causally over each other: naive reuse
+    of that KV, without paged memory (the codec's calibration weighs its layers by it)."""
+    m = model.model
+    dev = model.lm_head.weight.device
+    n, start = len(tokens), prefix_kv.shape[2]
+    if not 0 < start < n:
+        raise ValueError(f"the prefix KV covers {start} of {n} tokens: it must leave some to compute")
+    stored = torch.empty((*prefix_kv.shape[:2], n, *prefix_kv.shape[3:]), dtype=prefix_kv.dtype,
+                         device=dev)
+    stored[:, :, :start] = prefix_kv
+    rows, groups = _rows(torch.arange(start, n), dev)
+    h = m.embed_tokens(torch.tensor(tokens[start:], device=dev))
+    for i, layer in enumerate(m.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        t = x.shape[0]
+        stored[0, i, start:] = m.rope.rotate(attn.k_proj(x).view(t, attn.num_kv_heads, attn.head_dim), rows)
+        stored[1, i, start:] = attn.v_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
+        q = m.rope.rotate(attn.q_proj(x).view(t, attn.num_heads, attn.head_dim), rows)
+        o = _attention(q, stored[0, i], stored[1, i], rows, groups, attn.scale)
+        h = h + attn.o_proj(o.reshape(t, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.compute_logits(m.norm(h))
+
+
 def _rows(host_rows: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
     """The computed tokens' positions (host, ascending) on ``device``, and the attention's
     query groups (first row, end row, keys [0, end)): ATTENTION_GROUPS runs of rows, each

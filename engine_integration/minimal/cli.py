@@ -139,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--length", type=int, default=1024, help="tokens per prompt (default 1024)")
     cal.add_argument("--text", help="a text file to cut prompts from (default: random tokens)")
     cal.add_argument("--error", type=float, default=CalibrationSettings.error,
-                     help="relative error target of layer 0 (default %(default)s)")
+                     help="relative error target of layer 0's keys on the ramp; with the "
+                          "layers weighed, the ramp's predicted effect on the output spread "
+                          "evenly over the layers (default %(default)s)")
     cal.add_argument("--deep-ratio", type=float, default=CalibrationSettings.deep_ratio,
                      help="last layer's target / first layer's; below 1: deep layers finer "
                           "(default %(default)s)")
@@ -150,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--no-transform", dest="transform", action="store_false",
                      help="code channels as they are, without the decorrelating transform "
                           "(default: the transform where it makes the calibration KV smaller)")
+    cal.add_argument("--ramp", dest="weigh_layers", action="store_false",
+                     help="keep the ramp's targets (default: weigh each layer by its measured "
+                          "effect on the model's output: 2 x layers extra passes per prompt)")
     cal.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
     return parser
 
@@ -207,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             config = engine_config(args)
             settings = CalibrationSettings(args.error, args.deep_ratio, args.value_ratio,
-                                           args.group_size, args.transform)
+                                           args.group_size, args.transform,
+                                           weigh_layers=args.weigh_layers)
         except ValueError as e:
             parser.error(str(e))
         return _calibrate(config, settings, args)
@@ -267,6 +273,9 @@ def _calibrate(config: EngineConfig, settings: CalibrationSettings, args: argpar
 
     from .calibrate import calibrate_model
 
+    if settings.weigh_layers:  # minutes on a real model: say how far it got
+        progress = logging.getLogger("lmkv.codec.calibrate")
+        progress.setLevel(min(progress.getEffectiveLevel(), logging.INFO))
     try:
         text = Path(args.text).read_text(encoding="utf-8") if args.text else None
         engine_args = {k: v for k, v in asdict(config).items()
@@ -285,6 +294,10 @@ def _calibrate(config: EngineConfig, settings: CalibrationSettings, args: argpar
         stored = table.bands[..., -1]
         print(f"decorrelating transform: on; coefficients stored per layer (K): {stored[0].tolist()} "
               f"(V): {stored[1].tolist()} of {table.basis.shape[-1]}")
+    how = ("weighed by each layer's measured effect on the output" if settings.weigh_layers
+           else "on the ramp")
+    targets = lambda kv: " ".join(f"{x:.2g}" for x in table.target[kv].tolist())  # noqa: E731
+    print(f"error targets per layer ({how}), K: {targets(0)}; V: {targets(1)}")
     print("keys: measured before RoPE and coded un-rotated (each chunk's position in its payload)"
           if table.rope is not None else "keys: coded as rotated (the model reports no rotary frequencies)")
     return 0

@@ -182,6 +182,13 @@ class LLMEngine:
         """The keys' rotary inverse frequencies [D/2] (lmkv's KVComputer)."""
         return self.model.model.rope.inv_freq.cpu()
 
+    def continuation_logits(self, tokens: list[int], prefix_kv: torch.Tensor) -> torch.Tensor:
+        """Logits [n - P, vocab] of ``tokens[P:]`` over the given KV of ``tokens[:P]``
+        (lmkv's KVComputer; keys rotated to their positions, as compute_kv returns them)."""
+        from .blend import continuation_logits
+
+        return continuation_logits(self.model, tokens, prefix_kv.to(self.device.torch)).cpu()
+
     def compute_kv(self, token_lists: list[list[int]], pre_rope: bool = False) -> list[torch.Tensor]:
         """KV of each token list computed alone at positions [0, n): [2, L, n, Hkv, D] each,
         with ``pre_rope`` the keys before RoPE (lmkv.blend.precompute's KVComputer)."""

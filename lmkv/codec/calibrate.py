@@ -10,6 +10,7 @@ again after changing the model, chunk_size, dtype, tensor-parallel split or cach
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +18,9 @@ import torch
 from ..cache import LMKVCache
 from ..compute import KVComputer
 from .calibration import CacheGenTable, CalibrationSettings, calibrate, default_path
+
+log = logging.getLogger(__name__)
+MIN_TAIL = 16  # tokens a calibration prompt keeps past its stored chunks, to measure the output on
 
 
 def calibration_prompts(vocab_size: int, num: int, length: int, seed: int = 0,
@@ -51,6 +55,55 @@ def calibrate_kv(computer: KVComputer, lmkv: LMKVCache, settings: CalibrationSet
         raise ValueError(f"calibration prompts of {max(map(len, prompts), default=0)} tokens fill "
                          f"no chunk of {c}: make them longer")
     table = calibrate(chunks, settings, rope=rope)
+    if settings.weigh_layers:
+        sensitivity = measure_sensitivity(computer, table, prompts, c)
+        table = calibrate(chunks, settings, rope=rope, sensitivity=sensitivity)
     path = Path(out or lmkv.config.cachegen_calibration or default_path(lmkv.scope.prefix))
     table.save(path)
     return CacheGenTable.load(path), path
+
+
+def measure_sensitivity(computer: KVComputer, table: CacheGenTable, prompts: list[list[int]],
+                        chunk: int) -> torch.Tensor:
+    """How much each [kv, layer]'s coding error moves the model's output: [2, L], the mean
+    KL divergence (over the tokens after a prompt's stored chunks, and over ``prompts``) of
+    the model's next-token distributions when that layer's K or V alone is replaced by its
+    decoded copy under ``table``, per squared error target of that layer (the divergence
+    of a small error grows with its square). ``CalibrationSettings.targets`` turns it into
+    per-layer targets."""
+    from .cachegen import OutOfRange, decode_into, encode
+
+    two, layers = table.target.shape
+    total = torch.zeros(two, layers, dtype=torch.float64)
+    measured = 0
+    for i, ids in enumerate(prompts):
+        stored = (len(ids) - MIN_TAIL) // chunk * chunk
+        if stored <= 0:
+            continue
+        prefix = computer.compute_kv([ids])[0][:, :, :stored]  # keys at their positions
+        decoded = prefix.clone()
+        for start in range(0, stored, chunk):
+            part = prefix[:, :, start : start + chunk].contiguous()
+            try:
+                payload = encode(part, table, position=start)
+            except OutOfRange:
+                continue  # such a chunk is stored lossless: no error
+            out = torch.empty_like(part)
+            decode_into(payload, out, table)
+            decoded[:, :, start : start + chunk] = out
+        exact = torch.log_softmax(computer.continuation_logits(ids, prefix).double(), -1)
+        mixed = prefix.clone()
+        for kv in range(two):
+            for layer in range(layers):
+                mixed[kv, layer] = decoded[kv, layer]
+                lossy = torch.log_softmax(computer.continuation_logits(ids, mixed).double(), -1)
+                kl = (exact.exp() * (exact - lossy)).sum(-1).mean()
+                total[kv, layer] += float(kl)
+                mixed[kv, layer] = prefix[kv, layer]
+        measured += 1
+        log.info("cachegen calibration: layer sensitivity measured on %d of %d prompts",
+                 i + 1, len(prompts))
+    if not measured:
+        raise ValueError(f"calibration prompts of {max(map(len, prompts), default=0)} tokens leave "
+                         f"no {MIN_TAIL} tokens past a chunk of {chunk} to measure on: make them longer")
+    return (total / measured / table.target.double().square()).float()

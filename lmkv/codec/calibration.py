@@ -8,7 +8,9 @@ Calibration (``calibrate``) looks at chunks of real KV [2, L, T, Hkv, D]:
   s / sqrt(12), so s = error(kv, layer) * sqrt(12) * rms of the centred KV of that layer
   gives a relative error of about error(kv, layer). The error target moves linearly from
   ``error`` at layer 0 to ``error * deep_ratio`` at the last layer (above 1: deep layers
-  coarser; below 1: finer), times ``value_ratio`` for V;
+  coarser; below 1: finer), times ``value_ratio`` for V; or, where each layer's effect on
+  the model's output was measured (``sensitivity``), each layer gets the target that makes
+  its share of the output's divergence equal to every other's, for the ramp's total;
 - ``delta`` [2, L] bool: code each token as its difference from the group's first token
   (the anchor) where that lowers the measured entropy of the symbols (KV of neighbouring
   tokens is similar in trained models; in random ones it is not, and the flag stays off).
@@ -54,6 +56,7 @@ FORMATS = ("lmkv-cachegen-table/1", "lmkv-cachegen-table/2", FORMAT)  # /1: no t
 # band edges in coefficient spread / step, strongest first; the coefficients below the last
 # edge form one more band (store_weak, the default) or are not stored
 BAND_SPREADS = (64.0, 16.0, 4.0, 1.0, 0.5)
+MAX_TARGET = 1.0  # coarsest relative error a layer is given (at 1/sqrt(12) a step is the rms)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class CalibrationSettings:
     group_size: int = 16  # tokens per anchor group
     transform: bool = True  # decorrelating transform per [kv, layer] (see above)
     store_weak: bool = True  # also store coefficients whose spread is below half a step
+    weigh_layers: bool = True  # targets from each layer's measured effect (where measured)
 
     def __post_init__(self) -> None:
         if not (0 < self.error < 1 and self.deep_ratio > 0 and self.value_ratio > 0):
@@ -71,11 +75,29 @@ class CalibrationSettings:
         if not 1 <= self.group_size <= 1024:
             raise ValueError(f"group_size {self.group_size} outside [1, 1024]")
 
-    def targets(self, num_layers: int) -> torch.Tensor:
-        """Relative error target per [kv, layer]: [2, L] float32."""
+    def targets(self, num_layers: int, sensitivity: torch.Tensor | None = None) -> torch.Tensor:
+        """Relative error target per [kv, layer]: [2, L] float32. Without ``sensitivity``, a
+        ramp from ``error`` (layer 0's keys) to ``error * deep_ratio`` (the last layer's),
+        times ``value_ratio`` for V. With it ([2, L]: the model's output divergence per
+        squared target of each [kv, layer] alone, see codec/calibrate.py), the targets that
+        spread the ramp's predicted divergence evenly over the layers: each layer's error
+        then costs the answers alike, so insensitive layers take coarse steps (fewer bits)
+        and sensitive ones fine steps, for about the ramp's divergence in total."""
         ramp = torch.linspace(0, 1, num_layers) if num_layers > 1 else torch.zeros(1)
         k = self.error * (1 + (self.deep_ratio - 1) * ramp)
-        return torch.stack([k, k * self.value_ratio]).float()
+        targets = torch.stack([k, k * self.value_ratio]).float()
+        if sensitivity is None or not self.weigh_layers:
+            return targets
+        s = sensitivity.double().clamp_min(0)
+        if tuple(s.shape) != tuple(targets.shape) or not bool(torch.isfinite(s).all()):
+            raise ValueError(f"sensitivity {tuple(s.shape)} does not fit {num_layers} layers")
+        if not bool((s > 0).any()):
+            return targets  # nothing measured moved the output: keep the ramp
+        # minimise bits (sum of -log target) at the ramp's divergence sum(s * target^2):
+        # s * target^2 equal in every layer
+        each = (s * targets.double().square()).sum() / s.numel()
+        even = (each / s.clamp_min(1e-30)).sqrt()
+        return even.clamp(max=MAX_TARGET).float()
 
 
 @dataclass(frozen=True, eq=False)
@@ -220,11 +242,13 @@ def build_table(step, mean, delta, target, group_size: int, basis=None, bands=No
 
 
 def calibrate(chunks: Iterable[torch.Tensor], settings: CalibrationSettings | None = None,
-              rope: torch.Tensor | None = None) -> CacheGenTable:
+              rope: torch.Tensor | None = None, sensitivity: torch.Tensor | None = None
+              ) -> CacheGenTable:
     """The table for the model whose KV chunks [2, L, T, Hkv, D] are given (a few dozen
     chunks of ordinary prompts are enough). With ``rope``, the model's rotary inverse
     frequencies [D/2], the chunks' keys are before RoPE (``KVComputer.compute_kv(...,
-    pre_rope=True)``) and the table codes keys un-rotated (module docstring)."""
+    pre_rope=True)``) and the table codes keys un-rotated (module docstring). With
+    ``sensitivity`` [2, L], the targets weigh the layers (``CalibrationSettings.targets``)."""
     settings = settings or CalibrationSettings()
     chunks = list(chunks)
     data = torch.cat([c.float() for c in chunks], dim=2)  # [2, L, N, H, D]
@@ -234,7 +258,7 @@ def calibrate(chunks: Iterable[torch.Tensor], settings: CalibrationSettings | No
     centred = data - mean[:, :, None]
     rms = centred.square().mean(dim=(2, 3, 4)).sqrt().clamp_min(1e-12)  # [2, L]
     axes = _principal_axes(centred) if settings.transform else None
-    target = _within_range(centred, rms, settings.targets(data.shape[1]), axes)
+    target = _within_range(centred, rms, settings.targets(data.shape[1], sensitivity), axes)
     step = (target * math.sqrt(12) * rms)[:, :, None, None].expand_as(mean).contiguous()
     q = torch.round(centred / step[:, :, None]).clamp(-QMAX, QMAX)
     g = settings.group_size

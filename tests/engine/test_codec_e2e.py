@@ -9,8 +9,9 @@ where the gate must see the disagreement and turn the tier lossless."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from lmkv.codec.calibration import CalibrationSettings
+from lmkv.codec.calibration import CacheGenTable, CalibrationSettings
 from lmkv.config import load_config
 from lmkv_engines.minimal.calibrate import calibrate_model
 from lmkv_engines.minimal.llm import LLM
@@ -93,8 +94,49 @@ def test_calibrate_cli_writes_where_the_engine_looks(tiny_model_dir, monkeypatch
     assert "keys: measured before RoPE and coded un-rotated" in out
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", local_disk_codec="cachegen") as llm:
         tier = llm.engine.kv_connector.cache.storage.tiers[0]
-        assert tier.codec.name == "cachegen" and tier.table.target[0, 0].item() == pytest.approx(0.01)
+        assert tier.codec.name == "cachegen" and tier.table.table_id == CacheGenTable.load(path).table_id
         assert tier.table.rope is not None  # the engine's rotary frequencies
+
+
+def test_continuation_logits_read_the_given_kv_as_the_engine_would(tiny_model_dir):
+    """The logits calibration weighs layers by: over the exact KV of a prefix they are the
+    engine's own (its greedy token), they do not depend on where the prefix ends, and they
+    read the KV they are given."""
+    p = prompts(1)[0]
+    with LLM(str(tiny_model_dir), enable_prefix_caching=False, kv_cache_memory=64 << 20) as llm:
+        eng = llm.engine
+        kv = eng.compute_kv([p])[0]
+        one, two = (eng.continuation_logits(p, kv[:, :, :n]) for n in (CHUNK, 2 * CHUNK))
+        assert one.shape == (len(p) - CHUNK, eng.model_config.vocab_size) and one.dtype == torch.float32
+        assert torch.allclose(one[CHUNK:], two, atol=1e-4)
+        first = llm.generate([p], GREEDY)[0].output_token_ids[0]
+        assert int(two[-1].argmax()) == first
+        other = kv[:, :, :CHUNK].clone()
+        other[1, 1] = 0  # the last layer's values
+        assert not torch.allclose(eng.continuation_logits(p, other), one, atol=1e-3)
+        with pytest.raises(ValueError, match="must leave some"):
+            eng.continuation_logits(p, kv)
+
+
+def test_calibration_weighs_layers_by_their_effect(tiny_model_dir, tmp_path, capsys):
+    """engine calibrate (by default) gives each layer the target its measured effect on the
+    output calls for; --ramp keeps the ramp."""
+    from lmkv_engines.minimal.cli import main
+
+    common = ["calibrate", "--model", str(tiny_model_dir), "--prompts", "2", "--length", "128",
+              "--error", "0.05", "--kv-cache-memory", "64MiB"]
+    env = {"LMKV_CHUNK_SIZE": str(CHUNK), "LMKV_MAX_LOCAL_CPU_SIZE": "0.05"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        assert main(common + ["--out", str(tmp_path / "w.safetensors")]) == 0
+        assert "weighed by each layer's measured effect" in capsys.readouterr().out
+        assert main(common + ["--out", str(tmp_path / "r.safetensors"), "--ramp"]) == 0
+        assert "(on the ramp)" in capsys.readouterr().out
+    weighed = CacheGenTable.load(tmp_path / "w.safetensors").target
+    ramp = CacheGenTable.load(tmp_path / "r.safetensors").target
+    assert torch.allclose(ramp, CalibrationSettings(error=0.05).targets(2))
+    assert not torch.allclose(weighed, ramp) and bool((weighed > 0).all())
 
 
 def test_missing_calibration_falls_back_to_zstd(tiny_model_dir, reference, tmp_path):
