@@ -86,6 +86,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a directory or .gguf file (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--n", type=int, default=100, help="held-out prompts")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="start after this many held-out prompts (a fresh sample of the split)")
     ap.add_argument("--calib", type=int, default=4, help="dev prompts to calibrate on")
     ap.add_argument("--errors", type=float, nargs="+", default=[0.03, 0.06, 0.12])
     ap.add_argument("--deep-ratio", type=float, default=CalibrationSettings().deep_ratio,
@@ -158,7 +160,7 @@ def main() -> None:
     agree = {s: 0 for s in settings}
     size = {"fp16": 0, "int8": 0} | {f"{kind} {err:g}": 0 for err in tables
                                        for kind in ("cachegen", "per-channel", "as-rotated", "ramp")}
-    examples = make_examples(args.n, "heldout", count)
+    examples = make_examples(args.skip + args.n, "heldout", count)[args.skip:]
     lengths, kv_sample = [], []
     start = time.perf_counter()
     done = 0
@@ -194,7 +196,8 @@ def main() -> None:
 
     acc = {k: 100 * v / done for k, v in correct.items()}
     agr = {k: v / (64 * done) for k, v in agree.items()}
-    print(f"model {path.name}: {done} held-out RAG QA prompts ({min(lengths)}-{max(lengths)} "
+    which = f" (numbers {args.skip + 1}-{args.skip + done} of the split)" if args.skip else ""
+    print(f"model {path.name}: {done} held-out RAG QA prompts{which} ({min(lengths)}-{max(lengths)} "
           f"tokens, mean {sum(lengths) / done:.0f}), chunks of {args.chunk}; lossless (full "
           f"prefill) accuracy {acc['lossless']:.1f}%")
     for name in settings:
