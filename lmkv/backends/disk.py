@@ -127,7 +127,7 @@ class DiskBackend(StorageBackend):
                     entries.append((st.st_mtime, entry.name, st.st_size))
             except FileNotFoundError:  # gone meanwhile (another process sharing the directory)
                 continue
-        for _, name, size in sorted(entries):  # oldest first
+        for _, name, size in sorted(entries):  # least recently used (read or written) first
             self._add(name, size)
         try:
             self._evict_to(self.capacity)
@@ -204,6 +204,7 @@ class DiskBackend(StorageBackend):
             try:
                 with open(self.root / name, "rb") as f:
                     data = f.read(self.max_value_bytes + 1)  # never more than a value can be
+                    _touch(f.fileno())
             except FileNotFoundError:
                 self._forget(name)
                 out.append(None)
@@ -287,6 +288,7 @@ class DiskBackend(StorageBackend):
                     if n == 0:
                         break  # the file is shorter than when it was indexed: the check says so
                     done += n
+                _touch(fd)
                 return done
             finally:
                 os.close(fd)
@@ -448,6 +450,13 @@ def _cached(fd: int, size: int) -> bool:
         return all(b & 1 for b in bytes(vec))
     finally:
         _libc.munmap(ctypes.c_void_p(addr), size)
+
+
+def _touch(fd: int) -> None:
+    """A file just read gets the time of now: a restart indexes files in the order of their
+    times, so the order is that of their last use, not of their last write."""
+    with contextlib.suppress(OSError):  # a read-only volume: the order of the writes stays
+        os.utime(fd)
 
 
 def _aligned(out: memoryview, size: int) -> bool:

@@ -153,6 +153,23 @@ def test_disk_tier_survives_restart_and_respects_its_cap(tmp_path):
     assert smaller.used <= 160
 
 
+@pytest.mark.parametrize("read", ["get", "get_into_many"])
+def test_a_restart_evicts_by_last_use_not_last_write(tmp_path, read):
+    """Files read since they were written count as used at the read: a restarted tier that
+    must shrink evicts the one written later but never read."""
+    disk = DiskBackend(tmp_path, capacity_bytes=300)
+    disk.put([("a", b"x" * 100), ("b", b"y" * 100)])
+    for age, key in ((200, "a"), (100, "b")):  # a written before b
+        path = tmp_path / DiskBackend._name(key)
+        os.utime(path, (path.stat().st_atime - age, path.stat().st_mtime - age))
+    if read == "get":
+        assert disk.get(["a"]) == [b"x" * 100]
+    else:
+        assert disk.get_into_many(["a"], [memoryview(bytearray(100))]) == [100]
+    smaller = DiskBackend(tmp_path, capacity_bytes=150)
+    assert smaller.contains(["a", "b"]) == [True, False]
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
