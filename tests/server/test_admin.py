@@ -71,3 +71,30 @@ def test_max_connections(spawn_server):
         time.sleep(0.05)
     backend = LMBackend(server.url)  # slots free again
     assert backend.contains(["x@1"]) == [False]
+
+
+def test_a_request_head_that_never_completes_frees_its_admin_connection(spawn_server):
+    """A client that sends part of a request head and stalls is closed after the keep-alive
+    timeout (5 s) from its first byte, more bytes or not (uvicorn alone held it for ever:
+    16 such clients would have shut the admin port); a whole request still gets its answer,
+    also one sent slowly in parts within the time."""
+    server = spawn_server("--max-memory", "4MiB")
+    addr = ("127.0.0.1", server.admin_port)
+    stalled = socket.create_connection(addr, timeout=10)
+    dribbled = socket.create_connection(addr, timeout=10)
+    slow = socket.create_connection(addr, timeout=10)
+    start = time.monotonic()
+    stalled.sendall(b"G")
+    dribbled.sendall(b"GE")
+    slow.sendall(b"GET /health HTTP/1.1\r\n")
+    time.sleep(2)
+    dribbled.sendall(b"T /he")  # more bytes do not move the deadline
+    slow.sendall(b"Host: x\r\n\r\n")
+    assert b"200 OK" in slow.recv(4096)
+    for sock in (stalled, dribbled):
+        assert sock.recv(1) == b""  # closed by the server
+        assert 4 < time.monotonic() - start < 9
+    assert httpx.get(f"http://127.0.0.1:{server.admin_port}/health").json() == {"status": "ok"}
+    for sock in (stalled, dribbled, slow):
+        sock.close()
+
