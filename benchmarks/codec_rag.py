@@ -126,8 +126,9 @@ def main() -> None:
     sensitivity = None
     if not args.ramp:  # measured once (per squared target), as engine calibrate does
         sensitivity = measure_sensitivity(llm.engine, next(iter(ramp.values())), dev_ids, args.chunk)
-    tables = {err: calibrate(calib, CalibrationSettings(error=err, **profile), rope=rope,
-                             sensitivity=sensitivity) for err in args.errors}
+    tables = ramp if sensitivity is None else {
+        err: calibrate(calib, CalibrationSettings(error=err, **profile), rope=rope,
+                       sensitivity=sensitivity) for err in args.errors}
     print(f"calibrated on {args.calib} dev prompts ({len(calib)} chunks): errors {args.errors}, "
           f"V's target {vr:g}x K's, the last layer's {dr:g}x the first's, "
           + ("on that ramp" if args.ramp else "then weighed by each layer's measured sensitivity"),
@@ -180,7 +181,8 @@ def main() -> None:
                 size[f"cachegen {err:g}"] += len(cachegen.encode(c, t, position=pos))
                 size[f"per-channel {err:g}"] += len(cachegen.encode(c, per_channel[err], position=pos))
                 size[f"as-rotated {err:g}"] += len(cachegen.encode(c, as_rotated[err]))
-                size[f"ramp {err:g}"] += len(cachegen.encode(c, ramp[err], position=pos))
+                if sensitivity is not None:  # the size on the ramp, only where it differs
+                    size[f"ramp {err:g}"] += len(cachegen.encode(c, ramp[err], position=pos))
         exact: dict[str, torch.Tensor] = {}
         for name, fn in settings.items():
             out = serve_transformed(llm, ids, GEN, fn, exact).output_token_ids

@@ -18,7 +18,7 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from .admin import build_admin_app
 from .arena import PageArena
@@ -181,7 +181,7 @@ class _AdminHTTP(H11Protocol):
             # part of a head: the whole of it is due by the deadline (more bytes do not move it)
             self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_late, waiting)
 
-    def _head_late(self, waiting) -> None:
+    def _head_late(self, waiting: RequestResponseCycle | None) -> None:
         self._head_timer = None
         if self.cycle is waiting and not self.transport.is_closing():  # still no request
             self.transport.close()

@@ -339,7 +339,6 @@ def _advance(views: list, n: int) -> list:
     return views[i:]
 
 
-
 def _peer_name(sock: socket.socket) -> str:
     try:
         host, port = sock.getpeername()[:2]

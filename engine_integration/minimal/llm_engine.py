@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .blend import continuation_logits
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
@@ -185,8 +186,6 @@ class LLMEngine:
     def continuation_logits(self, tokens: list[int], prefix_kv: torch.Tensor) -> torch.Tensor:
         """Logits [n - P, vocab] of ``tokens[P:]`` over the given KV of ``tokens[:P]``
         (lmkv's KVComputer; keys rotated to their positions, as compute_kv returns them)."""
-        from .blend import continuation_logits
-
         return continuation_logits(self.model, tokens, prefix_kv.to(self.device.torch)).cpu()
 
     def compute_kv(self, token_lists: list[list[int]], pre_rope: bool = False) -> list[torch.Tensor]:
