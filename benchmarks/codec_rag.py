@@ -217,7 +217,7 @@ def main() -> None:
               f"as-rotated/cachegen = {size[f'as-rotated {err:g}'] / size[name]:.2f}x")
         if sensitivity is not None:
             print(f"{name} (targets weighed by layer sensitivity) vs the same error target on "
-                  f"the ramp (equal predicted divergence): {size[f'ramp {err:g}'] / 1e6:.1f} MB vs "
+                  f"the ramp (at most its predicted divergence): {size[f'ramp {err:g}'] / 1e6:.1f} MB vs "
                   f"{size[name] / 1e6:.1f} MB: ramp/cachegen = {size[f'ramp {err:g}'] / size[name]:.2f}x")
     within = [err for err in tables if acc[f"cachegen {err:g}"] >= acc["lossless"] - 1]
     if within:
@@ -261,7 +261,10 @@ def decode_speed(error: float, table: CacheGenTable, sample: list[tuple[int, tor
         secs, nbytes = raw_read_seconds(files)
     dec, disk = model_bytes / dec_s / 1e9, nbytes / secs / 1e9
     lib = native.library()
-    how = "torch" if lib is None else "native, AMX" if lib.lmkv_amx() else "native"
+    product = str(cachegen.product_dtype(kv_sample[0].shape[3] * kv_sample[0].shape[4],
+                                         kv_sample[0].shape[2])).removeprefix("torch.")
+    how = (f"torch, {product} products" if lib is None else "native, AMX" if lib.lmkv_amx()
+           else f"native, {product} products")
     print(f"cachegen {error:g} decode vs disk read (one core, {how}, "
           f"{len(kv_sample)} chunks): {dec:.2f} GB/s of KV produced vs {disk:.2f} GB/s raw read: "
           f"{dec / disk:.2f}x")

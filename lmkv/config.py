@@ -20,7 +20,8 @@ from .policy import DEFAULT_POLICY, POLICIES
 CONFIG_FILE_ENV = "LMKV_CONFIG_FILE"
 ENV_PREFIX = "LMKV_"
 # LMKV_* variables that are not keys
-_NOT_KEYS = {"CONFIG_FILE", "CACHE_DIR", "TEST_CACHE_DIR", "NATIVE_DECODE", "NATIVE_COPY", "NATIVE_ATTENTION"}
+_NOT_KEYS = {"CONFIG_FILE", "CACHE_DIR", "TEST_CACHE_DIR", "NATIVE_DECODE", "NATIVE_COPY", "NATIVE_ATTENTION",
+             "CODEC_PRODUCT"}
 
 
 DEFAULT_CHECK_EVERY = 16  # the quality gate's sampling rate when a lossy codec is on

@@ -181,6 +181,12 @@ class _AdminHTTP(H11Protocol):
             # part of a head: the whole of it is due by the deadline (more bytes do not move it)
             self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_late, waiting)
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:  # not hold the connection's buffers for the timeout
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
     def _head_late(self, waiting: RequestResponseCycle | None) -> None:
         self._head_timer = None
         if self.cycle is waiting and not self.transport.is_closing():  # still no request

@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", help="table file (default: lmkv's cachegen_calibration, else "
                      "~/.cache/lmkv/calibration/<key scope>.safetensors, where lmkv looks)")
     cal.add_argument("--prompts", type=int, default=8, help="calibration prompts (default 8)")
-    cal.add_argument("--length", type=int, default=1024, help="tokens per prompt (default 1024)")
+    cal.add_argument("--length", type=int, help="tokens per prompt (default 1024, or a chunk and "
+                     "16 tokens where lmkv's chunk_size is above 1008)")
     cal.add_argument("--text", help="a text file to cut prompts from (default: random tokens)")
     cal.add_argument("--error", type=float, default=CalibrationSettings.error,
                      help="relative error target of layer 0's keys on the ramp; with the "
@@ -273,9 +274,9 @@ def _calibrate(config: EngineConfig, settings: CalibrationSettings, args: argpar
 
     from .calibrate import calibrate_model
 
-    if settings.weigh_layers:  # minutes on a real model: say how far it got
-        progress = logging.getLogger("lmkv.codec.calibrate")
-        progress.setLevel(min(progress.getEffectiveLevel(), logging.INFO))
+    if settings.weigh_layers and logging.getLogger().level <= logging.WARNING:
+        progress = logging.getLogger("lmkv.codec.calibrate")  # minutes on a real model: say
+        progress.setLevel(min(progress.getEffectiveLevel(), logging.INFO))  # how far it got
     try:
         text = Path(args.text).read_text(encoding="utf-8") if args.text else None
         engine_args = {k: v for k, v in asdict(config).items()
@@ -294,8 +295,11 @@ def _calibrate(config: EngineConfig, settings: CalibrationSettings, args: argpar
         stored = table.bands[..., -1]
         print(f"decorrelating transform: on; coefficients stored per layer (K): {stored[0].tolist()} "
               f"(V): {stored[1].tolist()} of {table.basis.shape[-1]}")
-    how = ("weighed by each layer's measured effect on the output" if settings.weigh_layers
-           else "on the ramp")
+    how = "on the ramp"
+    if settings.weigh_layers:
+        moved = not bool((table.target == settings.targets(table.num_layers)).all())
+        how = ("weighed by each layer's measured effect on the output" if moved
+               else "on the ramp: no layer's coding moved the output measurably")
     targets = lambda kv: " ".join(f"{x:.2g}" for x in table.target[kv].tolist())  # noqa: E731
     print(f"error targets per layer ({how}), K: {targets(0)}; V: {targets(1)}")
     print("keys: measured before RoPE and coded un-rotated (each chunk's position in its payload)"

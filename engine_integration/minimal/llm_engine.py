@@ -185,8 +185,10 @@ class LLMEngine:
 
     def continuation_logits(self, tokens: list[int], prefix_kv: torch.Tensor) -> torch.Tensor:
         """Logits [n - P, vocab] of ``tokens[P:]`` over the given KV of ``tokens[:P]``
-        (lmkv's KVComputer; keys rotated to their positions, as compute_kv returns them)."""
-        return continuation_logits(self.model, tokens, prefix_kv.to(self.device.torch)).cpu()
+        (lmkv's KVComputer; keys rotated to their positions, as compute_kv returns them), in
+        any dtype (taken in the model's)."""
+        prefix_kv = prefix_kv.to(self.device.torch, self.dtype)
+        return continuation_logits(self.model, tokens, prefix_kv).cpu()
 
     def compute_kv(self, token_lists: list[list[int]], pre_rope: bool = False) -> list[torch.Tensor]:
         """KV of each token list computed alone at positions [0, n): [2, L, n, Hkv, D] each,

@@ -34,9 +34,14 @@ today; ``encode`` takes a CUDA chunk too (quantized on the GPU, entropy-coded on
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
+import math
+import os
 import struct
 import threading
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -56,6 +61,10 @@ MAGIC = b"CGv1"
 MAGIC_TRANSFORM = b"CGv2"
 CODERS = {"zstd": 0, "rans": 1}
 STORED = 3  # stream width code: int8 symbols as they are, not entropy-coded
+PRODUCT_ENV = "LMKV_CODEC_PRODUCT"  # bfloat16 or float32: the decode's product dtype, not timed
+PRODUCT_LEAD = 1.25  # float32 must be this much faster than bfloat16 to be picked
+
+log = logging.getLogger(__name__)
 
 
 class PayloadError(ValueError):
@@ -267,9 +276,10 @@ def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tenso
     """out[kv, layer] = coefficients @ basis^T + offset, from the band streams of a transform
     payload; coefficients not stored are at their mean. The steps are folded into the basis
     (``CacheGenTable.synthesis``). Coefficients coded as int8 are exact in bfloat16, so all
-    (kv, layer) products run as one bfloat16 batched matmul (2x the fp32 rate on CPUs with AMX
-    or AVX512-BF16; its rounding is ~0.3% of the KV's spread around the offset, which is
-    added in fp32); the wider bands, the strongest few coefficients, are added in fp32."""
+    (kv, layer) products run as one batched matmul in bfloat16 (its rounding is ~0.3% of the
+    KV's spread around the offset, which is added in fp32) or float32, whichever this CPU runs
+    faster (``product_dtype``); the wider bands, the strongest few coefficients, are added in
+    fp32."""
     two, layers, t, h, d = out.shape
     n, c = two * layers, h * d
     edges = table.bands.reshape(n, -1).tolist()
@@ -287,7 +297,8 @@ def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tenso
     scratch = table.scratch.take(n, c, t)
     try:
         scratch.coef.copy_(torch.from_numpy(np.concatenate(pieces)).view(n, c, t))
-        torch.bmm(scratch.coef.transpose(1, 2), synthesis_bf16, out=scratch.low)
+        rows = synthesis if scratch.coef.dtype == torch.float32 else synthesis_bf16
+        torch.bmm(scratch.coef.transpose(1, 2), rows, out=scratch.low)
         flat = out.view(n, t, c)
         flat.copy_(scratch.low)
         flat.add_(offset[:, None, :])
@@ -297,8 +308,43 @@ def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tenso
         flat[i].add_(torch.from_numpy(p.astype(np.float32)).view(b - a, t).T @ synthesis[i, a:b])
 
 
+@functools.cache
+def product_dtype(c: int, t: int) -> torch.dtype:
+    """The dtype of the decode's batched (kv, layer) products of C channels by T tokens on
+    this CPU: bfloat16 (int8 symbols are exact in it; about twice float32's rate where torch
+    has fast bfloat16 kernels, e.g. AVX512-BF16 on AMD Zen 4) unless float32 runs
+    ``PRODUCT_LEAD`` times faster (some Intel CPUs without AMX, whose bfloat16 matmul is
+    slower than their float32 one). Timed once per shape on two matrices at the threads torch
+    has then; ``LMKV_CODEC_PRODUCT`` sets it instead."""
+    forced = os.environ.get(PRODUCT_ENV)
+    if forced:
+        if forced not in ("bfloat16", "float32"):
+            raise ValueError(f"{PRODUCT_ENV}={forced!r}: expected bfloat16 or float32")
+        return getattr(torch, forced)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-8, 8, (2, t, c), generator=gen).float()
+    w = torch.randn(2, c, c, generator=gen)
+
+    def seconds(dtype: torch.dtype) -> float:
+        x, y, out = a.to(dtype), w.to(dtype), torch.empty(2, t, c, dtype=dtype)
+        torch.bmm(x, y, out=out)  # warm-up
+        best = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            torch.bmm(x, y, out=out)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    bf16, f32 = seconds(torch.bfloat16), seconds(torch.float32)
+    dtype = torch.float32 if f32 * PRODUCT_LEAD < bf16 else torch.bfloat16
+    log.info("cachegen: decode products in %s (%d x %d: bfloat16 %.2f ms, float32 %.2f ms a pair)",
+             str(dtype).removeprefix("torch."), t, c, bf16 * 1e3, f32 * 1e3)
+    return dtype
+
+
 class Scratch(NamedTuple):
-    """One decode's buffers: bfloat16 coefficients [n, C, T] and products [n, T, C]; int16
+    """One decode's buffers: coefficients [n, C, T] and products [n, T, C] in the product
+    dtype (``product_dtype``); int16
     room [n * C * T] for the int16 streams' symbols; the native AMX decode's workspace (bytes;
     only the pages written are touched)."""
 
@@ -340,9 +386,9 @@ class DecodeScratch:
             scratch = self._free.pop()
         except IndexError:
             scratch = None
-        if scratch is None or scratch.coef.shape != (n, c, t):
-            scratch = Scratch(torch.empty(n, c, t, dtype=torch.bfloat16),
-                              torch.empty(n, t, c, dtype=torch.bfloat16),
+        dtype = product_dtype(c, t)
+        if scratch is None or scratch.coef.shape != (n, c, t) or scratch.coef.dtype != dtype:
+            scratch = Scratch(torch.empty(n, c, t, dtype=dtype), torch.empty(n, t, c, dtype=dtype),
                               torch.empty(n * c * t, dtype=torch.int16),
                               torch.empty(native.amx_workspace(c, t), dtype=torch.uint8))
         return scratch

@@ -47,13 +47,17 @@ def calibrate_kv(computer: KVComputer, lmkv: LMKVCache, settings: CalibrationSet
     table; returns the table as lmkv will load it and where it went. Keys are measured
     before RoPE where the model rotates them (the table then codes keys un-rotated)."""
     c = lmkv.chunk_size
+    longest = max(map(len, prompts), default=0)
+    if settings.weigh_layers and longest < c + MIN_TAIL:  # refused before minutes of work
+        raise ValueError(f"calibration prompts of {longest} tokens leave no {MIN_TAIL} tokens past a "
+                         f"chunk of {c} to measure the layers' effect on: make them at least "
+                         f"{c + MIN_TAIL} tokens, or keep the ramp (weigh_layers off)")
     rope = computer.rope_inv_freq
     chunks = []
     for kv in computer.compute_kv(prompts, pre_rope=rope is not None):  # [2, L, n, Hkv, D] each
         chunks += full_chunks(kv, c)
     if not chunks:
-        raise ValueError(f"calibration prompts of {max(map(len, prompts), default=0)} tokens fill "
-                         f"no chunk of {c}: make them longer")
+        raise ValueError(f"calibration prompts of {longest} tokens fill no chunk of {c}: make them longer")
     table = calibrate(chunks, settings, rope=rope)
     if settings.weigh_layers:
         sensitivity = measure_sensitivity(computer, table, prompts, c)

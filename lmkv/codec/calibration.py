@@ -89,8 +89,10 @@ class CalibrationSettings:
         if sensitivity is None or not self.weigh_layers:
             return targets
         s = sensitivity.double().clamp_min(0)
-        if tuple(s.shape) != tuple(targets.shape) or not bool(torch.isfinite(s).all()):
+        if tuple(s.shape) != tuple(targets.shape):
             raise ValueError(f"sensitivity {tuple(s.shape)} does not fit {num_layers} layers")
+        if not bool(torch.isfinite(s).all()):
+            raise ValueError("sensitivity has NaN or infinite values (the model's logits overflowed?)")
         if not bool((s > 0).any()):
             return targets  # nothing measured moved the output: keep the ramp
         # minimise bits (sum of -log target) at the ramp's divergence sum(s * target^2):

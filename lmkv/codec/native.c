@@ -1,9 +1,9 @@
 /* The hot loops of cachegen's transform decode (lmkv/codec/native.py builds and loads this).
  *
  * lmkv_symbols: a payload's streams, entropy-decoded with libzstd (or stored as they are):
- *   int8 ones written as bfloat16 coefficients where the batched matmul reads them, int16
- *   ones (the few strongest coefficients) kept as they are for lmkv_finish.
- * lmkv_finish: the matmul's bfloat16 products to the float32 chunk: + offset + the int16
+ *   int8 ones written as coefficients (bfloat16 or float32, the batched matmul's dtype) where
+ *   the matmul reads them, int16 ones (the few strongest coefficients) kept for lmkv_finish.
+ * lmkv_finish: the matmul's products (bfloat16 or float32) to the chunk: + offset + the int16
  *   bands' products in float32, keys rotated by their positions, written with streaming stores.
  *
  * lmkv_decode_amx: both in one pass per (kv, layer) matrix, with AMX tiles.
@@ -54,6 +54,10 @@ static void int8_to_bf16(const int8_t *src, uint16_t *dst, size_t n) {
     for (size_t i = 0; i < n; i++) dst[i] = small_int_to_bf16(src[i]);
 }
 
+static void int8_to_f32(const int8_t *src, float *dst, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = (float)src[i];
+}
+
 static uint32_t read_u32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
 
 /* This thread's zstd decompression context: made on first use, freed when the thread ends. */
@@ -93,15 +97,17 @@ static int read_stream(void *dctx, unsigned width, const uint8_t *src, size_t le
 
 /* Decode the `count` streams whose 5-byte descriptors (width u8, length u32 LE) start at
  * payload + desc; the stream bytes follow the descriptors and must end at payload + len.
- * Stream i holds sizes[i] symbols, written as bfloat16 at coef + at[i]; a wide (int16) stream
- * goes to wide_sym + at[i] instead (its coef range zeroed) and its index to wide[] (their
- * number is returned). gaps: n_gaps (offset, length) pairs of coef zeroed too (coefficients
- * not stored). coef and wide_sym hold coef_len each. On error returns < 0 and sets *bad to
- * the stream concerned (or the stray byte count). */
+ * Stream i holds sizes[i] symbols, written at coef + at[i] (elements: float32 if coef_f32,
+ * else bfloat16); a wide (int16) stream goes to wide_sym + at[i] instead (its coef range
+ * zeroed) and its index to wide[] (their number is returned). gaps: n_gaps (offset, length)
+ * pairs of coef zeroed too (coefficients not stored). coef and wide_sym hold coef_len
+ * elements each. On error returns < 0 and sets *bad to the stream concerned (or the stray
+ * byte count). */
 long lmkv_symbols(const uint8_t *payload, size_t len, size_t desc, int count, const int64_t *sizes,
-                  const int64_t *at, uint16_t *coef, int16_t *wide_sym, size_t coef_len,
+                  const int64_t *at, void *coef_out, int coef_f32, int16_t *wide_sym, size_t coef_len,
                   const int64_t *gaps, int n_gaps, int32_t *wide, int64_t *bad) {
-    size_t off = desc + (size_t)count * 5, most = 0;
+    size_t off = desc + (size_t)count * 5, most = 0, es = coef_f32 ? 4 : 2;
+    char *coef = coef_out;
     long n_wide = 0;
     *bad = -1;
     if (desc > len || off > len) return E_TRUNCATED;
@@ -111,7 +117,7 @@ long lmkv_symbols(const uint8_t *payload, size_t len, size_t desc, int count, co
     }
     for (int g = 0; g < n_gaps; g++) {
         if (gaps[2 * g] < 0 || gaps[2 * g + 1] < 0 || (size_t)(gaps[2 * g] + gaps[2 * g + 1]) > coef_len) { *bad = g; return E_LENGTH; }
-        memset(coef + gaps[2 * g], 0, (size_t)gaps[2 * g + 1] * 2);
+        memset(coef + (size_t)gaps[2 * g] * es, 0, (size_t)gaps[2 * g + 1] * es);
     }
     int8_t *tmp = malloc(most ? most : 1);
     void *dctx = thread_dctx();
@@ -126,10 +132,12 @@ long lmkv_symbols(const uint8_t *payload, size_t len, size_t desc, int count, co
         off += length;
         if (r < 0) { rc = r; goto done; }
         if (r == WIDTH_INT16) {
-            memset(coef + at[i], 0, n * 2);
+            memset(coef + (size_t)at[i] * es, 0, n * es);
             wide[n_wide++] = i;
+        } else if (coef_f32) {
+            int8_to_f32(tmp, (float *)coef + at[i], n);
         } else {
-            int8_to_bf16(tmp, coef + at[i], n);
+            int8_to_bf16(tmp, (uint16_t *)coef + at[i], n);
         }
     }
     *bad = (int64_t)(len - off);
@@ -222,10 +230,10 @@ static void finish_row(const struct pass *p, int m, int r, float *row) {
     put_row(o, p->out_kind, rot, c);
 }
 
-/* out[m, t, :] = low[m, t, :] (bfloat16 products) finished by finish_row, for n matrices of
- * t rows of heads * d (<= 4096); the first n_rot are keys; out in float32, float16 or
- * bfloat16 (out_kind 0, 1, 2). */
-int lmkv_finish(int n, int t, int heads, int d, const uint16_t *low, const float *offset,
+/* out[m, t, :] = low[m, t, :] (the products: float32 if low_f32, else bfloat16) finished by
+ * finish_row, for n matrices of t rows of heads * d (<= 4096); the first n_rot are keys; out
+ * in float32, float16 or bfloat16 (out_kind 0, 1, 2). */
+int lmkv_finish(int n, int t, int heads, int d, const void *low, int low_f32, const float *offset,
                 const float *synthesis, const int16_t *wide_sym, const int32_t *wide, int n_wide,
                 const int32_t *band, const int64_t *at, void *out, int out_kind, int n_rot,
                 const float *cosv, const float *sinv) {
@@ -236,8 +244,13 @@ int lmkv_finish(int n, int t, int heads, int d, const uint16_t *low, const float
     float row[4096] __attribute__((aligned(64)));
     for (int m = 0; m < n; m++) {
         for (int r = 0; r < t; r++) {
-            const uint16_t *l = low + ((size_t)m * t + r) * c;
-            for (int j = 0; j < c; j++) row[j] = bf16_to_float(l[j]);
+            size_t at_row = ((size_t)m * t + r) * c;
+            if (low_f32) {
+                memcpy(row, (const float *)low + at_row, (size_t)c * 4);
+            } else {
+                const uint16_t *l = (const uint16_t *)low + at_row;
+                for (int j = 0; j < c; j++) row[j] = bf16_to_float(l[j]);
+            }
             finish_row(&p, m, r, row);
         }
     }

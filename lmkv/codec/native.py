@@ -70,9 +70,9 @@ def load(path: Path) -> ctypes.CDLL:
     """A built native.c with its functions' signatures declared."""
     lib = ctypes.CDLL(str(path))
     lib.lmkv_symbols.restype = ctypes.c_long
-    lib.lmkv_symbols.argtypes = [_P, _SZ, _SZ, _INT, _P, _P, _P, _P, _SZ, _P, _INT, _P, _I64P]
+    lib.lmkv_symbols.argtypes = [_P, _SZ, _SZ, _INT, _P, _P, _P, _INT, _P, _SZ, _P, _INT, _P, _I64P]
     lib.lmkv_finish.restype = _INT
-    lib.lmkv_finish.argtypes = [_INT] * 4 + [_P] * 5 + [_INT, _P, _P, _P, _INT, _INT, _P, _P]
+    lib.lmkv_finish.argtypes = [_INT] * 4 + [_P, _INT] + [_P] * 4 + [_INT, _P, _P, _P, _INT, _INT, _P, _P]
     lib.lmkv_amx.restype = _INT
     lib.lmkv_amx.argtypes = []
     lib.lmkv_decode_amx.restype = ctypes.c_long
@@ -119,8 +119,9 @@ def decode(view: memoryview, start: int, table: CacheGenTable, out: torch.Tensor
     chunk (no library, another dtype, not contiguous, more than MAX_CHANNELS channels, an odd
     head_dim): the caller decodes it with torch. Raises cachegen.PayloadError on a bad
     payload (``out`` may then hold part of a chunk). With AMX, the whole decode runs in C one
-    (kv, layer) matrix at a time; else the streams become bfloat16 coefficients in C, the
-    batched product is torch's, and one C pass writes the chunk."""
+    (kv, layer) matrix at a time; else the streams become coefficients in C (in the product
+    dtype, cachegen.product_dtype), the batched product is torch's, and one C pass writes
+    the chunk."""
     two, layers, t, h, d = out.shape
     n, c = two * layers, h * d
     if (out.dtype not in OUT_KINDS or not out.is_contiguous() or c > MAX_CHANNELS or d % 2
@@ -154,12 +155,13 @@ def decode(view: memoryview, start: int, table: CacheGenTable, out: torch.Tensor
                                      scratch.work.numel(), wide.ctypes.data, ctypes.byref(bad))
             _check(rc, bad.value)
             return True
-        rc = lib.lmkv_symbols(*payload, scratch.coef.data_ptr(), scratch.wide.data_ptr(),
+        f32 = scratch.coef.dtype == torch.float32  # the product dtype (cachegen.product_dtype)
+        rc = lib.lmkv_symbols(*payload, scratch.coef.data_ptr(), f32, scratch.wide.data_ptr(),
                               scratch.coef.numel(), plan.gaps.ctypes.data, len(plan.gaps),
                               wide.ctypes.data, ctypes.byref(bad))
         _check(rc, bad.value)
-        torch.bmm(scratch.coef.transpose(1, 2), synthesis_bf16, out=scratch.low)
-        rc = lib.lmkv_finish(n, t, h, d, scratch.low.data_ptr(), offset.data_ptr(), synthesis.data_ptr(),
+        torch.bmm(scratch.coef.transpose(1, 2), synthesis if f32 else synthesis_bf16, out=scratch.low)
+        rc = lib.lmkv_finish(n, t, h, d, scratch.low.data_ptr(), f32, offset.data_ptr(), synthesis.data_ptr(),
                              scratch.wide.data_ptr(), wide.ctypes.data, rc, plan.band.ctypes.data,
                              plan.at.ctypes.data, out.data_ptr(), kind, *rot)
         assert rc == 0, f"lmkv_finish refused heads {h} x head_dim {d}"  # checked above

@@ -100,8 +100,8 @@ def test_calibrate_cli_writes_where_the_engine_looks(tiny_model_dir, monkeypatch
 
 def test_continuation_logits_read_the_given_kv_as_the_engine_would(tiny_model_dir):
     """The logits calibration weighs layers by: over the exact KV of a prefix they are the
-    engine's own (its greedy token), they do not depend on where the prefix ends, and they
-    read the KV they are given."""
+    engine's own (its greedy token), they do not depend on where the prefix ends, they read
+    the KV they are given, in any dtype."""
     p = prompts(1)[0]
     with LLM(str(tiny_model_dir), enable_prefix_caching=False, kv_cache_memory=64 << 20) as llm:
         eng = llm.engine
@@ -109,6 +109,8 @@ def test_continuation_logits_read_the_given_kv_as_the_engine_would(tiny_model_di
         one, two = (eng.continuation_logits(p, kv[:, :, :n]) for n in (CHUNK, 2 * CHUNK))
         assert one.shape == (len(p) - CHUNK, eng.model_config.vocab_size) and one.dtype == torch.float32
         assert torch.allclose(one[CHUNK:], two, atol=1e-4)
+        half = eng.continuation_logits(p, kv[:, :, :CHUNK].to(torch.bfloat16))  # taken in the model's
+        assert half.shape == one.shape and torch.allclose(half, one, atol=0.5)
         first = llm.generate([p], GREEDY)[0].output_token_ids[0]
         assert int(two[-1].argmax()) == first
         other = kv[:, :, :CHUNK].clone()

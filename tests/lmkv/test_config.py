@@ -24,11 +24,12 @@ def test_config_file_from_environment(tmp_path):
 
 
 def test_lmkvs_switches_in_the_environment_are_not_config_keys(tmp_path):
-    """LMKV_NATIVE_* turn native code off; a config read beside them must not fail on them."""
+    """LMKV_NATIVE_* turn native code off, LMKV_CODEC_PRODUCT sets cachegen's product dtype;
+    a config read beside them must not fail on them."""
     path = tmp_path / "c.yaml"
     path.write_text("chunk_size: 64\n")
     env = {"LMKV_CONFIG_FILE": str(path), "LMKV_CACHE_DIR": "/tmp/x", "LMKV_NATIVE_DECODE": "0",
-           "LMKV_NATIVE_COPY": "0", "LMKV_NATIVE_ATTENTION": "0"}
+           "LMKV_NATIVE_COPY": "0", "LMKV_NATIVE_ATTENTION": "0", "LMKV_CODEC_PRODUCT": "float32"}
     assert load_config(env=env).chunk_size == 64
 
 

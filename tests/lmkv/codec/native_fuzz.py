@@ -1,6 +1,7 @@
 """Run as a script, in a process with AddressSanitizer preloaded (test_native.py): decode
 valid and corrupted cachegen payloads with an ASan build of native.c, on both of its paths
-(AMX where the CPU has it, and without), and print "native decode clean"."""
+(AMX where the CPU has it, and without, with bfloat16 and float32 products), and print
+"native decode clean"."""
 
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def main(build_dir: str) -> None:
             b[rng.randrange(cachegen._HEAD.size, len(b))] = rng.randrange(256)
         bad.append(bytes(b))
     real_amx = lib.lmkv_amx
-    for amx in (True, False):
+    for amx, product in ((True, torch.bfloat16), (False, torch.bfloat16), (False, torch.float32)):
         if amx and not real_amx():
             continue
         lib.lmkv_amx = real_amx if amx else (lambda: 0)
+        cachegen.product_dtype = lambda c, t, product=product: product  # coefficients' width in C
         out = torch.empty_like(x)
         cachegen.decode_into(payload, out, table)
         usual = torch.cat((out - x).split([7, 1, 56], dim=2)[::2], dim=2)  # the outlier token aside

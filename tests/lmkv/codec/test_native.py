@@ -5,6 +5,7 @@ fallback to torch where it cannot be built."""
 from __future__ import annotations
 
 import ctypes.util
+import itertools
 import logging
 import random
 import shutil
@@ -47,14 +48,16 @@ def rope_table():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("amx", [True, False])
-def test_native_decode_equals_the_torch_decode(monkeypatch, rope_table, amx, dtype):
+@pytest.mark.parametrize(("amx", "product"), [(True, torch.bfloat16), (False, torch.bfloat16),
+                                              (False, torch.float32)])
+def test_native_decode_equals_the_torch_decode(monkeypatch, rope_table, amx, product, dtype):
     """Keys rotated to their positions (0, 1000, none), a wide (int16) band, dropped
     coefficients, plain tables too, into float32, float16 and bfloat16 chunks: the native
     decode gives the torch decode's chunk (checked against the plain formula in test_codec):
-    to float32 rounding where the matmul is torch's too, to the bfloat16 rounding of torch's
-    products with AMX (which keeps them in float32), plus the dtype's rounding (torch rounds
-    to it up to three times, native once)."""
+    to float32 rounding where the matmul is torch's too (in bfloat16 or float32, the same
+    for both), to the bfloat16 rounding of torch's products with AMX (which keeps them in
+    float32), plus the dtype's rounding (torch rounds to it up to three times, native once)."""
+    monkeypatch.setattr(cachegen, "product_dtype", lambda c, t: product)
     lib = native.library()
     if CAN_BUILD:
         assert lib is not None  # where it can be built, it is what runs
@@ -261,3 +264,51 @@ def test_a_payload_inside_the_output_buffer_is_read_before_it_is_overwritten(mon
     view = memoryview(raw.numpy())[: len(payload)]
     cachegen.decode_into(view, slot.view(x.shape), rope_table)
     assert ((slot.view(x.shape) - ref).abs() <= 2**-8 * ref.abs().max()).all()
+
+
+def test_the_product_dtype_is_timed_once_per_shape_or_set_by_the_operator(monkeypatch):
+    """Without LMKV_CODEC_PRODUCT, bfloat16 or float32 by timing (cached per shape); the
+    variable sets it; another value is refused by name. Decodes in float32 products are
+    float32-exact where bfloat16 ones round: the setting reaches the decode."""
+    cachegen.product_dtype.cache_clear()
+    monkeypatch.delenv(cachegen.PRODUCT_ENV, raising=False)
+    try:
+        timed = cachegen.product_dtype(64, 16)
+        assert timed in (torch.bfloat16, torch.float32)
+        assert cachegen.product_dtype(64, 16) is timed
+        assert cachegen.product_dtype.cache_info().hits == 1
+        for name in ("bfloat16", "float32"):
+            cachegen.product_dtype.cache_clear()
+            monkeypatch.setenv(cachegen.PRODUCT_ENV, name)
+            assert cachegen.product_dtype(64, 16) is getattr(torch, name)
+        cachegen.product_dtype.cache_clear()
+        monkeypatch.setenv(cachegen.PRODUCT_ENV, "fp8")
+        with pytest.raises(ValueError, match="LMKV_CODEC_PRODUCT='fp8'"):
+            cachegen.product_dtype(64, 16)
+    finally:
+        cachegen.product_dtype.cache_clear()
+    layout = KVLayout(2, 2, 32, torch.float32, 64)
+    table = calibrate([kv_correlated(s, layout) for s in range(4)], CalibrationSettings(error=0.04))
+    x = kv_correlated(5, layout)
+    payload = cachegen.encode(x, table)
+    two, layers, t, h, d = x.shape
+    n, c = two * layers, h * d
+    edges = table.bands.reshape(n, -1)
+    sizes = (edges.diff(dim=1) * t).reshape(-1).tolist()
+    parts = iter(cachegen._read_streams(memoryview(payload), 0, sizes, cachegen._HEAD.size))
+    coef = torch.zeros(n, c, t, dtype=torch.float64)  # the products in float64: the reference
+    for i, e in enumerate(edges.tolist()):
+        for a, b in itertools.pairwise(e):
+            coef[i, a:b] = torch.from_numpy(next(parts).astype("float64")).view(b - a, t)
+    synthesis, _, offset = table.synthesis
+    exact = (coef.transpose(1, 2) @ synthesis.double() + offset.double()[:, None]).view(x.shape)
+    error = {}
+    for product in (torch.bfloat16, torch.float32):
+        monkeypatch.setattr(cachegen, "product_dtype", lambda c, t, product=product: product)
+        out = torch.empty_like(x)
+        lib = native.library()
+        if lib is not None:
+            monkeypatch.setattr(lib, "lmkv_amx", lambda: 0)
+        cachegen.decode_into(payload, out, table)
+        error[product] = float((out - exact).abs().max() / exact.abs().max())
+    assert error[torch.float32] < 1e-5 < error[torch.bfloat16], error

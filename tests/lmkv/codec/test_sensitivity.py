@@ -3,10 +3,12 @@ the allocation (CalibrationSettings.targets) and its measurement (measure_sensit
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from lmkv.codec.calibrate import MIN_TAIL, measure_sensitivity
+from lmkv.codec.calibrate import MIN_TAIL, calibrate_kv, measure_sensitivity
 from lmkv.codec.calibration import MAX_TARGET, CalibrationSettings, calibrate
 
 LAYERS, HEADS, DIM, CHUNK, VOCAB = 4, 2, 8, 16, 11
@@ -45,8 +47,9 @@ def test_a_layer_that_does_not_move_the_output_gets_the_coarsest_target():
     assert bool(weighed.flatten().topk(2).values[1] < MAX_TARGET)
     with pytest.raises(ValueError, match="does not fit"):
         CalibrationSettings().targets(LAYERS, torch.ones(2, LAYERS + 1))
-    with pytest.raises(ValueError, match="does not fit"):
-        CalibrationSettings().targets(LAYERS, torch.full((2, LAYERS), float("nan")))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            CalibrationSettings().targets(LAYERS, torch.full((2, LAYERS), bad))
 
 
 class OneLayerModel:
@@ -97,3 +100,21 @@ def test_prompts_too_short_to_measure_on_are_refused():
     table = calibrate([model.compute_kv([list(range(CHUNK))])[0]], CalibrationSettings(error=0.2))
     with pytest.raises(ValueError, match="make them longer"):
         measure_sensitivity(model, table, prompts, CHUNK)
+
+
+def test_calibrating_on_prompts_too_short_to_weigh_is_refused_before_any_kv():
+    """Weighing needs MIN_TAIL tokens past a chunk: calibrate_kv refuses shorter prompts
+    before it computes anything (the minutes of KV would be lost), naming the length needed."""
+
+    class Counting(OneLayerModel):
+        calls = 0
+
+        def compute_kv(self, token_lists, pre_rope=False):
+            Counting.calls += 1
+            return super().compute_kv(token_lists, pre_rope)
+
+    lmkv = SimpleNamespace(chunk_size=CHUNK)
+    prompts = [list(range(CHUNK + MIN_TAIL - 1))] * 2
+    with pytest.raises(ValueError, match=f"at least {CHUNK + MIN_TAIL} tokens"):
+        calibrate_kv(Counting(0, 0), lmkv, CalibrationSettings(), prompts)
+    assert Counting.calls == 0
