@@ -93,9 +93,12 @@ class LMKVCache:
             raise ValueError(f"lmkv config key cachegen_calibration: {path}: {e}") from e
         log.info("lmkv: cachegen calibration %016x from %s", table.table_id, path)
         if table.basis is not None:
-            from .codec import native
+            from .codec import cachegen, native
 
-            native.library()  # built now (about a second, once per machine), not at the first load
+            lib = native.library()  # built now (about a second, once per machine), not at the first load
+            if lib is None or not lib.lmkv_amx():  # timed now, before any load runs beside it
+                heads, dim = table.step.shape[2:]
+                cachegen.product_dtype(heads * dim, self.layout.chunk_size)
         return table
 
     @property
