@@ -96,9 +96,10 @@ class LMKVCache:
             from .codec import cachegen, native
 
             lib = native.library()  # built now (about a second, once per machine), not at the first load
+            cachegen.forced_product()  # a bad LMKV_CODEC_PRODUCT is refused at start, on any CPU
             if lib is None or not lib.lmkv_amx():  # timed now, before any load runs beside it
                 heads, dim = table.step.shape[2:]
-                cachegen.product_dtype(heads * dim, self.layout.chunk_size)
+                cachegen.product_dtype(heads * dim)
         return table
 
     @property

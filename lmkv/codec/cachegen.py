@@ -34,7 +34,6 @@ today; ``encode`` takes a CUDA chunk too (quantized on the GPU, entropy-coded on
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import math
@@ -294,7 +293,7 @@ def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tenso
         if e[-1] < c:
             pieces.append(np.zeros((c - e[-1]) * t, np.int8))
     synthesis, synthesis_bf16, offset = table.synthesis
-    scratch = table.scratch.take(n, c, t)
+    scratch = table.scratch.take(n, c, t, product_dtype(c))
     try:
         scratch.coef.copy_(torch.from_numpy(np.concatenate(pieces)).view(n, c, t))
         rows = synthesis if scratch.coef.dtype == torch.float32 else synthesis_bf16
@@ -308,38 +307,66 @@ def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tenso
         flat[i].add_(torch.from_numpy(p.astype(np.float32)).view(b - a, t).T @ synthesis[i, a:b])
 
 
-@functools.cache
-def product_dtype(c: int, t: int) -> torch.dtype:
-    """The dtype of the decode's batched (kv, layer) products of C channels by T tokens on
-    this CPU: bfloat16 (int8 symbols are exact in it; about twice float32's rate where torch
-    has fast bfloat16 kernels, e.g. AVX512-BF16 on AMD Zen 4) unless float32 runs
-    ``PRODUCT_LEAD`` times faster (some Intel CPUs without AMX, whose bfloat16 matmul is
-    slower than their float32 one). Timed once per shape on two matrices at the threads torch
-    has then; ``LMKV_CODEC_PRODUCT`` sets it instead."""
+PROBE_TOKENS = 256  # rows of the timed products (a typical chunk; the pick holds for any)
+_products: dict[int, torch.dtype] = {}  # channels -> the product dtype picked
+_products_lock = threading.Lock()
+
+
+def forced_product() -> torch.dtype | None:
+    """The product dtype ``LMKV_CODEC_PRODUCT`` sets (None: unset); ValueError naming the
+    variable for another value (lmkv checks it when it loads a table, before any decode)."""
     forced = os.environ.get(PRODUCT_ENV)
-    if forced:
-        if forced not in ("bfloat16", "float32"):
-            raise ValueError(f"{PRODUCT_ENV}={forced!r}: expected bfloat16 or float32")
-        return getattr(torch, forced)
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randint(-8, 8, (2, t, c), generator=gen).float()
-    w = torch.randn(2, c, c, generator=gen)
+    if not forced:
+        return None
+    if forced not in ("bfloat16", "float32"):
+        raise ValueError(f"{PRODUCT_ENV}={forced!r}: expected bfloat16 or float32")
+    return getattr(torch, forced)
 
-    def seconds(dtype: torch.dtype) -> float:
-        x, y, out = a.to(dtype), w.to(dtype), torch.empty(2, t, c, dtype=dtype)
-        torch.bmm(x, y, out=out)  # warm-up
-        best = math.inf
-        for _ in range(3):
-            start = time.perf_counter()
-            torch.bmm(x, y, out=out)
-            best = min(best, time.perf_counter() - start)
-        return best
 
-    bf16, f32 = seconds(torch.bfloat16), seconds(torch.float32)
+def product_dtype(c: int) -> torch.dtype:
+    """The dtype of the decode's batched (kv, layer) products of C channels on this CPU (the
+    torch product, used where AMX does not decode): bfloat16 (int8 symbols are exact in it;
+    about twice float32's rate where torch has fast bfloat16 kernels, e.g. AVX512-BF16 on
+    AMD Zen 4) unless float32 runs more than ``PRODUCT_LEAD`` times faster (some Intel CPUs
+    without AMX, whose bfloat16 matmul is slower than their float32 one). Timed once per C
+    (on one matrix of ``PROBE_TOKENS`` tokens, at the threads torch has then; one thread at
+    a time) unless ``LMKV_CODEC_PRODUCT`` sets it. Never raises: a bad setting or a failed
+    timing is logged and gives bfloat16."""
+    with _products_lock:
+        if c not in _products:
+            _products[c] = _pick_product(c)
+        return _products[c]
+
+
+def _pick_product(c: int) -> torch.dtype:
+    try:
+        forced = forced_product()
+        if forced is not None:
+            return forced
+        bf16, f32 = _product_seconds(torch.bfloat16, c), _product_seconds(torch.float32, c)
+    except Exception as e:  # noqa: BLE001 - a decode must not fail on how it multiplies
+        log.error("cachegen: decode products in bfloat16 (%s)", e)
+        return torch.bfloat16
     dtype = torch.float32 if f32 * PRODUCT_LEAD < bf16 else torch.bfloat16
-    log.info("cachegen: decode products in %s (%d x %d: bfloat16 %.2f ms, float32 %.2f ms a pair)",
-             str(dtype).removeprefix("torch."), t, c, bf16 * 1e3, f32 * 1e3)
+    log.info("cachegen: decode products in %s (%d channels: bfloat16 %.2f ms, float32 %.2f ms)",
+             str(dtype).removeprefix("torch."), c, bf16 * 1e3, f32 * 1e3)
     return dtype
+
+
+def _product_seconds(dtype: torch.dtype, c: int) -> float:
+    """The best of 2 timings of one (kv, layer) product as the decode runs it (coefficients
+    [C, T] read transposed) in ``dtype``."""
+    gen = torch.Generator().manual_seed(0)
+    coef = torch.randint(-8, 8, (1, c, PROBE_TOKENS), generator=gen).to(dtype)
+    rows = torch.randn(1, c, c, generator=gen).to(dtype)
+    out = torch.empty(1, PROBE_TOKENS, c, dtype=dtype)
+    torch.bmm(coef.transpose(1, 2), rows, out=out)  # warm-up
+    best = math.inf
+    for _ in range(2):
+        start = time.perf_counter()
+        torch.bmm(coef.transpose(1, 2), rows, out=out)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 class Scratch(NamedTuple):
@@ -381,12 +408,13 @@ class DecodeScratch:
                 self._plans[t] = native.StreamPlan.of(table, t)
             return self._plans[t]
 
-    def take(self, n: int, c: int, t: int) -> Scratch:
+    def take(self, n: int, c: int, t: int, dtype: torch.dtype = torch.bfloat16) -> Scratch:
+        """A set of buffers for n matrices of C channels and T tokens, the coefficients and
+        products in ``dtype`` (the torch product's: product_dtype)."""
         try:
             scratch = self._free.pop()
         except IndexError:
             scratch = None
-        dtype = product_dtype(c, t)
         if scratch is None or scratch.coef.shape != (n, c, t) or scratch.coef.dtype != dtype:
             scratch = Scratch(torch.empty(n, c, t, dtype=dtype), torch.empty(n, t, c, dtype=dtype),
                               torch.empty(n * c * t, dtype=torch.int16),

@@ -145,7 +145,9 @@ def decode(view: memoryview, start: int, table: CacheGenTable, out: torch.Tensor
     lo, hi = data.ctypes.data, data.ctypes.data + len(data)
     apart = hi <= out.data_ptr() or out.data_ptr() + out.nbytes <= lo
     amx = c % 32 == 0 and t > 0 and t % 16 == 0 and apart and lib.lmkv_amx()
-    scratch = table.scratch.take(n, c, t)
+    from .cachegen import product_dtype  # cachegen imports this module
+
+    scratch = table.scratch.take(n, c, t, torch.bfloat16 if amx else product_dtype(c))
     try:
         if amx:
             synthesis_t = table.scratch.synthesis_t(table)
@@ -155,7 +157,7 @@ def decode(view: memoryview, start: int, table: CacheGenTable, out: torch.Tensor
                                      scratch.work.numel(), wide.ctypes.data, ctypes.byref(bad))
             _check(rc, bad.value)
             return True
-        f32 = scratch.coef.dtype == torch.float32  # the product dtype (cachegen.product_dtype)
+        f32 = scratch.coef.dtype == torch.float32  # the torch product's dtype
         rc = lib.lmkv_symbols(*payload, scratch.coef.data_ptr(), f32, scratch.wide.data_ptr(),
                               scratch.coef.numel(), plan.gaps.ctypes.data, len(plan.gaps),
                               wide.ctypes.data, ctypes.byref(bad))

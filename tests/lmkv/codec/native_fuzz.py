@@ -54,7 +54,7 @@ def main(build_dir: str) -> None:
         if amx and not real_amx():
             continue
         lib.lmkv_amx = real_amx if amx else (lambda: 0)
-        cachegen.product_dtype = lambda c, t, product=product: product  # coefficients' width in C
+        cachegen.product_dtype = lambda c, product=product: product  # coefficients' width in C
         out = torch.empty_like(x)
         cachegen.decode_into(payload, out, table)
         usual = torch.cat((out - x).split([7, 1, 56], dim=2)[::2], dim=2)  # the outlier token aside

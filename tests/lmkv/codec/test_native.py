@@ -57,7 +57,7 @@ def test_native_decode_equals_the_torch_decode(monkeypatch, rope_table, amx, pro
     to float32 rounding where the matmul is torch's too (in bfloat16 or float32, the same
     for both), to the bfloat16 rounding of torch's products with AMX (which keeps them in
     float32), plus the dtype's rounding (torch rounds to it up to three times, native once)."""
-    monkeypatch.setattr(cachegen, "product_dtype", lambda c, t: product)
+    monkeypatch.setattr(cachegen, "product_dtype", lambda c: product)
     lib = native.library()
     if CAN_BUILD:
         assert lib is not None  # where it can be built, it is what runs
@@ -266,27 +266,38 @@ def test_a_payload_inside_the_output_buffer_is_read_before_it_is_overwritten(mon
     assert ((slot.view(x.shape) - ref).abs() <= 2**-8 * ref.abs().max()).all()
 
 
-def test_the_product_dtype_is_timed_once_per_shape_or_set_by_the_operator(monkeypatch):
-    """Without LMKV_CODEC_PRODUCT, bfloat16 or float32 by timing (cached per shape); the
-    variable sets it; another value is refused by name. Decodes in float32 products are
-    float32-exact where bfloat16 ones round: the setting reaches the decode."""
-    cachegen.product_dtype.cache_clear()
+def test_the_product_dtype_is_timed_once_or_set_by_the_operator(monkeypatch, caplog):
+    """Without LMKV_CODEC_PRODUCT, float32 only where it runs more than 1.25x faster than
+    bfloat16, timed once per channel count; the variable sets it; on the decode path another
+    value (or a failed timing) gives bfloat16 and an error line, never an exception."""
+    timed = []
+
+    def seconds(f32: float):
+        def product_seconds(dtype, c):
+            timed.append(c)
+            return {torch.bfloat16: 1.0, torch.float32: f32}[dtype]
+        return product_seconds
+
     monkeypatch.delenv(cachegen.PRODUCT_ENV, raising=False)
-    try:
-        timed = cachegen.product_dtype(64, 16)
-        assert timed in (torch.bfloat16, torch.float32)
-        assert cachegen.product_dtype(64, 16) is timed
-        assert cachegen.product_dtype.cache_info().hits == 1
-        for name in ("bfloat16", "float32"):
-            cachegen.product_dtype.cache_clear()
-            monkeypatch.setenv(cachegen.PRODUCT_ENV, name)
-            assert cachegen.product_dtype(64, 16) is getattr(torch, name)
-        cachegen.product_dtype.cache_clear()
-        monkeypatch.setenv(cachegen.PRODUCT_ENV, "fp8")
-        with pytest.raises(ValueError, match="LMKV_CODEC_PRODUCT='fp8'"):
-            cachegen.product_dtype(64, 16)
-    finally:
-        cachegen.product_dtype.cache_clear()
+    for f32, picked in ((0.7, torch.float32), (0.85, torch.bfloat16), (1.3, torch.bfloat16)):
+        monkeypatch.setattr(cachegen, "_products", {})
+        monkeypatch.setattr(cachegen, "_product_seconds", seconds(f32))
+        assert cachegen.product_dtype(64) is picked and cachegen.product_dtype(64) is picked
+    assert timed == [64] * 6  # two dtypes timed, once per case
+    monkeypatch.setattr(cachegen, "_product_seconds", lambda dtype, c: 1 / 0)
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32), ("fp8", torch.bfloat16),
+                        ("", torch.bfloat16)):
+        monkeypatch.setattr(cachegen, "_products", {})
+        monkeypatch.setenv(cachegen.PRODUCT_ENV, name)
+        with caplog.at_level(logging.ERROR, logger="lmkv.codec.cachegen"):
+            assert cachegen.product_dtype(64) is dtype
+        assert ("LMKV_CODEC_PRODUCT='fp8'" in caplog.text) == (name == "fp8")
+        assert ("division by zero" in caplog.text) == (name == "")
+        caplog.clear()
+    monkeypatch.setenv(cachegen.PRODUCT_ENV, "fp8")
+    with pytest.raises(ValueError, match="LMKV_CODEC_PRODUCT='fp8'"):
+        cachegen.forced_product()
+    monkeypatch.undo()
     layout = KVLayout(2, 2, 32, torch.float32, 64)
     table = calibrate([kv_correlated(s, layout) for s in range(4)], CalibrationSettings(error=0.04))
     x = kv_correlated(5, layout)
@@ -304,7 +315,7 @@ def test_the_product_dtype_is_timed_once_per_shape_or_set_by_the_operator(monkey
     exact = (coef.transpose(1, 2) @ synthesis.double() + offset.double()[:, None]).view(x.shape)
     error = {}
     for product in (torch.bfloat16, torch.float32):
-        monkeypatch.setattr(cachegen, "product_dtype", lambda c, t, product=product: product)
+        monkeypatch.setattr(cachegen, "product_dtype", lambda c, product=product: product)
         out = torch.empty_like(x)
         lib = native.library()
         if lib is not None:
@@ -312,3 +323,20 @@ def test_the_product_dtype_is_timed_once_per_shape_or_set_by_the_operator(monkey
         cachegen.decode_into(payload, out, table)
         error[product] = float((out - exact).abs().max() / exact.abs().max())
     assert error[torch.float32] < 1e-5 < error[torch.bfloat16], error
+
+
+def test_a_bad_product_setting_is_refused_when_lmkv_starts(tmp_path, monkeypatch, rope_table):
+    """A cachegen tier with a transform table: LMKV_CODEC_PRODUCT=fp8 stops lmkv at start
+    with the variable named (on any CPU), not at every load."""
+    from lmkv.cache import LMKVCache
+    from lmkv.config import load_config
+
+    path = tmp_path / "table.safetensors"
+    rope_table.save(path)
+    cfg = load_config(env={}, chunk_size=BIG.chunk_size, local_disk=f"file://{tmp_path}/disk/",
+                      max_local_disk_size=0.1, local_disk_codec="cachegen", cachegen_calibration=str(path))
+    monkeypatch.setenv(cachegen.PRODUCT_ENV, "fp8")
+    with pytest.raises(ValueError, match="LMKV_CODEC_PRODUCT='fp8'"):
+        LMKVCache(cfg, BIG, "model")
+    monkeypatch.setenv(cachegen.PRODUCT_ENV, "float32")
+    LMKVCache(cfg, BIG, "model").close()
