@@ -58,6 +58,13 @@ def main() -> None:
     print(f"conversation trace, first {len(reqs)} requests: {len(reqs) - len(cont)} start a conversation, "
           f"{len(cont)} continue one ({sum(whole[i] for i in cont) / len(cont):.0%} extending the whole "
           f"earlier prompt)")
+    uses: dict[int, int] = {}
+    for r in reqs:
+        for b in r["hash_ids"][: r["input_length"] // BLOCK]:
+            uses[b] = uses.get(b, 0) + 1
+    once = sum(n == 1 for n in uses.values())
+    print(f"distinct full blocks {len(uses)}, used by one request only {once}: once/distinct = "
+          f"{once / len(uses):.2f}")
     nxt: dict[int, int] = {}
     for i in cont:
         nxt.setdefault(prev[i], i)  # the first request continuing each one
