@@ -327,16 +327,24 @@ def test_the_product_dtype_is_timed_once_or_set_by_the_operator(monkeypatch, cap
 
 def test_a_bad_product_setting_is_refused_when_lmkv_starts(tmp_path, monkeypatch, rope_table):
     """A cachegen tier with a transform table: LMKV_CODEC_PRODUCT=fp8 stops lmkv at start
-    with the variable named (on any CPU), not at every load."""
+    with the variable named (on any CPU), not at every load; unset, the product dtype is
+    timed at start (without AMX), not beside the first loads."""
     from lmkv.cache import LMKVCache
     from lmkv.config import load_config
 
     path = tmp_path / "table.safetensors"
     rope_table.save(path)
-    cfg = load_config(env={}, chunk_size=BIG.chunk_size, local_disk=f"file://{tmp_path}/disk/",
+    cfg = load_config(env={}, chunk_size=BIG.chunk_size, max_local_cpu_size=0.01, local_disk=f"file://{tmp_path}/disk/",
                       max_local_disk_size=0.1, local_disk_codec="cachegen", cachegen_calibration=str(path))
     monkeypatch.setenv(cachegen.PRODUCT_ENV, "fp8")
     with pytest.raises(ValueError, match="LMKV_CODEC_PRODUCT='fp8'"):
         LMKVCache(cfg, BIG, "model")
     monkeypatch.setenv(cachegen.PRODUCT_ENV, "float32")
     LMKVCache(cfg, BIG, "model").close()
+    monkeypatch.delenv(cachegen.PRODUCT_ENV)  # unset: timed at start where AMX does not decode
+    timed = []
+    monkeypatch.setattr(cachegen, "_products", {})
+    monkeypatch.setattr(cachegen, "_product_seconds", lambda dtype, c: timed.append(c) or 1.0)
+    LMKVCache(cfg, BIG, "model").close()
+    lib = native.library()
+    assert timed == ([] if lib is not None and lib.lmkv_amx() else [BIG.num_kv_heads * BIG.head_dim] * 2)
