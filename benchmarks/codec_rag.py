@@ -261,8 +261,8 @@ def decode_speed(error: float, table: CacheGenTable, sample: list[tuple[int, tor
         secs, nbytes = raw_read_seconds(files)
     dec, disk = model_bytes / dec_s / 1e9, nbytes / secs / 1e9
     lib = native.library()
-    product = str(cachegen.product_dtype(kv_sample[0].shape[3] * kv_sample[0].shape[4],
-                                         kv_sample[0].shape[2])).removeprefix("torch.")
+    channels = kv_sample[0].shape[3] * kv_sample[0].shape[4]
+    product = str(cachegen.product_dtype(channels)).removeprefix("torch.")
     how = (f"torch, {product} products" if lib is None else "native, AMX" if lib.lmkv_amx()
            else f"native, {product} products")
     print(f"cachegen {error:g} decode vs disk read (one core, {how}, "
