@@ -370,10 +370,9 @@ def _product_seconds(dtype: torch.dtype, c: int) -> float:
 
 
 class Scratch(NamedTuple):
-    """One decode's buffers: coefficients [n, C, T] and products [n, T, C] in the product
-    dtype (``product_dtype``); int16
-    room [n * C * T] for the int16 streams' symbols; the native AMX decode's workspace (bytes;
-    only the pages written are touched)."""
+    """One decode's buffers: coefficients [n, C, T] and products [n, T, C] in the torch
+    product's dtype (``product_dtype``); int16 room [n * C * T] for the int16 streams'
+    symbols; the native AMX decode's workspace (bytes; only the pages written are touched)."""
 
     coef: torch.Tensor
     low: torch.Tensor

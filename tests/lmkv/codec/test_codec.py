@@ -216,6 +216,23 @@ def test_transform_is_chosen_for_correlated_kv_and_keeps_the_error_bound(dtype):
         cachegen.decode_into(payload, out, per_channel)
 
 
+def transform_reference(x: torch.Tensor, table: CacheGenTable) -> torch.Tensor:
+    """The plain formula of a transform table's decode of chunk ``x`` (keys as given, no
+    rotation), in float64: coefficients quantized and dequantized, those not stored at their
+    mean, times the basis."""
+    two, layers, t, h, d = x.shape
+    basis = table.basis.reshape(two, layers, h * d, h * d)
+    coef = (x.reshape(two, layers, t, h * d) @ basis).view(x.shape)
+    sym = cachegen.quantize(coef, table.step, table.mean, table.delta, table.group_size)
+    deq = torch.empty_like(coef)
+    cachegen.dequantize(sym, table.step, table.mean, table.delta, table.group_size, deq)
+    deq = deq.reshape(two, layers, t, h * d)
+    mean = table.mean.reshape(two, layers, 1, h * d).expand_as(deq)
+    kept = torch.arange(h * d) < table.bands[..., -1:]  # [2, L, C]
+    deq = torch.where(kept[:, :, None], deq, mean)
+    return (deq.double() @ basis.double().transpose(2, 3)).view(x.shape)
+
+
 @pytest.mark.parametrize("store_weak", [True, False])
 def test_transform_decode_is_the_dequantized_coefficients_times_the_basis(store_weak):
     """The batched bfloat16 decode equals the plain formula: coefficients quantized and
@@ -228,17 +245,7 @@ def test_transform_decode_is_the_dequantized_coefficients_times_the_basis(store_
                       CalibrationSettings(error=0.04, store_weak=store_weak))
     x = kv_correlated(11, big)
     x[:, :, 7] *= 60  # an outlier token: its strongest coefficients need int16
-    two, layers, t, h, d = big.chunk_shape
-    basis = table.basis.reshape(two, layers, h * d, h * d)
-    coef = (x.reshape(two, layers, t, h * d) @ basis).view(x.shape)
-    sym = cachegen.quantize(coef, table.step, table.mean, table.delta, table.group_size)
-    deq = torch.empty_like(coef)
-    cachegen.dequantize(sym, table.step, table.mean, table.delta, table.group_size, deq)
-    deq = deq.reshape(two, layers, t, h * d)
-    mean = table.mean.reshape(two, layers, 1, h * d).expand_as(deq)
-    kept = torch.arange(h * d) < table.bands[..., -1:]  # [2, L, C]
-    deq = torch.where(kept[:, :, None], deq, mean)
-    want = (deq.double() @ basis.double().transpose(2, 3)).view(x.shape)
+    want = transform_reference(x, table)
     payload = cachegen.encode(x, table)
     count = cachegen._HEAD.unpack_from(payload)[5]
     widths = [cachegen._STREAM.unpack_from(payload, cachegen._HEAD.size + i * cachegen._STREAM.size)[0]

@@ -5,7 +5,6 @@ fallback to torch where it cannot be built."""
 from __future__ import annotations
 
 import ctypes.util
-import itertools
 import logging
 import random
 import shutil
@@ -19,7 +18,7 @@ from lmkv.codec.calibration import CalibrationSettings, calibrate
 from lmkv.layout import KVLayout
 from lmkv.memory import NO_POSITION
 
-from .test_codec import kv_correlated, rope_frequencies, rotated
+from .test_codec import kv_correlated, rope_frequencies, rotated, transform_reference
 
 BIG = KVLayout(3, 2, 32, torch.float32, 128)
 CAN_BUILD = bool((shutil.which("cc") or shutil.which("gcc")) and ctypes.util.find_library("zstd"))
@@ -302,17 +301,7 @@ def test_the_product_dtype_is_timed_once_or_set_by_the_operator(monkeypatch, cap
     table = calibrate([kv_correlated(s, layout) for s in range(4)], CalibrationSettings(error=0.04))
     x = kv_correlated(5, layout)
     payload = cachegen.encode(x, table)
-    two, layers, t, h, d = x.shape
-    n, c = two * layers, h * d
-    edges = table.bands.reshape(n, -1)
-    sizes = (edges.diff(dim=1) * t).reshape(-1).tolist()
-    parts = iter(cachegen._read_streams(memoryview(payload), 0, sizes, cachegen._HEAD.size))
-    coef = torch.zeros(n, c, t, dtype=torch.float64)  # the products in float64: the reference
-    for i, e in enumerate(edges.tolist()):
-        for a, b in itertools.pairwise(e):
-            coef[i, a:b] = torch.from_numpy(next(parts).astype("float64")).view(b - a, t)
-    synthesis, _, offset = table.synthesis
-    exact = (coef.transpose(1, 2) @ synthesis.double() + offset.double()[:, None]).view(x.shape)
+    exact = transform_reference(x, table)  # the products in float64
     error = {}
     for product in (torch.bfloat16, torch.float32):
         monkeypatch.setattr(cachegen, "product_dtype", lambda c, product=product: product)
