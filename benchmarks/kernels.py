@@ -180,9 +180,10 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
         Case("rerotate_keys", 2 * g.layers * t * row, 0,
              lambda: rope.rerotate_keys(launcher, keys, delta, inv_freq),
              lambda: ops_torch.rerotate_keys(keys, delta, inv_freq)),
-        decode("paged_attention_decode"),
-        *([decode("decode, 2 keys in flight", keys_in_flight=2)]  # a variant the engine does not run
-          if 2 <= g.q_heads // g.kv_heads <= attention.SMALL_GROUP_ROWS else []),
+        decode("paged_attention_decode"),  # the engine's kernel (attention.DECODE_KERNEL)
+        *(decode(f"decode, kernel {k}", kernel=k) for k in attention.DECODE_KERNELS
+          if k != attention.DECODE_KERNEL
+          and (k != "tiles2" or 2 <= g.q_heads // g.kv_heads <= attention.SMALL_GROUP_ROWS)),
         Case("paged_attention_prefill", 2 * pt * row + 2 * pt * g.q_heads * g.head_dim * e,
              4 * causal_pairs * g.q_heads * g.head_dim,
              lambda: attention.paged_attention_prefill(

@@ -22,6 +22,12 @@ ROWS = 8  # query rows per block sharing each K/V load (template R; decode: 1 wi
 SMALL_GROUP_ROWS = 4
 THREADS = 128
 MAX_PARTITIONS = 64  # splits of one decode's keys, at most
+# decode kernels: "warps" (paged_decode_warps: each warp its own online softmax, K and V
+# loads of a step issued together), "tiles" (paged_attention: the block's warps score a tile
+# of keys, then weigh its values, with barriers between), "tiles2" (tiles whose lanes load two
+# keys before scoring them; GQA groups of 2-4 heads). benchmarks/kernels.py times each.
+DECODE_KERNELS = ("warps", "tiles", "tiles2")
+DECODE_KERNEL = "warps"
 _NO_SPLIT = 1 << 30
 
 
@@ -80,7 +86,7 @@ def _launch(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None,
     tile_starts: torch.Tensor | None, grid_x: int, rows: int, heads_per_block: int,
     tile_tokens: int, partition_size: int, num_partitions: int, scale: float,
-    keys_in_flight: int = 1,
+    kernel_name: str | None = None,
 ) -> None:  # fmt: skip
     _, nb, bs, hkv, d = kv_layer.shape
     hq = query.shape[1]
@@ -93,8 +99,8 @@ def _launch(
         part_o = part_ml = torch.empty(1, **f32)
     p = launcher.pointer
     dtype = CTYPE[query.dtype]
-    variant = "" if keys_in_flight == 1 else f", {keys_in_flight}"
-    kernel = launcher.kernel("paged_attention.cu", f"paged_attention<{dtype}, {d}, {rows}{variant}>")
+    kernel_name = kernel_name or "paged_attention<{}, {}, {}>"
+    kernel = launcher.kernel("paged_attention.cu", kernel_name.format(dtype, d, rows))
     dummy = seq_lens  # stands for the pointers decode does not use
     kernel(
         (grid_x, hkv * chunks, num_partitions), (THREADS,),
@@ -121,14 +127,13 @@ def _launch(
 def paged_attention_decode(
     launcher: Launcher, query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, *, check: bool = True, out: torch.Tensor | None = None,
-    partition_size: int = 512, keys_in_flight: int = 1,
+    partition_size: int = 512, kernel: str = DECODE_KERNEL,
 ) -> torch.Tensor:  # fmt: skip
     """query [B, Hq, D] at positions seq_len - 1; block_tables [B, max_blocks]; seq_lens [B].
     Returns [B, Hq, D]. Contexts longer than partition_size keys are split (flash-decoding),
     into MAX_PARTITIONS at most (longer partitions beyond): the split's workspace
     [B, Hq, partitions, D + 2] fp32 stays bounded at any context length.
-    ``keys_in_flight`` 2: the variant whose lanes load two keys before scoring them (GQA
-    groups of 2-4 heads only; benchmarks/kernels.py measures it beside the default)."""
+    ``kernel``: one of DECODE_KERNELS (benchmarks/kernels.py times each)."""
     out, block_tables, seq_lens = _common(launcher, query, kv_layer, block_tables, seq_lens, out)
     _, nb, bs, hkv, _ = kv_layer.shape
     batch, hq, _ = query.shape
@@ -143,14 +148,17 @@ def paged_attention_decode(
         require(bad_block == 0, f"{bad_block} block_tables entries in use are outside [0, {nb})")
     group = hq // hkv
     rows = 1 if group == 1 else SMALL_GROUP_ROWS if group <= SMALL_GROUP_ROWS else ROWS
-    require(keys_in_flight == 1 or (keys_in_flight == 2 and rows == SMALL_GROUP_ROWS),
-            f"keys_in_flight {keys_in_flight}: 1, or 2 for GQA groups of 2-4 heads (this: {group})")
+    require(kernel in DECODE_KERNELS, f"decode kernel {kernel!r}: one of {DECODE_KERNELS}")
+    require(kernel != "tiles2" or rows == SMALL_GROUP_ROWS,
+            f"decode kernel tiles2 takes GQA groups of 2-4 heads (this: {group})")
+    name = {"warps": "paged_decode_warps<{}, {}, {}>", "tiles": None,
+            "tiles2": "paged_attention<{}, {}, {}, 2>"}[kernel]
     partition_size = max(partition_size, -(-max_len // MAX_PARTITIONS))
     num_partitions = -(-max_len // partition_size)
     _launch(
         launcher, query, kv_layer, out, block_tables, seq_lens, None, None, batch, rows,
         min(group, rows), 1, partition_size if num_partitions > 1 else _NO_SPLIT,
-        num_partitions, scale, keys_in_flight,
+        num_partitions, scale, name,
     )  # fmt: skip
     return out
 

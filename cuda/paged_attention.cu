@@ -270,3 +270,193 @@ __global__ void __launch_bounds__(D)
   }
   out[row * D + d] = lmkv::from_float<T>(o / l);
 }
+
+// Decode with independent warps: each warp of a block runs its own online softmax over its
+// share of the partition's keys, KS keys per step, and issues the step's K and V loads
+// together before it uses any of them (8 K and 8 V 16-byte loads per lane: 8 KiB per warp in
+// flight at bf16, D = 128); no block barrier until the warps' partial results are combined at
+// the end. Rows = up to R query heads of one KV head. Same arguments, grid and outputs as
+// paged_attention's decode (prefill = 0; query_start_loc, tile_starts, tile_tokens unused).
+template <class T, int D, int R>
+__global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 registers (128 spill)
+    paged_decode_warps(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
+                       const T* __restrict__ q, const T* __restrict__ k_cache,
+                       const T* __restrict__ v_cache, i64 slot_stride, i64 head_stride,
+                       const int* __restrict__ block_tables, int max_blocks, int block_size,
+                       const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+                       const int* __restrict__ tile_starts, int prefill, int num_seqs,
+                       int num_q_heads, int num_kv_heads, int heads_per_block, int tile_tokens,
+                       int partition_size, int num_partitions, float scale) {
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int NV = D / (VEC * kLanesPerKey);  // K loads per lane per key
+  constexpr int KPP = 32 / kLanesPerKey;        // keys per score pass of a warp (8)
+  constexpr int KU = NV >= 8 ? 1 : 8 / NV;      // score passes per step: 8 K loads per lane
+  constexpr int KS = KPP * KU;                  // keys per warp step
+  constexpr int LPR = D / VEC;                  // lanes per key row in the value phase
+  constexpr int TPW = 32 / LPR;                 // keys per value pass
+  constexpr int VP = KS / TPW;                  // value passes per step
+  static_assert(NV >= 1 && LPR <= 32 && D % (VEC * kLanesPerKey) == 0, "unsupported head_dim");
+  static_assert(KPP % TPW == 0, "a value pass must not straddle two score passes");
+  static_assert(KS <= 32, "one block-table read per lane covers a step");
+
+  __shared__ __align__(16) float q_s[R * D];
+  __shared__ __align__(16) float red[kWarps * R * D];
+  __shared__ float m_w[kWarps * R], l_w[kWarps * R];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = num_q_heads / num_kv_heads;
+  const int head_chunks = (group + heads_per_block - 1) / heads_per_block;
+  const int kvh = blockIdx.y / head_chunks;
+  const int g0 = (blockIdx.y % head_chunks) * heads_per_block;
+  const int nrows = min(heads_per_block, group - g0);
+  const int seq = blockIdx.x;
+  const int seq_len = seq_lens[seq];
+  const int part = blockIdx.z;
+  const int k_begin = part * partition_size;
+  if (k_begin >= seq_len) return;  // never read by the merge
+  const int k_end = min(seq_len, k_begin + partition_size);
+  const int* table = block_tables + (i64)seq * max_blocks;
+
+  for (int i = tid; i < R * D; i += kThreads) {
+    const int r = i / D;
+    q_s[i] = r < nrows ? lmkv::to_float(q[((i64)seq * num_q_heads + kvh * group + g0 + r) * D + i % D])
+                       : 0.f;
+  }
+  __syncthreads();
+
+  const T* k_head = k_cache + kvh * head_stride;
+  const T* v_head = v_cache + kvh * head_stride;
+  const int kg = lane / kLanesPerKey, kj = lane % kLanesPerKey;  // score: key, slice
+  const int vg = lane / LPR, vj = lane % LPR;                      // value: key, slice
+  float m[R], l[R], acc[R][VEC];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = lmkv::neg_inf();
+    l[r] = 0.f;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[r][e] = 0.f;
+  }
+
+  // the loop bound is warp-uniform: every lane reaches the shuffles
+  for (int base = k_begin + warp * KS; base < k_end; base += kWarps * KS) {
+    // one block-table read per lane (the block of key base + lane), handed to the lanes
+    // that load each key; keys past the end re-read the last one (their weight is 0)
+    const int block = table[min(base + lane, k_end - 1) / block_size];
+    lmkv::Vec<T, VEC> kv[KU][NV], vv[VP];
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const int t = min(base + u * KPP + kg, k_end - 1);
+      const i64 slot = (i64)__shfl_sync(0xffffffffu, block, t - base) * block_size + t % block_size;
+      const T* kp = k_head + slot * slot_stride;
+#pragma unroll
+      for (int v = 0; v < NV; ++v)
+        kv[u][v] = *reinterpret_cast<const lmkv::Vec<T, VEC>*>(kp + (kj + kLanesPerKey * v) * VEC);
+    }
+#pragma unroll
+    for (int i = 0; i < VP; ++i) {
+      const int t = min(base + i * TPW + vg, k_end - 1);
+      const i64 slot = (i64)__shfl_sync(0xffffffffu, block, t - base) * block_size + t % block_size;
+      vv[i] = *reinterpret_cast<const lmkv::Vec<T, VEC>*>(v_head + slot * slot_stride + vj * VEC);
+    }
+    // scores of the step's keys: s[r][u] for key base + u * KPP + kg, on all 4 lanes of the key
+    float s[R][KU];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int u = 0; u < KU; ++u) s[r][u] = 0.f;
+#pragma unroll
+    for (int v = 0; v < NV; ++v)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        float kf[KU];
+#pragma unroll
+        for (int u = 0; u < KU; ++u) kf[u] = lmkv::to_float(kv[u][v].v[e]);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float qe = q_s[r * D + (kj + kLanesPerKey * v) * VEC + e];
+#pragma unroll
+          for (int u = 0; u < KU; ++u) s[r][u] += qe * kf[u];
+        }
+      }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r >= nrows) continue;  // block-uniform
+      float mx = lmkv::neg_inf();
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        const float su = lmkv::group_sum<kLanesPerKey>(s[r][u]);
+        s[r][u] = base + u * KPP + kg < k_end ? su * scale : lmkv::neg_inf();
+        mx = fmaxf(mx, s[r][u]);
+      }
+      const float m_new = fmaxf(m[r], lmkv::group_max<32>(mx));  // finite: the step has a key
+      float sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        s[r][u] = __expf(s[r][u] - m_new);  // now the key's weight p
+        sum += kj == 0 ? s[r][u] : 0.f;
+      }
+      const float alpha = __expf(m[r] - m_new);  // 0 on the first step (m = -inf)
+      l[r] = l[r] * alpha + lmkv::group_sum<32>(sum);
+      m[r] = m_new;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[r][e] *= alpha;
+    }
+    // values: pass i takes key i * TPW + vg of the step, whose weight sits on lane 4 * (its
+    // index mod KPP) in s[r][its index / KPP]
+#pragma unroll
+    for (int i = 0; i < VP; ++i) {
+      float vf[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) vf[e] = lmkv::to_float(vv[i].v[e]);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r >= nrows) continue;
+        const float p = __shfl_sync(0xffffffffu, s[r][(i * TPW) / KPP],
+                                    kLanesPerKey * ((i * TPW) % KPP + vg));
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[r][e] += p * vf[e];
+      }
+    }
+  }
+
+  // ---- combine: lanes of a warp over their TPW key groups, then the warps' softmax states
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (r >= nrows) continue;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      float v = acc[r][e];
+#pragma unroll
+      for (int o = LPR; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (vg == 0) red[(warp * R + r) * D + vj * VEC + e] = v;
+    }
+    if (lane == 0) {
+      m_w[warp * R + r] = m[r];
+      l_w[warp * R + r] = l[r];
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < nrows * D; i += kThreads) {
+    const int r = i / D, d = i % D;
+    float mx = lmkv::neg_inf();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_w[w * R + r]);
+    float o = 0.f, sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {  // a warp without keys: m = -inf, weight 0
+      const float wt = m_w[w * R + r] == lmkv::neg_inf() ? 0.f : __expf(m_w[w * R + r] - mx);
+      o += red[(w * R + r) * D + d] * wt;
+      sum += l_w[w * R + r] * wt;
+    }
+    const i64 row = (i64)seq * num_q_heads + kvh * group + g0 + r;
+    if (num_partitions == 1) {
+      out[row * D + d] = lmkv::from_float<T>(o / sum);
+    } else {
+      part_o[(row * num_partitions + part) * D + d] = o;
+      if (d == 0) {
+        part_ml[(row * num_partitions + part) * 2] = mx;
+        part_ml[(row * num_partitions + part) * 2 + 1] = sum;
+      }
+    }
+  }
+}

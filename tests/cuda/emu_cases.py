@@ -117,7 +117,7 @@ def _paged_kv(
 
 def decode(
     launcher: Launcher, dtype: torch.dtype, dim: int, hq: int, hkv: int, lens: list[int],
-    *, block_size: int = 16, partition_size: int = 512, seed: int = 0, keys_in_flight: int = 1,
+    *, block_size: int = 16, partition_size: int = 512, seed: int = 0, kernel: str = attention.DECODE_KERNEL,
 ) -> float:  # fmt: skip
     """Max abs error against the engine's torch decode computed in fp32."""
     gen = torch.Generator().manual_seed(seed)
@@ -127,7 +127,7 @@ def decode(
     out = poison(torch.empty_like(query))
     attention.paged_attention_decode(
         launcher, query, kv, tables, seq_lens, dim**-0.5, out=out, partition_size=partition_size,
-        keys_in_flight=keys_in_flight,
+        kernel=kernel,
     )
     want = reference.paged_attention_decode(
         query.float(),

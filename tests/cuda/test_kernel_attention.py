@@ -11,6 +11,7 @@ from lmkv_cuda import attention
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
+@pytest.mark.parametrize("kernel", ["warps", "tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize(
@@ -22,34 +23,43 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
         (16, 1, [9, 70]),  # GQA 16:1: two blocks of 8 heads per KV head
     ],
 )
-def test_decode(emu, dtype, dim, hq, hkv, lens):
-    assert decode(emu, dtype, dim, hq, hkv, lens) < TOLERANCE[dtype]
+def test_decode(emu, kernel, dtype, dim, hq, hkv, lens):
+    assert decode(emu, dtype, dim, hq, hkv, lens, kernel=kernel) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("kernel", ["warps", "tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_split_partitions(emu, dtype):
+def test_decode_split_partitions(emu, kernel, dtype):
     """Flash-decoding: partitions of 48 keys (not a multiple of the block size) + merge."""
-    assert decode(emu, dtype, 64, 16, 2, [1, 48, 49, 150], partition_size=48) < TOLERANCE[dtype]
+    error = decode(emu, dtype, 64, 16, 2, [1, 48, 49, 150], partition_size=48, kernel=kernel)
+    assert error < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("kernel", ["warps", "tiles2"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [64, 128])
-def test_decode_with_two_keys_in_flight(emu, dtype, dim):
-    """The variant whose lanes load two keys before scoring them: partial last steps, block
-    boundaries, split partitions and two tiles give the reference's result."""
-    for lens, parts in (([1, 16, 17, 45, 63, 64, 65], 512), ([300, 600], 96)):
-        error = decode(emu, dtype, dim, 12, 3, lens, partition_size=parts, keys_in_flight=2)
+def test_decode_step_boundaries(emu, kernel, dtype, dim):
+    """The kernels that load several keys per lane before using them: partial last steps,
+    partitions shorter than one step per warp, block boundaries, split partitions and more
+    than one tile or step per warp give the reference's result."""
+    for lens, parts in (([1, 16, 17, 45, 63, 64, 65, 129], 512), ([300, 600], 96), ([200], 40)):
+        error = decode(emu, dtype, dim, 12, 3, lens, partition_size=parts, kernel=kernel)
         assert error < TOLERANCE[dtype]
 
 
-def test_two_keys_in_flight_only_where_built(emu):
-    with pytest.raises(ValueError, match="keys_in_flight"):
-        decode(emu, torch.float32, 64, 16, 2, [5], keys_in_flight=2)  # a group of 8
+def test_decode_kernel_choice_is_checked(emu):
+    with pytest.raises(ValueError, match="tiles2"):
+        decode(emu, torch.float32, 64, 16, 2, [5], kernel="tiles2")  # a group of 8
+    with pytest.raises(ValueError, match="decode kernel 'fast'"):
+        decode(emu, torch.float32, 64, 16, 2, [5], kernel="fast")
 
 
-def test_decode_long_context_two_tiles(emu):
-    """More keys than one shared-memory tile (256) inside one partition: online softmax."""
-    assert decode(emu, torch.float32, 64, 2, 1, [600], block_size=32) < TOLERANCE[torch.float32]
+@pytest.mark.parametrize("kernel", ["warps", "tiles"])
+def test_decode_long_context_two_tiles(emu, kernel):
+    """More keys than one shared-memory tile (256) or many steps per warp inside one
+    partition: online softmax."""
+    error = decode(emu, torch.float32, 64, 2, 1, [600], block_size=32, kernel=kernel)
+    assert error < TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

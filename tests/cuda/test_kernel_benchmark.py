@@ -24,7 +24,8 @@ def test_emulated_run_prints_every_kernel(emu):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     for name in ("paged_to_chunk", "chunk_to_paged_vllm", "reshape_and_cache", "rerotate_keys",
-                 "paged_attention_decode", "paged_attention_prefill", "prefill q=16 over"):  # fmt: skip
+                 "paged_attention_decode", "decode, kernel tiles", "paged_attention_prefill",
+                 "prefill q=16 over"):  # fmt: skip
         assert name in r.stdout
     for direction in ("host->device", "device->host"):  # the paged <-> pinned transfer lines
         assert f"{direction} pinned copy" in r.stdout
