@@ -17,7 +17,8 @@ from lmkv_cuda import INSTANTIATIONS, SOURCE_DIR, read_source
 ARCHS = ["sm_80", "sm_90"]
 STATIC_SMEM_LIMIT = 48 * 1024  # bytes of static __shared__ per block
 THREADS = {  # block size of each kernel (the merge kernel: head_dim threads, at most 128)
-    "kv_copy": 256, "rerotate_keys": 256, "paged_attention": 128, "paged_attention_merge": 128, "paged_decode_warps": 128,
+    "kv_copy": 256, "rerotate_keys": 256, "paged_attention": 128, "paged_attention_merge": 128,
+    "paged_decode_warps": 128,
     "cachegen_quantize": 256, "cachegen_dequantize": 256,
 }  # fmt: skip
 
