@@ -26,7 +26,7 @@ MAX_PARTITIONS = 64  # splits of one decode's keys, at most
 # loads of a step issued together), "tiles" (paged_attention: the block's warps score a tile
 # of keys, then weigh its values, with barriers between), "tiles2" (tiles whose lanes load two
 # keys before scoring them; GQA groups of 2-4 heads). benchmarks/kernels.py times each.
-DECODE_KERNELS = ("warps", "tiles", "tiles2")
+DECODE_KERNELS = ("warps", "warps_hx", "tiles", "tiles2")
 DECODE_KERNEL = "warps"
 _NO_SPLIT = 1 << 30
 
@@ -102,8 +102,10 @@ def _launch(
     kernel_name = kernel_name or "paged_attention<{}, {}, {}>"
     kernel = launcher.kernel("paged_attention.cu", kernel_name.format(dtype, d, rows))
     dummy = seq_lens  # stands for the pointers decode does not use
+    heads_x = kernel_name is not None and ", true" in kernel_name
+    grid = (hkv * chunks, grid_x) if heads_x else (grid_x, hkv * chunks)
     kernel(
-        (grid_x, hkv * chunks, num_partitions), (THREADS,),
+        (*grid, num_partitions), (THREADS,),
         (
             p(out), p(part_o), p(part_ml), p(query), p(kv_layer[0]), p(kv_layer[1]),
             np.int64(hkv * d), np.int64(d), p(block_tables), np.int32(block_tables.shape[1]),
@@ -152,6 +154,7 @@ def paged_attention_decode(
     require(kernel != "tiles2" or rows == SMALL_GROUP_ROWS,
             f"decode kernel tiles2 takes GQA groups of 2-4 heads (this: {group})")
     name = {"warps": "paged_decode_warps<{}, {}, {}>", "tiles": None,
+            "warps_hx": "paged_decode_warps<{}, {}, {}, true>",
             "tiles2": "paged_attention<{}, {}, {}, 2>"}[kernel]
     partition_size = max(partition_size, -(-max_len // MAX_PARTITIONS))
     num_partitions = -(-max_len // partition_size)

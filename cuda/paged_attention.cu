@@ -277,8 +277,8 @@ __global__ void __launch_bounds__(D)
 // flight at bf16, D = 128); no block barrier until the warps' partial results are combined at
 // the end. Rows = up to R query heads of one KV head. Same arguments, grid and outputs as
 // paged_attention's decode (prefill = 0; query_start_loc, tile_starts, tile_tokens unused).
-template <class T, int D, int R>
-__global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 registers (128 spill)
+template <class T, int D, int R, bool HX = false>
+__global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 registers (128 spill)  // R 4: <= 168 registers (128 spill)
     paged_decode_warps(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
                        const T* __restrict__ q, const T* __restrict__ k_cache,
                        const T* __restrict__ v_cache, i64 slot_stride, i64 head_stride,
@@ -306,10 +306,11 @@ __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 regi
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = num_q_heads / num_kv_heads;
   const int head_chunks = (group + heads_per_block - 1) / heads_per_block;
-  const int kvh = blockIdx.y / head_chunks;
-  const int g0 = (blockIdx.y % head_chunks) * heads_per_block;
+  const int hb = HX ? blockIdx.x : blockIdx.y;  // HX: grid (heads, seqs, partitions)
+  const int kvh = hb / head_chunks;
+  const int g0 = (hb % head_chunks) * heads_per_block;
   const int nrows = min(heads_per_block, group - g0);
-  const int seq = blockIdx.x;
+  const int seq = HX ? blockIdx.y : blockIdx.x;
   const int seq_len = seq_lens[seq];
   const int part = blockIdx.z;
   const int k_begin = part * partition_size;

@@ -117,18 +117,21 @@ def _paged_kv(
 
 def decode(
     launcher: Launcher, dtype: torch.dtype, dim: int, hq: int, hkv: int, lens: list[int],
-    *, block_size: int = 16, partition_size: int = 512, seed: int = 0, kernel: str = attention.DECODE_KERNEL,
+    *, block_size: int = 16, partition_size: int = 512, seed: int = 0,
+    kernel: str = attention.DECODE_KERNEL, device: str = "cpu",
 ) -> float:  # fmt: skip
-    """Max abs error against the engine's torch decode computed in fp32."""
+    """Max abs error against the engine's torch decode computed in fp32 (on the CPU; the
+    kernel runs on ``device``: the CPU for the emulator, cuda for a GPU launcher)."""
     gen = torch.Generator().manual_seed(seed)
     kv, tables = _paged_kv(dtype, lens, hkv, dim, block_size, gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     query = torch.randn(len(lens), hq, dim, generator=gen).to(dtype)
-    out = poison(torch.empty_like(query))
+    out = poison(torch.empty_like(query)).to(device)
     attention.paged_attention_decode(
-        launcher, query, kv, tables, seq_lens, dim**-0.5, out=out, partition_size=partition_size,
-        kernel=kernel,
+        launcher, query.to(device), kv.to(device), tables.to(device), seq_lens.to(device),
+        dim**-0.5, out=out, partition_size=partition_size, kernel=kernel,
     )
+    out = out.cpu()
     want = reference.paged_attention_decode(
         query.float(),
         kv.float().nan_to_num(),

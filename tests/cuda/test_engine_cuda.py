@@ -10,12 +10,34 @@ from collections import Counter
 
 import pytest
 import torch
+from emu_cases import TOLERANCE, decode
 
+from lmkv_cuda import attention
 from lmkv_engines.minimal.llm import LLM
 from lmkv_engines.minimal.sampling_params import SamplingParams
 from tests.cuda.test_engine_emulated import _llm, _workload, count_launches
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("kernel", attention.DECODE_KERNELS)
+def test_every_decode_kernel_matches_torch_on_cuda(kernel):
+    """The emulator tests' decode cases on the GPU: GQA groups, step, block and partition
+    boundaries, split partitions and long contexts."""
+    from lmkv_cuda.launcher import gpu_launcher
+
+    launcher = gpu_launcher(torch.cuda.current_device())
+    assert launcher is not None
+    cases = [(64, 4, 4, [1, 16, 17, 45], 512), (128, 8, 1, [33, 2], 512),
+             (64, 16, 2, [1, 48, 49, 150], 48), (128, 12, 3, [1, 17, 63, 64, 65, 129], 512),
+             (64, 12, 3, [300, 600], 96), (128, 32, 8, [4096, 1000], 512)]  # fmt: skip
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for dim, hq, hkv, lens, parts in cases:
+            if kernel == "tiles2" and not 2 <= hq // hkv <= attention.SMALL_GROUP_ROWS:
+                continue
+            error = decode(launcher, dtype, dim, hq, hkv, lens, partition_size=parts,
+                           kernel=kernel, device="cuda")  # fmt: skip
+            assert error < TOLERANCE[dtype], (dtype, dim, hq, hkv, lens, error)
 
 
 @pytest.mark.parametrize("layerwise", [False, True])

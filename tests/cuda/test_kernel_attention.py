@@ -11,7 +11,7 @@ from lmkv_cuda import attention
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
-@pytest.mark.parametrize("kernel", ["warps", "tiles"])
+@pytest.mark.parametrize("kernel", ["warps", "warps_hx", "tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize(
