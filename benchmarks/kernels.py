@@ -180,10 +180,9 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
         Case("rerotate_keys", 2 * g.layers * t * row, 0,
              lambda: rope.rerotate_keys(launcher, keys, delta, inv_freq),
              lambda: ops_torch.rerotate_keys(keys, delta, inv_freq)),
-        decode("paged_attention_decode"),  # the engine's kernel (attention.DECODE_KERNEL)
-        *(decode(f"decode, kernel {k}", kernel=k) for k in attention.DECODE_KERNELS
-          if k != attention.DECODE_KERNEL
-          and (k != "tiles2" or 2 <= g.q_heads // g.kv_heads <= attention.SMALL_GROUP_ROWS)),
+        decode("paged_attention_decode"),  # the engine's choice (kernel "auto")
+        *(decode(f"decode, kernel {k}", kernel=k) for k in ("warps", "tiles")
+          if k != attention.decode_kernel(g.q_heads // g.kv_heads)),
         Case("paged_attention_prefill", 2 * pt * row + 2 * pt * g.q_heads * g.head_dim * e,
              4 * causal_pairs * g.q_heads * g.head_dim,
              lambda: attention.paged_attention_prefill(

@@ -27,9 +27,7 @@ INSTANTIATIONS: dict[str, list[str]] = {
     "cachegen.cu": [f"cachegen_{op}<{t}>" for op in ("quantize", "dequantize") for t in _DTYPES],
     "paged_attention.cu": [
         *(f"paged_attention<{t}, {d}, {r}>" for t in _DTYPES for d in (64, 128) for r in (1, 4, 8)),
-        *(f"paged_attention<{t}, {d}, 4, 2>" for t in _DTYPES for d in (64, 128)),  # decode, 2 keys in flight
         *(f"paged_decode_warps<{t}, {d}, {r}>" for t in _DTYPES for d in (64, 128) for r in (1, 4, 8)),
-        *(f"paged_decode_warps<{t}, {d}, {r}, true>" for t in _DTYPES for d in (64, 128) for r in (1, 4, 8)),
         *(f"paged_attention_merge<{t}, {d}>" for t in _DTYPES for d in (64, 128)),
     ],
 }

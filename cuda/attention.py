@@ -22,12 +22,17 @@ ROWS = 8  # query rows per block sharing each K/V load (template R; decode: 1 wi
 SMALL_GROUP_ROWS = 4
 THREADS = 128
 MAX_PARTITIONS = 64  # splits of one decode's keys, at most
-# decode kernels: "warps" (paged_decode_warps: each warp its own online softmax, K and V
-# loads of a step issued together), "tiles" (paged_attention: the block's warps score a tile
-# of keys, then weigh its values, with barriers between), "tiles2" (tiles whose lanes load two
-# keys before scoring them; GQA groups of 2-4 heads). benchmarks/kernels.py times each.
-DECODE_KERNELS = ("warps", "warps_hx", "tiles", "tiles2")
-DECODE_KERNEL = "warps"
+# decode kernels: "warps" (paged_decode_warps: each warp its own online softmax, a step's K
+# and V loads issued together) and "tiles" (paged_attention: the block's warps score a tile of
+# keys, then weigh its values, with barriers between). "auto" takes warps for GQA groups of 2-4
+# heads, where an H200 measured it faster (0.61 vs 0.52 of HBM bandwidth, Llama-3-8B's group
+# of 4; docs/kernels.md), and tiles for the shapes not measured yet (groups of 1 or > 4).
+DECODE_KERNELS = ("auto", "warps", "tiles")
+
+
+def decode_kernel(group: int) -> str:
+    """The kernel "auto" takes for a GQA group of ``group`` query heads per KV head."""
+    return "warps" if 2 <= group <= SMALL_GROUP_ROWS else "tiles"
 _NO_SPLIT = 1 << 30
 
 
@@ -102,10 +107,8 @@ def _launch(
     kernel_name = kernel_name or "paged_attention<{}, {}, {}>"
     kernel = launcher.kernel("paged_attention.cu", kernel_name.format(dtype, d, rows))
     dummy = seq_lens  # stands for the pointers decode does not use
-    heads_x = kernel_name is not None and ", true" in kernel_name
-    grid = (hkv * chunks, grid_x) if heads_x else (grid_x, hkv * chunks)
     kernel(
-        (*grid, num_partitions), (THREADS,),
+        (grid_x, hkv * chunks, num_partitions), (THREADS,),
         (
             p(out), p(part_o), p(part_ml), p(query), p(kv_layer[0]), p(kv_layer[1]),
             np.int64(hkv * d), np.int64(d), p(block_tables), np.int32(block_tables.shape[1]),
@@ -129,7 +132,7 @@ def _launch(
 def paged_attention_decode(
     launcher: Launcher, query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, *, check: bool = True, out: torch.Tensor | None = None,
-    partition_size: int = 512, kernel: str = DECODE_KERNEL,
+    partition_size: int = 512, kernel: str = "auto",
 ) -> torch.Tensor:  # fmt: skip
     """query [B, Hq, D] at positions seq_len - 1; block_tables [B, max_blocks]; seq_lens [B].
     Returns [B, Hq, D]. Contexts longer than partition_size keys are split (flash-decoding),
@@ -151,11 +154,9 @@ def paged_attention_decode(
     group = hq // hkv
     rows = 1 if group == 1 else SMALL_GROUP_ROWS if group <= SMALL_GROUP_ROWS else ROWS
     require(kernel in DECODE_KERNELS, f"decode kernel {kernel!r}: one of {DECODE_KERNELS}")
-    require(kernel != "tiles2" or rows == SMALL_GROUP_ROWS,
-            f"decode kernel tiles2 takes GQA groups of 2-4 heads (this: {group})")
-    name = {"warps": "paged_decode_warps<{}, {}, {}>", "tiles": None,
-            "warps_hx": "paged_decode_warps<{}, {}, {}, true>",
-            "tiles2": "paged_attention<{}, {}, {}, 2>"}[kernel]
+    if kernel == "auto":
+        kernel = decode_kernel(group)
+    name = "paged_decode_warps<{}, {}, {}>" if kernel == "warps" else None
     partition_size = max(partition_size, -(-max_len // MAX_PARTITIONS))
     num_partitions = -(-max_len // partition_size)
     _launch(

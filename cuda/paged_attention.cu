@@ -1,6 +1,8 @@
 // Paged attention for decode (one query token per sequence) and prefill/extend (many query
 // tokens per sequence, causal), GQA, fp32 accumulation. References (same semantics):
-// paged_attention_decode / paged_attention_prefill in lmkv_engines.minimal.attention.
+// paged_attention_decode / paged_attention_prefill in lmkv.ops_torch. Two kernels:
+// paged_attention (below: prefill, and decode as the "tiles" choice) and paged_decode_warps
+// (at the end: the engine's decode, one online softmax per warp).
 //
 // Work unit = one block: a group of up to R query "rows" (query token, query head) that share
 // one KV head, against the keys of one partition [p * partition_size, ...) of its sequence.
@@ -31,10 +33,8 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 256;  // keys per tile (logits kept in shared memory)
 constexpr int kLanesPerKey = 4;
 
-// KU: keys each lane loads before it computes their scores (1, or 2 for more bytes in flight
-// per warp in the score phase: the decode variant benchmarks/kernels.py measures beside it).
-template <class T, int D, int R, int KU = 1>
-__global__ void __launch_bounds__(kThreads, KU == 1 ? 1 : 3)  // KU 2: 3 blocks per SM at least
+template <class T, int D, int R>
+__global__ void __launch_bounds__(kThreads, 1)
     paged_attention(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
                     const T* __restrict__ q, const T* __restrict__ k_cache,
                     const T* __restrict__ v_cache, i64 slot_stride, i64 head_stride,
@@ -120,52 +120,34 @@ __global__ void __launch_bounds__(kThreads, KU == 1 ? 1 : 3)  // KU 2: 3 blocks 
 
   for (int tile_lo = k_begin; tile_lo < k_end; tile_lo += kTile) {
     const int tile_hi = min(k_end, tile_lo + kTile);
-    // ---- 1. scores (the loop bound is warp-uniform: every lane reaches the shuffles); each
-    // lane loads its KU keys (the first as floats, the others as they are in memory), then
-    // computes their scores
-    constexpr int STEP = kWarps * KEYS_PER_WARP;  // keys per block step, per key in flight
-    for (int base = tile_lo + warp * KEYS_PER_WARP; base < tile_hi; base += STEP * KU) {
+    // ---- 1. scores (the loop bound is warp-uniform: every lane reaches the shuffles)
+    for (int base = tile_lo + warp * KEYS_PER_WARP; base < tile_hi; base += kWarps * KEYS_PER_WARP) {
+      const int t = base + kg;
+      const bool valid = t < tile_hi;
       float kf[NV][VEC];
-      lmkv::Vec<T, VEC> later[KU > 1 ? KU - 1 : 1][NV];
+      if (valid) {
+        const i64 slot = (i64)table[t / block_size] * block_size + t % block_size;
+        const T* kp = k_head + slot * slot_stride;
 #pragma unroll
-      for (int u = 0; u < KU; ++u) {
-        const int t = base + u * STEP + kg;
-        if (t < tile_hi) {
-          const i64 slot = (i64)table[t / block_size] * block_size + t % block_size;
-          const T* kp = k_head + slot * slot_stride;
+        for (int v = 0; v < NV; ++v) lmkv::load_float<T, VEC>(kp + (kj + kLanesPerKey * v) * VEC, kf[v]);
+      } else {
 #pragma unroll
-          for (int v = 0; v < NV; ++v) {
-            const T* p = kp + (kj + kLanesPerKey * v) * VEC;
-            if (u == 0) lmkv::load_float<T, VEC>(p, kf[v]);
-            else later[u - 1][v] = *reinterpret_cast<const lmkv::Vec<T, VEC>*>(p);
-          }
-        } else if (u == 0) {
+        for (int v = 0; v < NV; ++v)
 #pragma unroll
-          for (int v = 0; v < NV; ++v)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) kf[v][e] = 0.f;
-        }
+          for (int e = 0; e < VEC; ++e) kf[v][e] = 0.f;
       }
 #pragma unroll
-      for (int u = 0; u < KU; ++u) {
-        const int t = base + u * STEP + kg;
-        const bool valid = t < tile_hi;
+      for (int r = 0; r < R; ++r) {
+        if (r >= nrows) continue;  // block-uniform
+        const float* qr = q_s + r * D;
+        float s = 0.f;
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          if (r >= nrows) continue;  // block-uniform
-          const float* qr = q_s + r * D;
-          float s = 0.f;
+        for (int v = 0; v < NV; ++v)
 #pragma unroll
-          for (int v = 0; v < NV; ++v)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {  // the later keys converted as they are used
-              const float k = u == 0 ? kf[v][e] : valid ? lmkv::to_float(later[u - 1][v].v[e]) : 0.f;
-              s += k * qr[(kj + kLanesPerKey * v) * VEC + e];
-            }
-          s = lmkv::group_sum<kLanesPerKey>(s);
-          if (valid && kj == 0)
-            logits[r * kTile + (t - tile_lo)] = t < limit0 + r / row_heads ? s * scale : lmkv::neg_inf();
-        }
+          for (int e = 0; e < VEC; ++e) s += kf[v][e] * qr[(kj + kLanesPerKey * v) * VEC + e];
+        s = lmkv::group_sum<kLanesPerKey>(s);
+        if (valid && kj == 0)
+          logits[r * kTile + (t - tile_lo)] = t < limit0 + r / row_heads ? s * scale : lmkv::neg_inf();
       }
     }
     __syncthreads();
@@ -277,7 +259,7 @@ __global__ void __launch_bounds__(D)
 // flight at bf16, D = 128); no block barrier until the warps' partial results are combined at
 // the end. Rows = up to R query heads of one KV head. Same arguments, grid and outputs as
 // paged_attention's decode (prefill = 0; query_start_loc, tile_starts, tile_tokens unused).
-template <class T, int D, int R, bool HX = false>
+template <class T, int D, int R>
 __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 registers (128 spill)  // R 4: <= 168 registers (128 spill)
     paged_decode_warps(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
                        const T* __restrict__ q, const T* __restrict__ k_cache,
@@ -306,11 +288,10 @@ __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 regi
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = num_q_heads / num_kv_heads;
   const int head_chunks = (group + heads_per_block - 1) / heads_per_block;
-  const int hb = HX ? blockIdx.x : blockIdx.y;  // HX: grid (heads, seqs, partitions)
-  const int kvh = hb / head_chunks;
-  const int g0 = (hb % head_chunks) * heads_per_block;
+  const int kvh = blockIdx.y / head_chunks;
+  const int g0 = (blockIdx.y % head_chunks) * heads_per_block;
   const int nrows = min(heads_per_block, group - g0);
-  const int seq = HX ? blockIdx.y : blockIdx.x;
+  const int seq = blockIdx.x;
   const int seq_len = seq_lens[seq];
   const int part = blockIdx.z;
   const int k_begin = part * partition_size;

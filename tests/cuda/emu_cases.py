@@ -118,7 +118,7 @@ def _paged_kv(
 def decode(
     launcher: Launcher, dtype: torch.dtype, dim: int, hq: int, hkv: int, lens: list[int],
     *, block_size: int = 16, partition_size: int = 512, seed: int = 0,
-    kernel: str = attention.DECODE_KERNEL, device: str = "cpu",
+    kernel: str = "auto", device: str = "cpu",
 ) -> float:  # fmt: skip
     """Max abs error against the engine's torch decode computed in fp32 (on the CPU; the
     kernel runs on ``device``: the CPU for the emulator, cuda for a GPU launcher)."""
@@ -198,8 +198,17 @@ def run_all(launcher: Launcher) -> list[str]:
             "decode",
             lambda: decode(launcher, torch.float16, 64, 8, 2, [1, 37], partition_size=32) < 2e-3,
         ),
+        (
+            "decode_tiles",
+            lambda: decode(launcher, torch.float16, 64, 8, 2, [1, 37], partition_size=32,
+                           kernel="tiles") < 2e-3,
+        ),  # fmt: skip
         ("decode_mha", lambda: decode(launcher, torch.float32, 128, 2, 2, [20]) < 2e-5),
         ("decode_two_tiles", lambda: decode(launcher, torch.float32, 64, 2, 1, [300]) < 2e-5),
+        (
+            "decode_two_tiles_tiles",
+            lambda: decode(launcher, torch.float32, 64, 2, 1, [300], kernel="tiles") < 2e-5,
+        ),
         ("prefill", lambda: prefill(launcher, torch.bfloat16, 64, 4, 2, [12, 30], [12, 5]) < 2e-2),
         ("rerotate", lambda: rerotate(launcher, torch.float16, (2, 5, 2, 64)) < 2e-3),
     ]
@@ -218,7 +227,8 @@ RUN_ALL_KERNELS = {
         "paged_attention<__half, 64, 4>", "paged_attention<__half, 64, 8>",
         "paged_attention_merge<__half, 64>", "paged_attention<float, 128, 1>",
         "paged_attention<float, 64, 4>", "paged_attention<float, 64, 8>",
-        "paged_attention<__nv_bfloat16, 64, 8>",
+        "paged_attention<__nv_bfloat16, 64, 8>", "paged_decode_warps<__half, 64, 4>",
+        "paged_decode_warps<float, 128, 1>", "paged_decode_warps<float, 64, 4>",
     ],
     "rope.cu": ["rerotate_keys<__half, 8>"],
 }  # fmt: skip

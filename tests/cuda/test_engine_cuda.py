@@ -33,8 +33,6 @@ def test_every_decode_kernel_matches_torch_on_cuda(kernel):
              (64, 12, 3, [300, 600], 96), (128, 32, 8, [4096, 1000], 512)]  # fmt: skip
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for dim, hq, hkv, lens, parts in cases:
-            if kernel == "tiles2" and not 2 <= hq // hkv <= attention.SMALL_GROUP_ROWS:
-                continue
             error = decode(launcher, dtype, dim, hq, hkv, lens, partition_size=parts,
                            kernel=kernel, device="cuda")  # fmt: skip
             assert error < TOLERANCE[dtype], (dtype, dim, hq, hkv, lens, error)

@@ -11,7 +11,7 @@ from lmkv_cuda import attention
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
-@pytest.mark.parametrize("kernel", ["warps", "warps_hx", "tiles"])
+@pytest.mark.parametrize("kernel", ["warps", "tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize(
@@ -35,11 +35,11 @@ def test_decode_split_partitions(emu, kernel, dtype):
     assert error < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("kernel", ["warps", "tiles2"])
+@pytest.mark.parametrize("kernel", ["warps", "tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [64, 128])
 def test_decode_step_boundaries(emu, kernel, dtype, dim):
-    """The kernels that load several keys per lane before using them: partial last steps,
+    """Partial last steps (a warps step is 16 keys at 2-byte dtypes, 8 at fp32, per warp),
     partitions shorter than one step per warp, block boundaries, split partitions and more
     than one tile or step per warp give the reference's result."""
     for lens, parts in (([1, 16, 17, 45, 63, 64, 65, 129], 512), ([300, 600], 96), ([200], 40)):
@@ -47,9 +47,16 @@ def test_decode_step_boundaries(emu, kernel, dtype, dim):
         assert error < TOLERANCE[dtype]
 
 
+def test_auto_takes_the_warps_kernel_for_small_gqa_groups_only(emu, monkeypatch):
+    launched = []
+    real = attention._launch
+    monkeypatch.setattr(attention, "_launch", lambda *a: launched.append(a[-1]) or real(*a))
+    for hq, hkv in ((4, 4), (6, 3), (8, 2), (16, 2)):
+        assert decode(emu, torch.float32, 64, hq, hkv, [20]) < TOLERANCE[torch.float32]
+    assert launched == [None, "paged_decode_warps<{}, {}, {}>", "paged_decode_warps<{}, {}, {}>", None]
+
+
 def test_decode_kernel_choice_is_checked(emu):
-    with pytest.raises(ValueError, match="tiles2"):
-        decode(emu, torch.float32, 64, 16, 2, [5], kernel="tiles2")  # a group of 8
     with pytest.raises(ValueError, match="decode kernel 'fast'"):
         decode(emu, torch.float32, 64, 16, 2, [5], kernel="fast")
 
