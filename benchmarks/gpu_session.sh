@@ -44,7 +44,8 @@ for s in $steps; do
     tests) step tests 140 $PY -m pytest -q -p no:cacheprovider -x tests/cuda/test_engine_cuda.py \
         tests/lmkv/connector/test_worker.py tests/vllm/test_paged.py -k "cuda" ;;
     kernels) step kernels 240 $PY benchmarks/kernels.py --iters 20 ;;
-    ttft) step ttft 170 $PY benchmarks/lmkv_ttft.py --device cuda --dtype bfloat16 --model smollm2-shape ;;
+    ttft) step ttft 170 $PY benchmarks/lmkv_ttft.py --device cuda --dtype bfloat16 --model smollm2-shape \
+        --repeats 9 ;;
     throughput) step throughput 110 $PY benchmarks/engine_throughput.py --device cuda --dtype bfloat16 \
         --model smollm2-shape ;;
     eager) step eager 110 $PY benchmarks/engine_throughput.py --device cuda --dtype bfloat16 \

@@ -250,13 +250,13 @@ def main() -> None:
     t_disk = child_out["ttft"]
     floor_disk = kv_bytes / (bw_disk * 1e9) + t_tail
 
-    print(f"TTFT cold {t_cold * 1e3:.0f} ms vs warm hot cache {t_hot * 1e3:.0f} ms "
+    print(f"TTFT cold {t_cold * 1e3:.0f} ms vs warm hot cache {t_hot * 1e3:.1f} ms "
           f"({hit} of {n} tokens loaded): cold/warm_hot = {t_cold / t_hot:.1f}x")
     print(f"TTFT cold {t_cold * 1e3:.0f} ms vs warm from disk in a fresh process {t_disk * 1e3:.0f} ms "
           f"({child_out['external']} tokens loaded): cold/warm_disk = {t_cold / t_disk:.1f}x")
     print(f"floor hot: {kv_bytes / 1e6:.0f} MB / {bw_mem:.1f} GB/s {copy_name} "
-          f"+ tail {t_tail * 1e3:.0f} ms = "
-          f"{floor_hot * 1e3:.0f} ms; warm_hot/floor = {t_hot / floor_hot:.2f}x")
+          f"+ tail {t_tail * 1e3:.1f} ms = "
+          f"{floor_hot * 1e3:.1f} ms; warm_hot/floor = {t_hot / floor_hot:.2f}x")
     print(f"floor disk: {kv_bytes / 1e6:.0f} MB / {bw_disk:.2f} GB/s read + tail {t_tail * 1e3:.0f} ms = "
           f"{floor_disk * 1e3:.0f} ms; warm_disk/floor = {t_disk / floor_disk:.2f}x")
     print(f"hot retrieve {gb_hot:.1f} GB/s vs {copy_name} {bw_mem:.1f} GB/s: retrieve/memcpy = "

@@ -25,8 +25,9 @@ MAX_PARTITIONS = 64  # splits of one decode's keys, at most
 # decode kernels: "warps" (paged_decode_warps: each warp its own online softmax, a step's K
 # and V loads issued together) and "tiles" (paged_attention: the block's warps score a tile of
 # keys, then weigh its values, with barriers between). "auto" takes warps for GQA groups of 2-4
-# heads, where an H200 measured it faster (0.61 vs 0.52 of HBM bandwidth, Llama-3-8B's group
-# of 4; docs/kernels.md), and tiles for the shapes not measured yet (groups of 1 or > 4).
+# heads, the R = 4 instantiation that an H200 measured faster at Llama-3-8B's group of 4 (0.61
+# vs 0.52 of HBM bandwidth; docs/kernels.md; groups of 2 and 3 run the same code with rows
+# unused, not measured apart), and tiles for groups of 1 or > 4 (R = 1 and 8: not measured).
 DECODE_KERNELS = ("auto", "warps", "tiles")
 
 
@@ -144,6 +145,7 @@ def paged_attention_decode(
     batch, hq, _ = query.shape
     require(batch == seq_lens.shape[0], f"query batch {batch} != {seq_lens.shape[0]} sequences")
     require(partition_size > 0, "partition_size must be positive")
+    require(kernel in DECODE_KERNELS, f"decode kernel {kernel!r}: one of {DECODE_KERNELS}")
     if batch == 0:
         return out
     max_len = block_tables.shape[1] * bs  # bound without a sync
@@ -153,7 +155,6 @@ def paged_attention_decode(
         require(bad_block == 0, f"{bad_block} block_tables entries in use are outside [0, {nb})")
     group = hq // hkv
     rows = 1 if group == 1 else SMALL_GROUP_ROWS if group <= SMALL_GROUP_ROWS else ROWS
-    require(kernel in DECODE_KERNELS, f"decode kernel {kernel!r}: one of {DECODE_KERNELS}")
     if kernel == "auto":
         kernel = decode_kernel(group)
     name = "paged_decode_warps<{}, {}, {}>" if kernel == "warps" else None

@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(D)
 // the end. Rows = up to R query heads of one KV head. Same arguments, grid and outputs as
 // paged_attention's decode (prefill = 0; query_start_loc, tile_starts, tile_tokens unused).
 template <class T, int D, int R>
-__global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 registers (128 spill)  // R 4: <= 168 registers (128 spill)
+__global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 registers (128 spill)
     paged_decode_warps(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
                        const T* __restrict__ q, const T* __restrict__ k_cache,
                        const T* __restrict__ v_cache, i64 slot_stride, i64 head_stride,

@@ -204,6 +204,16 @@ def run_all(launcher: Launcher) -> list[str]:
                            kernel="tiles") < 2e-3,
         ),  # fmt: skip
         ("decode_mha", lambda: decode(launcher, torch.float32, 128, 2, 2, [20]) < 2e-5),
+        (
+            "decode_mha_warps",
+            lambda: decode(launcher, torch.float32, 128, 2, 2, [20], kernel="warps") < 2e-5,
+        ),
+        (  # group 8 (R = 8); a partition starting 36 keys in: its steps reach table columns
+            # past the sequence's last block (the reads must stay in the row)
+            "decode_warps_tail",
+            lambda: decode(launcher, torch.float16, 64, 16, 2, [5, 37], partition_size=36,
+                           kernel="warps") < 2e-3,
+        ),  # fmt: skip
         ("decode_two_tiles", lambda: decode(launcher, torch.float32, 64, 2, 1, [300]) < 2e-5),
         (
             "decode_two_tiles_tiles",
@@ -229,6 +239,7 @@ RUN_ALL_KERNELS = {
         "paged_attention<float, 64, 4>", "paged_attention<float, 64, 8>",
         "paged_attention<__nv_bfloat16, 64, 8>", "paged_decode_warps<__half, 64, 4>",
         "paged_decode_warps<float, 128, 1>", "paged_decode_warps<float, 64, 4>",
+        "paged_decode_warps<__half, 64, 8>",
     ],
     "rope.cu": ["rerotate_keys<__half, 8>"],
 }  # fmt: skip

@@ -20,6 +20,8 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32]
         (4, 4, [1, 16, 17, 45]),  # MHA (R = 1); lengths 1 and block boundaries
         (8, 1, [33, 2]),  # GQA 8:1
         (4, 2, [31]),  # GQA 2:1, rows unused in a block of 8
+        (9, 3, [47, 5]),  # GQA 3:1, SmolLM2's group
+        (12, 1, [40]),  # GQA 12:1: a block of 8 heads and one of 4
         (16, 1, [9, 70]),  # GQA 16:1: two blocks of 8 heads per KV head
     ],
 )
@@ -39,7 +41,8 @@ def test_decode_split_partitions(emu, kernel, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [64, 128])
 def test_decode_step_boundaries(emu, kernel, dtype, dim):
-    """Partial last steps (a warps step is 16 keys at 2-byte dtypes, 8 at fp32, per warp),
+    """Partial last steps (a warps step is 16 keys per warp at 2-byte dtypes and D = 128, 32
+    at D = 64; 8 and 16 at fp32),
     partitions shorter than one step per warp, block boundaries, split partitions and more
     than one tile or step per warp give the reference's result."""
     for lens, parts in (([1, 16, 17, 45, 63, 64, 65, 129], 512), ([300, 600], 96), ([200], 40)):
