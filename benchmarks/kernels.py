@@ -181,7 +181,7 @@ def build_cases(g: Geometry, launcher: object, device: torch.device) -> list[Cas
              lambda: rope.rerotate_keys(launcher, keys, delta, inv_freq),
              lambda: ops_torch.rerotate_keys(keys, delta, inv_freq)),
         decode("paged_attention_decode"),  # the engine's choice (kernel "auto")
-        *(decode(f"decode, kernel {k}", kernel=k) for k in ("warps", "tiles")
+        *(decode(f"decode, kernel {k}", kernel=k) for k in ("warps", "warps_lean", "tiles")
           if k != attention.decode_kernel(g.q_heads // g.kv_heads)),
         Case("paged_attention_prefill", 2 * pt * row + 2 * pt * g.q_heads * g.head_dim * e,
              4 * causal_pairs * g.q_heads * g.head_dim,

@@ -27,7 +27,8 @@ INSTANTIATIONS: dict[str, list[str]] = {
     "cachegen.cu": [f"cachegen_{op}<{t}>" for op in ("quantize", "dequantize") for t in _DTYPES],
     "paged_attention.cu": [
         *(f"paged_attention<{t}, {d}, {r}>" for t in _DTYPES for d in (64, 128) for r in (1, 4, 8)),
-        *(f"paged_decode_warps<{t}, {d}, {r}>" for t in _DTYPES for d in (64, 128) for r in (1, 4, 8)),
+        *(f"paged_decode_warps<{t}, {d}, {r}{lean}>" for t in _DTYPES for d in (64, 128)
+          for r in (1, 4, 8) for lean in ("", ", true")),
         *(f"paged_attention_merge<{t}, {d}>" for t in _DTYPES for d in (64, 128)),
     ],
 }

@@ -28,7 +28,9 @@ MAX_PARTITIONS = 64  # splits of one decode's keys, at most
 # heads, the R = 4 instantiation that an H200 measured faster at Llama-3-8B's group of 4 (0.61
 # vs 0.52 of HBM bandwidth; docs/kernels.md; groups of 2 and 3 run the same code with rows
 # unused, not measured apart), and tiles for groups of 1 or > 4 (R = 1 and 8: not measured).
-DECODE_KERNELS = ("auto", "warps", "tiles")
+# "warps_lean": the warps kernel with fewer instructions per step (docs/kernels.md).
+DECODE_KERNELS = ("auto", "warps", "warps_lean", "tiles")  # warps_lean: not yet run on a GPU
+LEAN_MAX_SLOTS = 2**31 - 1  # warps_lean passes slots between lanes as 32-bit integers
 
 
 def decode_kernel(group: int) -> str:
@@ -157,7 +159,10 @@ def paged_attention_decode(
     rows = 1 if group == 1 else SMALL_GROUP_ROWS if group <= SMALL_GROUP_ROWS else ROWS
     if kernel == "auto":
         kernel = decode_kernel(group)
-    name = "paged_decode_warps<{}, {}, {}>" if kernel == "warps" else None
+    require(kernel != "warps_lean" or nb * bs <= LEAN_MAX_SLOTS,
+            f"decode kernel warps_lean takes 32-bit slots: {nb} blocks of {bs} tokens are more")
+    name = {"warps": "paged_decode_warps<{}, {}, {}>", "tiles": None,
+            "warps_lean": "paged_decode_warps<{}, {}, {}, true>"}[kernel]
     partition_size = max(partition_size, -(-max_len // MAX_PARTITIONS))
     num_partitions = -(-max_len // partition_size)
     _launch(

@@ -259,7 +259,14 @@ __global__ void __launch_bounds__(D)
 // flight at bf16, D = 128); no block barrier until the warps' partial results are combined at
 // the end. Rows = up to R query heads of one KV head. Same arguments, grid and outputs as
 // paged_attention's decode (prefill = 0; query_start_loc, tile_starts, tile_tokens unused).
-template <class T, int D, int R>
+// LEAN (not yet run on a GPU; benchmarks/kernels.py times it as "warps_lean"): fewer
+// instructions per step, the kernel being issue-bound (about 1470 per warp step at bf16, D =
+// 128, R = 4, a third of them FMAs): one integer division by block_size per step instead of
+// one per load (each lane computes the slot of key base + lane; slots are 32-bit, the wrapper
+// checks that they fit), the row max and sum reduced over the 8 key groups only (the 4 lanes of
+// a key hold the same score), and the weights handed to the value lanes through shared memory
+// (one vector read per key instead of a shuffle per row).
+template <class T, int D, int R, bool LEAN = false>
 __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 registers (128 spill)
     paged_decode_warps(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
                        const T* __restrict__ q, const T* __restrict__ k_cache,
@@ -284,6 +291,8 @@ __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 regi
   __shared__ __align__(16) float q_s[R * D];
   __shared__ __align__(16) float red[kWarps * R * D];
   __shared__ float m_w[kWarps * R], l_w[kWarps * R];
+  constexpr int RP = LEAN ? (R + 3) / 4 * 4 : 1;  // a key's weights, padded to float4s
+  __shared__ __align__(16) float p_s[kWarps][LEAN ? KS : 1][RP];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = num_q_heads / num_kv_heads;
@@ -323,12 +332,15 @@ __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 regi
   for (int base = k_begin + warp * KS; base < k_end; base += kWarps * KS) {
     // one block-table read per lane (the block of key base + lane), handed to the lanes
     // that load each key; keys past the end re-read the last one (their weight is 0)
-    const int block = table[min(base + lane, k_end - 1) / block_size];
+    const int tl = min(base + lane, k_end - 1);
+    const int block = table[tl / block_size];
+    const int lane_slot = LEAN ? block * block_size + tl % block_size : 0;  // LEAN: 32-bit slots
     lmkv::Vec<T, VEC> kv[KU][NV], vv[VP];
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
       const int t = min(base + u * KPP + kg, k_end - 1);
-      const i64 slot = (i64)__shfl_sync(0xffffffffu, block, t - base) * block_size + t % block_size;
+      const i64 slot = LEAN ? (i64)__shfl_sync(0xffffffffu, lane_slot, t - base)
+                            : (i64)__shfl_sync(0xffffffffu, block, t - base) * block_size + t % block_size;
       const T* kp = k_head + slot * slot_stride;
 #pragma unroll
       for (int v = 0; v < NV; ++v)
@@ -337,7 +349,8 @@ __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 regi
 #pragma unroll
     for (int i = 0; i < VP; ++i) {
       const int t = min(base + i * TPW + vg, k_end - 1);
-      const i64 slot = (i64)__shfl_sync(0xffffffffu, block, t - base) * block_size + t % block_size;
+      const i64 slot = LEAN ? (i64)__shfl_sync(0xffffffffu, lane_slot, t - base)
+                            : (i64)__shfl_sync(0xffffffffu, block, t - base) * block_size + t % block_size;
       vv[i] = *reinterpret_cast<const lmkv::Vec<T, VEC>*>(v_head + slot * slot_stride + vj * VEC);
     }
     // scores of the step's keys: s[r][u] for key base + u * KPP + kg, on all 4 lanes of the key
@@ -370,35 +383,63 @@ __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 regi
         s[r][u] = base + u * KPP + kg < k_end ? su * scale : lmkv::neg_inf();
         mx = fmaxf(mx, s[r][u]);
       }
-      const float m_new = fmaxf(m[r], lmkv::group_max<32>(mx));  // finite: the step has a key
-      float sum = 0.f;
+      float alpha;
+      if constexpr (LEAN) {  // over the key groups: the 4 lanes of a key hold its score
 #pragma unroll
-      for (int u = 0; u < KU; ++u) {
-        s[r][u] = __expf(s[r][u] - m_new);  // now the key's weight p
-        sum += kj == 0 ? s[r][u] : 0.f;
+        for (int o = kLanesPerKey; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float m_new = fmaxf(m[r], mx);  // finite: the step has a key
+        float sum = 0.f;
+#pragma unroll
+        for (int u = 0; u < KU; ++u) {
+          s[r][u] = __expf(s[r][u] - m_new);  // now the key's weight p
+          sum += s[r][u];
+          if (kj == 0) p_s[warp][u * KPP + kg][r] = s[r][u];
+        }
+#pragma unroll
+        for (int o = kLanesPerKey; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        alpha = __expf(m[r] - m_new);  // 0 on the first step (m = -inf)
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+      } else {
+        const float m_new = fmaxf(m[r], lmkv::group_max<32>(mx));  // finite: the step has a key
+        float sum = 0.f;
+#pragma unroll
+        for (int u = 0; u < KU; ++u) {
+          s[r][u] = __expf(s[r][u] - m_new);  // now the key's weight p
+          sum += kj == 0 ? s[r][u] : 0.f;
+        }
+        alpha = __expf(m[r] - m_new);  // 0 on the first step (m = -inf)
+        l[r] = l[r] * alpha + lmkv::group_sum<32>(sum);
+        m[r] = m_new;
       }
-      const float alpha = __expf(m[r] - m_new);  // 0 on the first step (m = -inf)
-      l[r] = l[r] * alpha + lmkv::group_sum<32>(sum);
-      m[r] = m_new;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[r][e] *= alpha;
     }
     // values: pass i takes key i * TPW + vg of the step, whose weight sits on lane 4 * (its
-    // index mod KPP) in s[r][its index / KPP]
+    // index mod KPP) in s[r][its index / KPP] (LEAN: in p_s[warp][its index])
+    if (LEAN) __syncwarp();
 #pragma unroll
     for (int i = 0; i < VP; ++i) {
       float vf[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) vf[e] = lmkv::to_float(vv[i].v[e]);
+      float pk[RP];
+      if constexpr (LEAN) {
+#pragma unroll
+        for (int r4 = 0; r4 < RP; r4 += 4)
+          *reinterpret_cast<float4*>(pk + r4) = *reinterpret_cast<const float4*>(&p_s[warp][i * TPW + vg][r4]);
+      }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (r >= nrows) continue;
-        const float p = __shfl_sync(0xffffffffu, s[r][(i * TPW) / KPP],
-                                    kLanesPerKey * ((i * TPW) % KPP + vg));
+        float p;
+        if constexpr (LEAN) p = pk[r];
+        else p = __shfl_sync(0xffffffffu, s[r][(i * TPW) / KPP], kLanesPerKey * ((i * TPW) % KPP + vg));
 #pragma unroll
         for (int e = 0; e < VEC; ++e) acc[r][e] += p * vf[e];
       }
     }
+    if (LEAN) __syncwarp();  // p_s is rewritten by the next step
   }
 
   // ---- combine: lanes of a warp over their TPW key groups, then the warps' softmax states

@@ -11,7 +11,7 @@ from lmkv_cuda import attention
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
-@pytest.mark.parametrize("kernel", ["warps", "tiles"])
+@pytest.mark.parametrize("kernel", ["warps", "warps_lean", "tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize(
@@ -29,7 +29,7 @@ def test_decode(emu, kernel, dtype, dim, hq, hkv, lens):
     assert decode(emu, dtype, dim, hq, hkv, lens, kernel=kernel) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("kernel", ["warps", "tiles"])
+@pytest.mark.parametrize("kernel", ["warps", "warps_lean", "tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_split_partitions(emu, kernel, dtype):
     """Flash-decoding: partitions of 48 keys (not a multiple of the block size) + merge."""
@@ -37,7 +37,7 @@ def test_decode_split_partitions(emu, kernel, dtype):
     assert error < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("kernel", ["warps", "tiles"])
+@pytest.mark.parametrize("kernel", ["warps", "warps_lean", "tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [64, 128])
 def test_decode_step_boundaries(emu, kernel, dtype, dim):
@@ -64,7 +64,7 @@ def test_decode_kernel_choice_is_checked(emu):
         decode(emu, torch.float32, 64, 16, 2, [5], kernel="fast")
 
 
-@pytest.mark.parametrize("kernel", ["warps", "tiles"])
+@pytest.mark.parametrize("kernel", ["warps", "warps_lean", "tiles"])
 def test_decode_long_context_two_tiles(emu, kernel):
     """More keys than one shared-memory tile (256) or many steps per warp inside one
     partition: online softmax."""
@@ -145,3 +145,13 @@ def test_decode_splits_into_at_most_max_partitions(emu, monkeypatch):
     monkeypatch.setattr(attention, "_launch", lambda *a: launches.append(a[13]) or real(*a))  # num_partitions
     error = decode(emu, torch.float32, 64, 16, 2, [1, 48, 49, 150], partition_size=16)
     assert error < TOLERANCE[torch.float32] and launches == [2]
+
+
+def test_lean_decode_refuses_slots_past_32_bits(emu, monkeypatch):
+    """warps_lean hands slots between lanes as 32-bit integers: a cache with more slots is
+    refused by name (the limit lowered here to a cache of 32 slots)."""
+    monkeypatch.setattr(attention, "LEAN_MAX_SLOTS", 31)
+    with pytest.raises(ValueError, match="32-bit slots"):
+        decode(emu, torch.float32, 64, 4, 2, [20], kernel="warps_lean")  # 2 + 3 blocks of 16
+    monkeypatch.setattr(attention, "LEAN_MAX_SLOTS", 80)
+    assert decode(emu, torch.float32, 64, 4, 2, [20], kernel="warps_lean") < TOLERANCE[torch.float32]

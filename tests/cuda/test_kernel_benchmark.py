@@ -39,3 +39,27 @@ def test_launch_overhead_runs_anywhere():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("checked/prepared = ") == 2
+
+
+def test_sass_loop_counts_the_longest_backward_branch():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from sass_loop import loop_counts
+
+    sass = """
+        Function : _Z1kv
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   FFMA R2, R2, R3, R4 ;
+        /*0020*/               @P0 BRA 0x10 ;
+        /*0030*/                   FADD R2, R2, R3 ;
+        /*0040*/                   BRA 0x0 ;
+        /*0050*/                   EXIT ;
+"""
+    n, ops = loop_counts(sass)["_Z1kv"]
+    assert n == 5 and ops["BRA"] == 2 and ops["FFMA"] == 1
+
+
+def test_sass_loop_runs_anywhere():
+    r = subprocess.run([sys.executable, str(SCRIPT.parent / "sass_loop.py")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "needs" in r.stdout or r.stdout.count("loop/first = ") == 2
