@@ -160,7 +160,8 @@ def paged_attention_decode(
     if kernel == "auto":
         kernel = decode_kernel(group)
     require(kernel != "warps_lean" or nb * bs <= LEAN_MAX_SLOTS,
-            f"decode kernel warps_lean takes 32-bit slots: {nb} blocks of {bs} tokens are more")
+            f"decode kernel warps_lean takes 32-bit slots: {nb} blocks of {bs} tokens are more "
+            f"than {LEAN_MAX_SLOTS} slots")
     name = {"warps": "paged_decode_warps<{}, {}, {}>", "tiles": None,
             "warps_lean": "paged_decode_warps<{}, {}, {}, true>"}[kernel]
     partition_size = max(partition_size, -(-max_len // MAX_PARTITIONS))

@@ -259,9 +259,9 @@ __global__ void __launch_bounds__(D)
 // flight at bf16, D = 128); no block barrier until the warps' partial results are combined at
 // the end. Rows = up to R query heads of one KV head. Same arguments, grid and outputs as
 // paged_attention's decode (prefill = 0; query_start_loc, tile_starts, tile_tokens unused).
-// LEAN ("warps_lean" in lmkv_cuda.attention): fewer instructions per step for a kernel close to
-// issue-bound (benchmarks/sass_loop.py: 1599 instead of 1864 per warp step at bf16, D = 128,
-// R = 4, 537 of them the FMAs): one integer division by block_size per step instead of
+// LEAN ("warps_lean" in lmkv_cuda.attention): fewer instructions per step, for a kernel whose
+// loop is long (benchmarks/sass_loop.py: 1211 instead of 1465 per warp step at bf16, D = 128,
+// R = 4, 516 of them the FMAs): one integer division by block_size per step instead of
 // one per load (each lane computes the slot of key base + lane; slots are 32-bit, the wrapper
 // checks that they fit), the row max and sum reduced over the 8 key groups only (the 4 lanes of
 // a key hold the same score), and the weights handed to the value lanes through shared memory

@@ -41,21 +41,27 @@ def test_launch_overhead_runs_anywhere():
     assert r.stdout.count("checked/prepared = ") == 2
 
 
-def test_sass_loop_counts_the_longest_backward_branch():
-    sys.path.insert(0, str(SCRIPT.parent))
+def test_sass_loop_counts_the_main_loop_not_the_shuffle_slow_paths(monkeypatch):
+    """The loop is the longest backward branch whose span holds no EXIT: a shuffle's slow
+    path after the last EXIT that jumps back into the loop (longer span) is not it."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
     from sass_loop import loop_counts
 
     sass = """
         Function : _Z1kv
         /*0000*/                   MOV R1, c[0x0][0x28] ;
         /*0010*/                   FFMA R2, R2, R3, R4 ;
-        /*0020*/               @P0 BRA 0x10 ;
-        /*0030*/                   FADD R2, R2, R3 ;
-        /*0040*/                   BRA 0x0 ;
-        /*0050*/                   EXIT ;
+        /*0020*/                   BRA.DIV UR4, 0x80 ;
+        /*0030*/                   SHFL.BFLY PT, R5, R2, 0x1, 0x1f ;
+        /*0040*/               @P0 BRA 0x10 ;
+        /*0050*/                   FADD R2, R2, R3 ;
+        /*0060*/                   EXIT ;
+        /*0070*/                   BRA 0x70 ;
+        /*0080*/                   WARPSYNC.ALL ;
+        /*0090*/                   BRA 0x30 ;
 """
-    n, ops = loop_counts(sass)["_Z1kv"]
-    assert n == 5 and ops["BRA"] == 2 and ops["FFMA"] == 1
+    loop = loop_counts(sass)["_Z1kv"]
+    assert loop.instructions == 4 and loop.opcodes["FFMA"] == 1 and loop.opcodes["SHFL"] == 1
 
 
 def test_sass_loop_runs_anywhere():
