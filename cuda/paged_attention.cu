@@ -427,7 +427,8 @@ __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 regi
       if constexpr (LEAN) {
 #pragma unroll
         for (int r4 = 0; r4 < RP; r4 += 4)
-          *reinterpret_cast<float4*>(pk + r4) = *reinterpret_cast<const float4*>(&p_s[warp][i * TPW + vg][r4]);
+          *reinterpret_cast<float4*>(pk + r4) =
+              *reinterpret_cast<const float4*>(&p_s[warp][i * TPW + vg][r4]);
       }
 #pragma unroll
       for (int r = 0; r < R; ++r) {
