@@ -22,6 +22,7 @@ ROWS = 8  # query rows per block sharing each K/V load (template R; decode: 1 wi
 SMALL_GROUP_ROWS = 4
 THREADS = 128
 MAX_PARTITIONS = 64  # splits of one decode's keys, at most
+_NO_SPLIT = 1 << 30
 # decode kernels: "warps" (paged_decode_warps: each warp its own online softmax, a step's K
 # and V loads issued together) and "tiles" (paged_attention: the block's warps score a tile of
 # keys, then weigh its values, with barriers between). "auto" takes warps for GQA groups of 2-4
@@ -36,7 +37,6 @@ LEAN_MAX_SLOTS = 2**31 - 1  # warps_lean passes slots between lanes as 32-bit in
 def decode_kernel(group: int) -> str:
     """The kernel "auto" takes for a GQA group of ``group`` query heads per KV head."""
     return "warps" if 2 <= group <= SMALL_GROUP_ROWS else "tiles"
-_NO_SPLIT = 1 << 30
 
 
 def _common(
