@@ -33,6 +33,22 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 256;  // keys per tile (logits kept in shared memory)
 constexpr int kLanesPerKey = 4;
 
+// Element d of a query row's result: o / l into out, or, split over partitions, the partial
+// o with the row's running max m and sum l (d == 0) for paged_attention_merge.
+template <class T, int D>
+__device__ __forceinline__ void write_row(T* out, float* part_o, float* part_ml, i64 row, int d,
+                                          int part, int num_partitions, float o, float m, float l) {
+  if (num_partitions == 1) {
+    out[row * D + d] = lmkv::from_float<T>(o / l);
+  } else {
+    part_o[(row * num_partitions + part) * D + d] = o;
+    if (d == 0) {
+      part_ml[(row * num_partitions + part) * 2] = m;
+      part_ml[(row * num_partitions + part) * 2 + 1] = l;
+    }
+  }
+}
+
 template <class T, int D, int R>
 __global__ void __launch_bounds__(kThreads, 1)
     paged_attention(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
@@ -219,15 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int w = 0; w < kWarps; ++w) o += red[(w * R + r) * D + d];
     const int hq = kvh * group + g0 + r % row_heads;
     const i64 row = (i64)(q0 + r / row_heads) * num_q_heads + hq;
-    if (num_partitions == 1) {
-      out[row * D + d] = lmkv::from_float<T>(o / l_s[r]);
-    } else {
-      part_o[(row * num_partitions + part) * D + d] = o;
-      if (d == 0) {
-        part_ml[(row * num_partitions + part) * 2] = m_s[r];
-        part_ml[(row * num_partitions + part) * 2 + 1] = l_s[r];
-      }
-    }
+    write_row<T, D>(out, part_o, part_ml, row, d, part, num_partitions, o, m_s[r], l_s[r]);
   }
 }
 
@@ -444,6 +452,8 @@ __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 regi
   }
 
   // ---- combine: lanes of a warp over their TPW key groups, then the warps' softmax states
+  // (paged_attention's reduction, kept inline: as a shared helper it changed the register
+  // allocation, so the code, of this kernel as measured on the H200)
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     if (r >= nrows) continue;
@@ -473,14 +483,6 @@ __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 regi
       sum += l_w[w * R + r] * wt;
     }
     const i64 row = (i64)seq * num_q_heads + kvh * group + g0 + r;
-    if (num_partitions == 1) {
-      out[row * D + d] = lmkv::from_float<T>(o / sum);
-    } else {
-      part_o[(row * num_partitions + part) * D + d] = o;
-      if (d == 0) {
-        part_ml[(row * num_partitions + part) * 2] = mx;
-        part_ml[(row * num_partitions + part) * 2 + 1] = sum;
-      }
-    }
+    write_row<T, D>(out, part_o, part_ml, row, d, part, num_partitions, o, mx, sum);
   }
 }
