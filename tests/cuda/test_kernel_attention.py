@@ -42,9 +42,9 @@ def test_decode_split_partitions(emu, kernel, dtype):
 @pytest.mark.parametrize("dim", [64, 128])
 def test_decode_step_boundaries(emu, kernel, dtype, dim):
     """Partial last steps (a warps step is 16 keys per warp at 2-byte dtypes and D = 128, 32
-    at D = 64; 8 and 16 at fp32),
-    partitions shorter than one step per warp, block boundaries, split partitions and more
-    than one tile or step per warp give the reference's result."""
+    at D = 64; 8 and 16 at fp32), partitions shorter than one step per warp, block
+    boundaries, split partitions and more than one tile or step per warp give the
+    reference's result."""
     for lens, parts in (([1, 16, 17, 45, 63, 64, 65, 129], 512), ([300, 600], 96), ([200], 40)):
         error = decode(emu, dtype, dim, 12, 3, lens, partition_size=parts, kernel=kernel)
         assert error < TOLERANCE[dtype]
