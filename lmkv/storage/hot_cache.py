@@ -22,6 +22,7 @@ class HotCache:
         self.entries: dict[str, ChunkBuffer] = {}
         self.num_evictions = 0
         self.num_refused = 0  # chunks the policy did not admit
+        self.lossy_ok = True  # whether chunks decoded from lossy frames are kept (drop_lossy)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -39,12 +40,34 @@ class HotCache:
             self.policy.accessed(key)
             return buf.retain()
 
+    def hold(self, key: str) -> ChunkBuffer | None:
+        """The chunk with a reference for the caller, without counting a use (a chunk that
+        work under way continues: it must not be evicted meanwhile), or None."""
+        with self._lock:
+            buf = self.entries.get(key)
+            return None if buf is None else buf.retain()
+
+    def touch(self, keys: list[str]) -> int:
+        """A use of the leading ``keys`` held (the engine served their tokens from its own
+        memory: the policy sees the use a load would have made); how many were held."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                if key not in self.entries:
+                    break
+                self.policy.accessed(key)
+                n += 1
+        return n
+
     def put(self, key: str, buf: ChunkBuffer, parent: str | None = None) -> bool:
         """Insert (or replace) ``key``, the chunk after ``parent`` in its prompt (None: a
         first or content-keyed chunk); the cache takes its own reference. False if the
-        policy does not keep it (its parent is gone, or it is not worth the room)."""
+        policy does not keep it (its parent is gone, or it is not worth the room), or if it
+        is lossy after ``drop_lossy``."""
         with self._lock:
             old = self.entries.get(key)
+            if buf.lossy and not self.lossy_ok:
+                return False
             if old is not None:
                 self.entries[key] = buf.retain()
                 self.policy.accessed(key)
@@ -82,9 +105,10 @@ class HotCache:
 
     def drop_lossy(self) -> int:
         """Remove the entries decoded from a lossy codec, and those held after them in their
-        prompts (computed over their KV, and unreachable without them); readers keep their
-        references."""
+        prompts (computed over their KV, and unreachable without them), and keep none from
+        now on; readers keep their references."""
         with self._lock:
+            self.lossy_ok = False
             keys = [k for k, b in self.entries.items() if b.lossy]
             keys += self.policy.continuations(keys)
             dropped = [self.entries.pop(k) for k in keys]

@@ -113,9 +113,8 @@ class StorageManager:
 
     def _evicted(self, key: str) -> None:
         self.metrics.evictions.labels("hot").inc()
-        if self._unwritten:
-            with self._lock:
-                self._unwritten.pop(key, None)
+        with self._lock:  # always: _note_unwritten may be adding this key right now
+            self._unwritten.pop(key, None)
 
     def _write_again(self, key: str, buf: ChunkBuffer) -> None:
         """A hot chunk being used whose earlier write to some tiers was lost: queue it again
@@ -261,6 +260,9 @@ class StorageManager:
         ``deadline`` (a slow tier: the chunks loaded so far are the prefix)."""
         out: list[ChunkBuffer] = []
         parents = dict(zip(keys, [parent, *keys[:-1]], strict=True))
+        # the chunk these continue stays while their slots are taken (a prefix policy
+        # refuses chunks whose parent is gone)
+        held = self.hot.hold(parent) if parent is not None else None
         try:
             if len(keys) > LOAD_BATCH:
                 for tier in self.tiers:  # the whole run, so that reads queue ahead of the batches
@@ -283,6 +285,9 @@ class StorageManager:
             for buf in out:
                 buf.release()
             raise
+        finally:
+            if held is not None:
+                held.release()
         return out
 
     def prefetch(self, keys: list[str]) -> None:
@@ -290,29 +295,40 @@ class StorageManager:
         job (dropped, and counted, when the background queue is full)."""
         if not self.keep_hot:
             return
-        n = 0
-        while n < len(keys) and self.hot.contains(keys[n]):
-            n += 1
+        prefix: list[ChunkBuffer] = []  # held until the job ends: its slots never evict them
+        seen: set[str] = set()
+        for key in keys:
+            buf = self.hot.hold(key)
+            if buf is None:
+                break
+            prefix.append(buf)
+            seen.add(key)
+        n = len(prefix)
         with self._lock:
             run = []
             for key in keys[n:]:
-                if key in self._inflight:  # another prompt's job is bringing this prefix up
-                    break
+                if key in self._inflight or key in seen:  # another prompt's job is bringing
+                    break  # this prefix up; or a repeat (a client's list), where the run ends
                 run.append(key)
-            if not run:
-                return
-            self._inflight.update(run)
+                seen.add(key)
+            if run:
+                self._inflight.update(run)
         parent = keys[n - 1] if n else None
-        if self.io.submit(lambda: self._prefetch_run(run, parent)) is None:
-            with self._lock:
-                self._inflight.difference_update(run)
-            self.metrics.dropped.labels("prefetch").inc()
+        if not run or self.io.submit(lambda: self._prefetch_run(run, parent, prefix)) is None:
+            for buf in prefix:
+                buf.release()
+            if run:
+                with self._lock:
+                    self._inflight.difference_update(run)
+                self.metrics.dropped.labels("prefetch").inc()
 
-    def _prefetch_run(self, keys: list[str], parent: str | None) -> None:
+    def _prefetch_run(self, keys: list[str], parent: str | None, prefix: list[ChunkBuffer]) -> None:
         try:
             for buf in self._load_run(keys, prefetch=True, parent=parent):
                 buf.release()
         finally:
+            for buf in prefix:
+                buf.release()
             with self._lock:
                 self._inflight.difference_update(keys)
 
@@ -320,7 +336,8 @@ class StorageManager:
                     parents: dict[str, str | None]) -> dict[str, ChunkBuffer]:
         """On the I/O thread: ``keys``' chunks, retained for the caller: those in the hot
         cache (retained first, so that the slots taken below cannot evict them), the others
-        read from the first tier that has them, one batch per tier, put in the hot cache."""
+        read from the first tier that has them, one batch per tier, put in the hot cache in
+        prompt order (a chunk after its parent, whichever tier each came from)."""
         loaded: dict[str, ChunkBuffer] = {}
         try:
             for key in keys:
@@ -328,21 +345,33 @@ class StorageManager:
                 if buf is not None:
                     loaded[key] = buf
             missing = [k for k in keys if k not in loaded]
+            read: set[str] = set()
             for tier in self.tiers:
                 if not missing:
                     break
                 if tier.available:
-                    missing = self._read_tier(tier, missing, prefetch, loaded, parents)
+                    missing = self._read_tier(tier, missing, loaded, read)
         except BaseException:
             for buf in loaded.values():
                 buf.release()
             raise
+        for key in keys:
+            if key in read:
+                buf = loaded[key]
+                if self.keep_hot:  # refused once the quality gate tripped, if decoded lossy
+                    self.hot.put(key, buf, parents.get(key))
+                if buf.lossy and self.lossless_only:  # (decoded as the gate tripped)
+                    buf.release()
+                    del loaded[key]  # a miss: the keys after it are not used
+                elif prefetch:
+                    self.metrics.prefetched_chunks.inc()
+        self.metrics.hot_chunks.set(len(self.hot))
         return loaded
 
-    def _read_tier(self, tier: Tier, keys: list[str], prefetch: bool,
-                   loaded: dict[str, ChunkBuffer], parents: dict[str, str | None]) -> list[str]:
-        """Read ``keys`` from one tier into hot-cache chunks (added to ``loaded``); returns
-        the keys it did not have or could not deliver intact. Where slots would have to be
+    def _read_tier(self, tier: Tier, keys: list[str], loaded: dict[str, ChunkBuffer],
+                   read: set[str]) -> list[str]:
+        """Read ``keys`` from one tier into new chunks (added to ``loaded`` and ``read``);
+        returns the keys it did not have or could not deliver intact. Where slots would have to be
         taken from hot chunks, the tier is first asked which keys it holds, so that no hot
         chunk is evicted for a miss."""
         rest: list[str] = []
@@ -368,16 +397,12 @@ class StorageManager:
                 buf.release()
             raise
         for key, buf, ok in zip(batch, bufs, results, strict=True):
-            if not ok or (buf.lossy and self.lossless_only):  # (decoded as the gate tripped)
+            if not ok:
                 buf.release()
                 missing.append(key)
                 continue
-            if self.keep_hot:
-                self.hot.put(key, buf, parents.get(key))
             loaded[key] = buf
-            if prefetch:
-                self.metrics.prefetched_chunks.inc()
-        self.metrics.hot_chunks.set(len(self.hot))
+            read.add(key)
         return missing + rest
 
     def make_lossless(self) -> list[str]:

@@ -638,3 +638,35 @@ def test_a_gate_trip_during_a_lossy_read_keeps_that_chunk_out(table, tmp_path):
         assert not manager.hot.contains("k")
     finally:
         manager.close()
+
+
+def test_a_gate_trip_just_before_a_lossy_chunk_enters_the_hot_cache_keeps_it_out(table, tmp_path):
+    """The trip lands after the load checked the gate and before it put the chunk in the
+    hot cache (the gate runs on its own thread): the hot cache refuses it, the load takes it
+    as a miss."""
+    from lmkv.backends.disk import DiskBackend
+    from lmkv.storage.manager import StorageManager
+    from lmkv.storage.tier import Tier
+
+    metrics = LMKVMetrics()
+    pool = MemoryPool(LAYOUT, 4 * (64 + LAYOUT.chunk_bytes))
+    tier = Tier("disk", DiskBackend(tmp_path, 1 << 30), "cachegen", table, metrics)
+    manager = StorageManager(pool, [tier], metrics)
+    try:
+        buf = pool.allocate()
+        buf.kv.copy_(kv_like(7))
+        tier.write("k", tier.encode("k", buf))
+        buf.release()
+        real = manager.hot.put
+
+        def trip_then_put(key, buf, parent=None):
+            manager.make_lossless()
+            return real(key, buf, parent)
+
+        manager.hot.put = trip_then_put
+        assert manager.fetch(["k"]) == []
+        assert not manager.hot.contains("k")
+        assert not any(b.lossy for b in manager.hot.entries.values())
+    finally:
+        manager.close()
+    assert pool.num_free == 4

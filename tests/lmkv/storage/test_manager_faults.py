@@ -474,3 +474,92 @@ def test_a_lookup_returns_while_a_write_to_the_tier_hangs(monkeypatch):
                                                {"tier": "t", "kind": "busy"}) == 1
     backend.release.set()
     m.close()
+
+
+def hot_put(m, key, parent=None):
+    buf = m.allocate()
+    m.hot.put(key, buf, parent)
+    buf.release()
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix_lru", "prefix_adaptive"])
+def test_a_load_never_evicts_the_chunk_it_continues(policy):
+    # a conversation's next turn: its first chunks are hot but the oldest, the rest below;
+    # taking slots for the rest must not evict the chunk they continue (a prefix policy
+    # would then refuse every chunk read)
+    pool, ts, m = manager(slots=4, policy=policy)
+    seed(pool, ts[0], ["a0", "a1", "a2", "a3", "c0", "c1"])
+    for key, parent in (("a0", None), ("a1", "a0"), ("b0", None), ("b1", "b0")):
+        hot_put(m, key, parent)
+    m.prefetch(["a0", "a1", "a2", "a3"])
+    m.io.drain(5)
+    assert sorted(m.hot.entries) == ["a0", "a1", "a2", "a3"]
+    assert m.lookup(["a0", "a1", "a2", "a3"]) == 4 and m.hot.num_refused == 0
+    m.close()
+    assert pool.num_free == 4
+    # a fetch past a chunk that the engine's own prefix cache served (lmkv did not touch it)
+    pool, ts, m = manager(slots=4, policy=policy)
+    seed(pool, ts[0], ["c0", "c1"])
+    for key, parent in (("p", None), ("b0", None), ("b1", "b0")):
+        hot_put(m, key, parent)
+    got = m.fetch(["c0", "c1"], parent="p")
+    assert len(got) == 2 and {"p", "c0", "c1"} <= set(m.hot.entries)
+    assert m.hot.num_refused == 0
+    for buf in got:
+        buf.release()
+    assert all(b.ref_count == 1 for b in m.hot.entries.values())
+    m.close()
+    pool.check_integrity()
+    assert pool.num_free == 4
+
+
+def test_a_prefetch_with_a_repeated_key_gives_every_slot_back():
+    pool, ts, m = manager(slots=8, policy="lru")
+    seed(pool, ts[0], ["a", "b"])
+    hot_put(m, "h")
+    m.prefetch(["a", "a", "b"])  # a client's list with a repeat: the run stops at it
+    m.prefetch(["h", "h", "a"])
+    m.io.drain(5)
+    assert all(b.ref_count == 1 for b in m.hot.entries.values())
+    m.close()
+    assert pool.num_free == 8
+
+
+@pytest.mark.parametrize("policy", ["prefix_lru", "prefix_adaptive"])
+def test_chunks_read_from_several_tiers_enter_the_hot_cache_in_prompt_order(policy):
+    pool, ts, m = manager(slots=8, tiers=2, policy=policy)
+    seed(pool, ts[1], ["a"])  # the first chunk only in the second tier
+    seed(pool, ts[0], ["b", "c"])  # the chunks after it in the first
+    got = m.fetch(["a", "b", "c"])
+    assert len(got) == 3
+    assert sorted(m.hot.entries) == ["a", "b", "c"] and m.hot.num_refused == 0
+    for buf in got:
+        buf.release()
+    m.close()
+
+
+def test_a_chunk_evicted_while_its_lost_write_is_noted_is_not_remembered():
+    """The I/O thread notes a lost write of a hot chunk while another thread evicts it: the
+    note must not outlive the chunk (it would make every later hit take the manager's lock
+    and could write a chunk of the same key again)."""
+    pool, (tier,), m = manager(slots=1, policy="lru")
+    gate = hold_worker(m)
+    put_one(pool, m, "a")  # the queue is full: its write is dropped and noted
+    gate.set()
+    m.io.drain()
+    m._unwritten.clear()  # as before a second failure of the same write
+    evictor = threading.Thread(target=lambda: m.allocate().release())
+
+    class Entries(dict):
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            if key == "a" and not evictor.is_alive() and evictor.ident is None:
+                evictor.start()  # evicts "a" now, between this read and the note
+                evictor.join(timeout=1.0)
+            return found
+
+    m.hot.entries = Entries(m.hot.entries)
+    m._note_unwritten("a", [tier])
+    evictor.join()
+    assert not m.hot.contains("a") and "a" not in m._unwritten
+    m.close()
