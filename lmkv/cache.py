@@ -126,6 +126,12 @@ class LMKVCache:
         """Number of leading chunks stored in some tier."""
         return self.storage.lookup(keys)
 
+    def touch(self, keys: list[str]) -> None:
+        """The engine used the leading ``keys`` without lmkv (its own prefix cache held
+        them): a use to the hot cache's policy, as a load would be, so that the chunks the
+        prompt continues are not the first it evicts."""
+        self.storage.hot.touch(keys)
+
     def fetch(self, keys: list[str], parent: str | None = None) -> list[ChunkBuffer]:
         """The longest loadable prefix of chunks, each retained for the caller (``parent``:
         the chunk before ``keys[0]`` in its prompt, None for a prompt's first chunk or RAG

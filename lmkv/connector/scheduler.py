@@ -112,6 +112,8 @@ class SchedulerConnector:
         # from the first chunk the engine lacks.
         first = min(num_computed_tokens // c, full)
         below = self.cache.lookup(st.keys[:first]) if first else 0
+        if below:  # used now, as if loaded: the chunks saved after them are kept behind them
+            self.cache.touch(st.keys[:below])
         # each pin names the chunk before its first (the prefix policies keep a chunk only
         # behind its parent, and the engine's own hit may hold that parent)
         lossy = (self.cache.pin(st.keys[first:full], st.keys[first - 1] if first else None)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from lmkv.cache import LMKVCache
 from lmkv.config import load_config
 from lmkv.connector import SchedulerConnector, WorkerConnector
 from lmkv.layout import KVLayout
+from lmkv.memory import HEADER_BYTES
 from lmkv.paged import BlockPagedMemory
 
 CHUNK, BLOCK = 16, 4
@@ -30,7 +32,7 @@ class Request:
 
 
 def _engine(**config) -> LMKVCache:
-    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001, **config)
+    cfg = load_config(env={}, chunk_size=CHUNK, **{"max_local_cpu_size": 0.001, **config})
     return LMKVCache(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
 
 
@@ -230,4 +232,34 @@ def test_chunks_loaded_past_the_engines_prefix_join_the_hot_cache_under_their_pa
     for key in meta.loads[0].keys:
         engine.take(key).release()
     sched.request_finished(req)
+    engine.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix_lru", "prefix_adaptive"])
+def test_a_turn_served_by_the_engines_prefix_cache_keeps_its_new_chunks(policy):
+    """The engine's own prefix cache serves a conversation's earlier turn, whose chunk in
+    lmkv is the oldest in a full hot cache: that use counts for lmkv's policy too, so the
+    slots for the new chunks are not taken from it (a prefix policy then refuses every
+    chunk after it; LRU keeps chunks no lookup reaches)."""
+    layout = KVLayout(2, 1, 4, torch.float32, CHUNK)
+    engine = _engine(cache_policy=policy,
+                     max_local_cpu_size=4 * (HEADER_BYTES + layout.chunk_bytes) / 1e9 + 1e-9)
+    assert engine.pool.num_slots == 4
+    turn = list(range(3000, 3000 + CHUNK))
+    _store(engine, turn)
+    _store(engine, list(range(7000, 7000 + 3 * CHUNK)))  # another conversation, stored later
+    prompt = turn + list(range(4000, 4000 + 2 * CHUNK + 3))
+    keys = engine.keys(prompt)
+    sched = SchedulerConnector(engine, BLOCK)
+    req = Request("next", prompt)
+    offered, meta = _schedule(sched, req, computed=CHUNK)
+    assert offered == 0 and [k for s in meta.saves for k in s.keys] == keys[1:3]
+    worker = WorkerConnector(engine)
+    worker.register_kv_caches(BlockPagedMemory(torch.randn(2, 2, 200, BLOCK, 1, 4)))
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv()
+    worker.wait_for_save()
+    assert engine.lookup(keys) == 3 and engine.storage.hot.num_refused == 0
+    sched.request_finished(req)
+    worker.close()
     engine.close()
