@@ -19,11 +19,13 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import hashlib
 import itertools
 import logging
 import mmap
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +46,7 @@ FILE_ERRORS = frozenset(getattr(errno, n) for n in ("EIO", "EACCES", "EPERM", "E
                                                     "ENXIO", "ENODEV", "ESTALE", "EUCLEAN",
                                                     "EBADMSG") if hasattr(errno, n))
 _tmp_ids = itertools.count()  # temporary file names unique within the process
+UNLOCKED_TMP_SECONDS = 60  # an unlocked temporary file older than this has no live writer
 
 
 def _load_libc() -> ctypes.CDLL | None:
@@ -81,6 +84,7 @@ class DiskBackend(StorageBackend):
         except OSError as e:
             raise BackendError(f"cannot create the disk tier directory {self.root}: {e}") from e
         self.index: dict[str, int] = {}  # file name -> bytes
+        self.spoiled: set[str] = set()  # removed files that could not be deleted: counted, never read
         self.used = 0
         self.num_evictions = 0
         self._pool: ThreadPoolExecutor | None = None  # reader threads, started at the first batch
@@ -117,16 +121,24 @@ class DiskBackend(StorageBackend):
 
     def _rebuild_index(self) -> None:
         entries = []
-        for entry in os.scandir(self.root):
+        try:
+            with os.scandir(self.root) as listing:
+                found = list(listing)
+        except OSError as e:
+            raise BackendError(f"cannot list the disk tier directory {self.root}: {e}") from e
+        for entry in found:
             try:
                 if entry.name.endswith(".tmp"):
-                    if not _writer_alive(entry.name):  # a write interrupted by a crash
+                    if not _writer_alive(entry.path):  # a write interrupted by a crash
                         os.unlink(entry.path)
                 elif entry.name.endswith(SUFFIX) and entry.is_file():
                     st = entry.stat()
                     entries.append((st.st_mtime, entry.name, st.st_size))
             except FileNotFoundError:  # gone meanwhile (another process sharing the directory)
                 continue
+            except OSError as e:  # a read-only directory, another owner's file: left as it is
+                self._quiet.log(log, logging.WARNING, "rebuild", "disk tier %s: leaving %s as it "
+                                "is (%s)", self.root, entry.name, e.strerror or e)
         for _, name, size in sorted(entries):  # least recently used (read or written) first
             self._add(name, size)
         try:
@@ -166,8 +178,9 @@ class DiskBackend(StorageBackend):
         tmp = self.root / f".{name}.{next(_tmp_ids)}.{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as f:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # a live write: kept at others' starts
                 f.write(value)
-            os.replace(tmp, self.root / name)
+                os.replace(tmp, self.root / name)
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -197,8 +210,8 @@ class DiskBackend(StorageBackend):
         out: list[bytes | None] = []
         for key in keys:
             name = self._name(key)
-            size = self.index.get(name)
-            if size is None or size > self.max_value_bytes:
+            size = self._claimable(name)
+            if size is None:
                 out.append(None)
                 continue
             try:
@@ -235,8 +248,8 @@ class DiskBackend(StorageBackend):
         wanted: list[tuple[int, str, int]] = []  # (position, file name, size)
         for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
             name = self._name(key)
-            size = self.index.get(name)
-            if size is not None and size <= min(len(out), self.max_value_bytes):
+            size = self._claimable(name)
+            if size is not None and size <= len(out):
                 wanted.append((i, name, size))  # larger: not a frame this reader holds
         # one way for the whole batch: O_DIRECT where every buffer takes it (then no read-ahead,
         # which would only read the files a second time), else read-ahead and the page cache
@@ -362,14 +375,25 @@ class DiskBackend(StorageBackend):
             self._pool = None
 
     def contains(self, keys: Sequence[str]) -> list[bool]:  # reads the index only
-        return [(size := self.index.get(self._name(k))) is not None and size <= self.max_value_bytes
-                for k in keys]
+        return [self._claimable(self._name(k)) is not None for k in keys]
+
+    def _claimable(self, name: str) -> int | None:
+        """The size of file ``name`` if it may be read: indexed, no larger than a value can
+        be, not a removed file left undeleted."""
+        size = self.index.get(name)
+        if size is None or size > self.max_value_bytes or name in self.spoiled:
+            return None
+        return size
 
     def remove(self, keys: Sequence[str]) -> None:
         for key in keys:
             name = self._name(key)
             if name in self.index:
-                self._unlink(name)
+                try:
+                    self._unlink(name)
+                except BackendError:  # still counted (and evicted by the policy in its turn)
+                    self.spoiled.add(name)
+                    raise
                 self._forget(name)
 
     def _unlink(self, name: str) -> None:
@@ -394,6 +418,7 @@ class DiskBackend(StorageBackend):
 
     def _forget(self, name: str) -> bool:
         size = self.index.pop(name, None)
+        self.spoiled.discard(name)
         if size is None:
             return False
         self.used -= size
@@ -416,14 +441,31 @@ class DiskBackend(StorageBackend):
             self.num_evictions += 1
 
 
-def _writer_alive(tmp: str) -> bool:
-    """Whether the process that writes temporary file ``tmp`` (".<name>.<n>.<pid>.tmp") is alive
-    here: another engine sharing the directory, whose write must not be cut off."""
+def _writer_alive(path: str) -> bool:
+    """Whether a live process is writing temporary file ``path`` (".<name>.<n>.<pid>.tmp"):
+    another engine sharing the directory, whose write must not be cut off. A writer holds
+    an exclusive lock on its file until the rename, which tells it apart across PID
+    namespaces (containers sharing a volume, each engine PID 1). An unlocked file is a
+    dead writer's unless it is young and its pid lives here (between the file's creation
+    and its lock; or a writer that does not lock)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        pid = int(tmp.rsplit(".", 2)[-2])
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:  # a file system without locks: the pid and age decide
+            pass
+        age = time.time() - os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+    if age > UNLOCKED_TMP_SECONDS:
+        return False
+    try:
+        pid = int(path.rsplit(".", 2)[-2])
     except ValueError:
         return False
-    if pid == os.getpid():
+    if pid == os.getpid():  # this process's earlier life (a container's PID 1 restarted)
         return False
     try:
         os.kill(pid, 0)

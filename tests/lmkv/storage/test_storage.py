@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import errno
+import fcntl
+import logging
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -186,10 +189,68 @@ def test_disk_tier_keeps_the_temporaries_of_a_live_writer(tmp_path):
     assert live.exists() and not dead.exists()
 
 
+def test_a_writer_in_another_pid_namespace_keeps_its_temporaries(tmp_path, monkeypatch):
+    """Engines in containers sharing a volume are all PID 1: a live write is told by the
+    lock its writer holds, not by the pid in its name; an unlocked temporary of a live pid
+    counts as a dead writer's once it is old."""
+    locked = tmp_path / f".a.kv.0.{os.getpid()}.tmp"  # as another container's PID 1 names it
+    stale = tmp_path / f".b.kv.0.{os.getppid()}.tmp"
+    with open(locked, "wb") as writer:
+        fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
+        stale.write_bytes(b"partial")
+        os.utime(stale, (time.time() - 600, time.time() - 600))
+        DiskBackend(tmp_path, capacity_bytes=300)
+        assert locked.exists() and not stale.exists()
+    DiskBackend(tmp_path, capacity_bytes=300)  # the lock is gone: a dead writer's
+    assert not locked.exists()
+    real_replace, renamed = os.replace, []
+
+    def replace(src, dst):  # a write's temporary is locked up to its rename
+        fd = os.open(src, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        renamed.append(src)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    disk = DiskBackend(tmp_path, capacity_bytes=300)
+    disk.put([("k", b"x" * 10)])
+    assert renamed and disk.get(["k"]) == [b"x" * 10] and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_directory_whose_leftovers_cannot_be_touched_still_starts(tmp_path, monkeypatch, caplog):
+    """A dead writer's temporary that cannot be deleted, or a file that cannot be examined
+    (a read-only volume, another owner's files): the tier starts, warns and indexes the rest;
+    a directory that cannot be listed is a clear error."""
+    DiskBackend(tmp_path, capacity_bytes=300).put([("a", b"x" * 10)])
+    tmp = tmp_path / f".junk.kv.0.{_dead_pid()}.tmp"
+    tmp.write_bytes(b"partial")
+    real_unlink = os.unlink
+
+    def refuse(path, *args, **kwargs):
+        if str(path) == str(tmp):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    with caplog.at_level(logging.WARNING, logger="lmkv.backends.disk"):
+        disk = DiskBackend(tmp_path, capacity_bytes=300)
+    assert disk.get(["a"]) == [b"x" * 10] and tmp.exists()
+    assert "leaving" in caplog.text and tmp.name in caplog.text
+    monkeypatch.setattr(os, "scandir", lambda _: (_ for _ in ()).throw(
+        PermissionError(errno.EACCES, "Permission denied")))
+    with pytest.raises(BackendError, match="cannot list"):
+        DiskBackend(tmp_path, capacity_bytes=300)
+
+
 def test_a_disk_that_refuses_deletes_fails_the_tier_not_the_caller(tmp_path, monkeypatch):
     """Read-only or unwritable (EROFS, EACCES): a write that must evict, or the removal of a
     corrupt chunk, is a BackendError, so the tier logs, counts and backs off; the files it
-    could not delete stay counted."""
+    could not delete stay counted, and a removed one is never offered again (before, a
+    corrupt chunk stayed a hit: read, rejected and recomputed at every use)."""
     disk = DiskBackend(tmp_path, capacity_bytes=250)
     tier = Tier("disk", disk)
     assert tier.write("a", memoryview(b"x" * 100)) and tier.write("b", memoryview(b"y" * 100))
@@ -206,7 +267,13 @@ def test_a_disk_that_refuses_deletes_fails_the_tier_not_the_caller(tmp_path, mon
     assert disk.used == sum(f.stat().st_size for f in tmp_path.glob("*.kv")) == 200
     with pytest.raises(BackendError, match="cannot delete"):
         disk.remove(["a"])
-    assert disk.contains(["a", "b"]) == [True, True]
+    assert disk.contains(["a", "b"]) == [False, True] and disk.used == 200
+    assert disk.get(["a", "b"]) == [None, b"y" * 100]
+    assert disk.get_into_many(["a"], [memoryview(bytearray(100))]) == [None]
+    monkeypatch.setattr(Path, "unlink", real)
+    disk.put([("c", b"z" * 100)])  # deletes work again: the file is evicted in its turn
+    assert disk.used <= 250 and disk.contains(["c"]) == [True]
+    assert disk.used == sum(f.stat().st_size for f in tmp_path.glob("*.kv"))
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
