@@ -21,8 +21,11 @@ horizon only when that one's lead passes ``MARGIN``. It keeps one prefix_horizon
 whose horizon is read only when a victim is picked, so switching costs nothing.
 
 The cache's capacity is not passed to policies: it is taken as the entries held when the
-cache asks for a victim (it asks only when full); until then a shadow holds at most twice
-the sampled share of what the cache holds.
+cache asks for its first victim after an insert (it asks only when full; the victims after
+it, for one large entry or a batch of slots, pass through smaller lengths, and a cache that
+starts over-full, as a disk tier restarted with a lower cap, shrinks to its size before
+the next insert); until then a shadow holds at most twice the sampled share of what the
+cache holds.
 Every operation is O(log n): the real structure, and one step of each shadow per sampled key.
 """
 
@@ -93,7 +96,8 @@ class PrefixAdaptivePolicy(CachePolicy):
         self.real = PrefixHorizonPolicy(SCALES[0])
         self.shadows = [Shadow(PrefixHorizonPolicy(s)) for s in SCALES]
         self.leader = 0  # index into SCALES: the horizon the real cache evicts by
-        self.capacity: float | None = None  # of a shadow: the most entries held at a victim / RATE
+        self.capacity: float | None = None  # of a shadow: entries held at a victim / RATE
+        self._inserted = True  # since the last victim
         self.ancestor: dict[str, str | None] = {}  # held key -> its nearest sampled ancestor
         self.recent: OrderedDict[str, str | None] = OrderedDict()  # the same, for keys gone
 
@@ -115,6 +119,7 @@ class PrefixAdaptivePolicy(CachePolicy):
         return False
 
     def inserted(self, key: str, parent: str | None) -> None:
+        self._inserted = True
         self.real.inserted(key, parent)
         ancestor = self.ancestor[key] = self._mark(parent)
         if _sampled(key):
@@ -137,9 +142,9 @@ class PrefixAdaptivePolicy(CachePolicy):
         return self.real.continuations(keys)
 
     def victim(self, evictable: Callable[[str], bool]) -> str | None:
-        # asked only when full: len is the capacity (the most held, as a run of evictions
-        # for one large entry passes through smaller lengths)
-        self.capacity = max(self.capacity or 0.0, len(self.real) / RATE)
+        if self._inserted:  # asked only when full: len is the capacity
+            self.capacity = len(self.real) / RATE
+            self._inserted = False
         return self.real.victim(evictable)
 
     def _mark(self, key: str | None) -> str | None:

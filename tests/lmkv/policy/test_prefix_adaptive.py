@@ -10,7 +10,7 @@ import random
 import pytest
 
 from lmkv.policy import make_policy
-from lmkv.policy.prefix_adaptive import SCALES
+from lmkv.policy.prefix_adaptive import RATE, SCALES
 from lmkv.policy.prefix_horizon import PrefixHorizonPolicy
 from tests.policy_checks import replay_checked, shared_prefix_prompts
 
@@ -72,3 +72,16 @@ def test_shadows_stay_bounded_when_the_cache_never_fills():
         pol.removed(key)
     assert pol.capacity is None and len(pol) == 0
     assert all(len(s.held) <= 66 for s in pol.shadows)  # 64 + 2 * 1 / RATE, plus the new key
+
+
+def test_a_disk_tier_restarted_with_a_lower_cap_sizes_its_shadows_to_the_new_cap(tmp_path):
+    """The capacity is read at the first victim after an insert: a tier that starts over
+    its cap (evicting from 160 files to 16) does not leave the shadows ten times too big."""
+    from lmkv.backends.disk import DiskBackend
+
+    DiskBackend(tmp_path, 160_000, "prefix_adaptive", direct=False).put(
+        [(f"k{i}", b"x" * 1000) for i in range(160)])
+    disk = DiskBackend(tmp_path, 16_000, "prefix_adaptive", direct=False)
+    assert len(disk.index) == 16
+    disk.put([("new", b"y" * 1000), ("newer", b"y" * 1000)])  # the second evicts after an insert
+    assert disk.policy.capacity == 16 / RATE
