@@ -24,6 +24,26 @@ def store(tmp_path_factory):
     s.kill()
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it has stopped (on a loaded machine
+    a request sent right after the signal can still be answered)."""
+    import signal
+    import time
+
+    def states() -> set[str]:
+        out = set()
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                out.add(f.read().rsplit(")", 1)[1].split()[0])
+        return out
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while states() != {"T"}:
+        assert time.monotonic() < deadline, "the process did not stop"
+        time.sleep(0.01)
+
+
 def test_put_get_zero_copy_and_plain(store):
     from lmkv.backends.mooncake import MooncakeBackend
 
@@ -97,7 +117,7 @@ def test_a_hung_master_is_probed_off_the_lookup_thread(store):
     assert tier.contains(["k"]) == [True]
     master = store.procs[0]
     tier.breaker.failure()  # as a call that timed out would leave it (that costs 30 s here)
-    os.kill(master.pid, signal.SIGSTOP)
+    _stop(master.pid)
     try:
         time.sleep(0.2)  # past the interval
         start = time.monotonic()
@@ -131,7 +151,7 @@ def test_a_hung_master_costs_remote_timeout_per_call_not_30_s(store, monkeypatch
     assert os.environ["MC_RPC_TIMEOUT_MS"] == "250"
     backend.put([("k", b"v" * 100)])
     master = store.procs[0]
-    os.kill(master.pid, signal.SIGSTOP)
+    _stop(master.pid)
     try:
         start = time.monotonic()
         with pytest.raises(BackendError):
