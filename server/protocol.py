@@ -202,21 +202,18 @@ class Connection:
         if not store.fits(length) or not store.room_for(need):
             self._drop(length, "busy" if store.fits(length) else "too_large")
             return True
-        # Free pages first; pages that evictions free only while the payload arrives: the
-        # first once a byte of it is here, each next (twice as many, up to _EVICT_STEP) once
-        # the bytes before it are in place. A PUT that stops early (a client that disconnects
-        # or stalls after its header) costs other clients' values about what it sent.
+        # Pages (free ones, or freed by evictions) only while the payload arrives: the first
+        # once a byte of it is here, each next (twice as many, up to _EVICT_STEP) once the
+        # bytes before it are in place. A PUT that stops early (a client that disconnects or
+        # stalls after its header) holds, and costs other clients' values, about what it sent.
         most = max(1, _EVICT_STEP // store.arena.page_size)
         step = 1
         pages: list[int] = []
         got = 0  # payload bytes in place
         try:
             while len(pages) < need:
-                want, free = need - len(pages), store.arena.free_pages
-                if want > free:
-                    if got < length:
-                        self._await_payload()
-                    want, step = min(want, max(free, step)), min(2 * step, most)
+                self._await_payload()
+                want, step = min(need - len(pages), step), min(2 * step, most)
                 more = store.reserve_pages(want)
                 if more is None:  # readers pinned what was evictable meanwhile
                     store.abort(pages)

@@ -108,3 +108,30 @@ def test_a_put_that_stops_early_evicts_about_what_it_sent(spawn_server):
     stalled.close()
     assert server.stats()["evictions"] <= 4
     backend.close()
+
+
+def test_a_stalled_put_holds_no_free_memory_that_other_puts_need(spawn_server):
+    """Half the memory free: a PUT announcing all of it that stalls after its header holds
+    none of it (before, it took every free page at once), so another client's PUT of the
+    same size is stored without evicting anything."""
+    import socket
+    import time
+
+    from lmkv.backends import lm_wire as wire
+
+    server = spawn_server("--max-memory", str(CAP), "--page-size", "64KiB",
+                          "--max-value-size", "8MiB", "--io-timeout", "5")
+    backend = LMBackend(server.url)
+    keys = [f"kept@{i}" for i in range(CAP // VALUE // 2)]
+    for i, key in enumerate(keys):
+        backend.put([(key, bytes([i]) * VALUE)])
+    half = CAP - len(keys) * VALUE
+    stalled = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    stalled.sendall(wire.pack_request(wire.Command.PUT, b"stalled@1", half))
+    time.sleep(0.3)
+    assert server.stats()["used_bytes"] == len(keys) * VALUE
+    backend.put([("legit@1", b"L" * half)])
+    assert backend.get(["legit@1"]) == [b"L" * half]
+    assert backend.contains(keys) == [True] * len(keys) and server.stats()["evictions"] == 0
+    stalled.close()
+    backend.close()
