@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import errno
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -131,6 +132,8 @@ class LMKVConnector(KVConnectorBase_V1):
                             "find no hits", path, e)
             # the scheduler names chunks by rank-free ids: this rank's keys are its shard's
             self._init_worker(WorkerConnector(self.cache, key_of=self.cache.key_of))
+            if self.spec.tp_size > 1:
+                self._any_rank = _any_tp_rank
         self._closed = False
         self._quiet = LogThrottle()
 
@@ -145,6 +148,9 @@ class LMKVConnector(KVConnectorBase_V1):
         # there may compute over them (through its prefix cache)
         self._no_saves = 0
         self._save_failed = False
+        # whether a load failed on any rank, given this rank's (every rank computes over the
+        # others' attention, so a failure anywhere spoils every rank's new KV of the step)
+        self._any_rank: Callable[[bool], bool] = lambda failed: failed
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -243,10 +249,12 @@ class LMKVConnector(KVConnectorBase_V1):
             failed = self.worker.failed_loads()
             for spec in failed:
                 self._load_errors.update(spec.blocks(self.block_size))
-            self._load_failed = bool(failed)
-            if failed:
-                log.warning("lmkv: a load failed; this step's and the next %d steps' new chunks "
-                            "are not stored", SAVE_PAUSE_STEPS)
+            # (the loads are the same on every rank, so every rank asks the others here)
+            self._load_failed = bool(self.worker.meta.loads) and self._any_rank(bool(failed))
+            if self._load_failed:
+                log.warning("lmkv: a load failed%s; this step's and the next %d steps' new chunks "
+                            "are not stored", "" if failed else " on another rank",
+                            SAVE_PAUSE_STEPS)
                 self._no_saves = SAVE_PAUSE_STEPS + 1  # this step's included
         return self._load_failed
 
@@ -292,6 +300,17 @@ class LMKVConnector(KVConnectorBase_V1):
             self.worker.close()
             atexit.unregister(self.shutdown)
         self.cache.close()  # the worker's: finish background writes
+
+
+def _any_tp_rank(failed: bool) -> bool:
+    """Whether a load failed on any tensor-parallel rank this step: one all-reduce on the
+    group's CPU side, in steps with loads only."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    flag = torch.tensor([int(failed)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+    return bool(flag.item())
 
 
 def _tp_rank() -> int:

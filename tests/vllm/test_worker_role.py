@@ -39,6 +39,12 @@ def test_the_step_after_a_failed_load_stores_nothing(seen):
     assert seen["saves"] == {"chunks found after the next two steps": [1, 2]}
 
 
+def test_a_load_failed_on_another_tensor_parallel_rank_stores_nothing_here(seen):
+    """Only the chunk stored before is found: this rank's new chunk, computed over the other
+    rank's stale attention, is not stored; the failed blocks are that rank's to report."""
+    assert seen["other_rank"] == {"blocks reported": [], "chunks found": 1}
+
+
 def test_layerwise_mode_asks_vllm_for_piecewise_cuda_graphs(seen):
     """A full graph's replay skips the per-layer hooks that wait for each layer's load."""
     assert seen["piecewise"] == {"False": False, "True": True}

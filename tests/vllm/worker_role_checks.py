@@ -101,6 +101,30 @@ def saves_after_a_failed_load() -> dict:
     return {"chunks found after the next two steps": stored}
 
 
+def another_ranks_failed_load() -> dict:
+    """Tensor parallelism: this rank's load worked, another rank's failed (told by the
+    all-reduce, stubbed here): every rank computed over the failed rank's stale attention,
+    so this rank stores none of the step's chunks either, and reports no blocks of its own."""
+    conn, cache = worker_role()
+    conn._any_rank = lambda failed: True
+    shared = list(range(100, 100 + CHUNK))
+    store(cache, shared)
+    (k0,) = chunk_ids(shared, CHUNK)
+    assert cache.pin([cache.key_of(k0)]) == [False]
+    prompt = shared + list(range(900, 900 + CHUNK))
+    _, k1 = chunk_ids(prompt, CHUNK)
+    meta = ConnectorMetadata(loads=[LoadSpec("A", [k0], [torch.arange(0, BS)], [0])],
+                             saves=[SaveSpec("A", [k1], [torch.arange(BS, 2 * BS)], k0, CHUNK)])
+    conn.bind_connector_metadata(LMKVConnectorMetadata(meta))
+    conn.start_load_kv(None)
+    conn.wait_for_save()
+    errors = sorted(conn.get_block_ids_with_load_errors())
+    conn.clear_connector_metadata()
+    found = cache.lookup(cache.keys(prompt))
+    cache.close()
+    return {"blocks reported": errors, "chunks found": found}
+
+
 def piecewise_graphs() -> dict:
     """Whether vLLM is told to capture piecewise CUDA graphs, by lmkv config."""
     return {str(layerwise): LMKVConnector.requires_piecewise_for_cudagraph(
@@ -109,4 +133,4 @@ def piecewise_graphs() -> dict:
 
 if __name__ == "__main__":
     print(json.dumps({"deferred": deferred_finalize(), "saves": saves_after_a_failed_load(),
-                      "piecewise": piecewise_graphs()}))
+                      "other_rank": another_ranks_failed_load(), "piecewise": piecewise_graphs()}))
