@@ -200,7 +200,9 @@ class SchedulerConnector:
                     [self._slots(request.block_ids, i * c, (i + 1) * c) for i in st.gap],
                     st.keys[st.gap[0] - 1] if st.gap[0] else None, st.gap[0] * c))
                 st.gap = range(0)
-            done = request.num_computed_tokens + num_new
+            # (no further than the tokens known: with speculative decoding and async
+            # scheduling the engine counts draft positions ahead of them)
+            done = min(request.num_computed_tokens + num_new, len(request.all_token_ids))
             if not self.save_decode_cache:
                 done = min(done, len(request.prompt_token_ids))
             full = done // c

@@ -263,3 +263,32 @@ def test_a_turn_served_by_the_engines_prefix_cache_keeps_its_new_chunks(policy):
     sched.request_finished(req)
     worker.close()
     engine.close()
+
+
+def test_decode_saves_stop_at_the_tokens_known_when_the_engine_counts_drafts_ahead():
+    """save_decode_cache with vLLM's async scheduling and speculative decoding: the engine's
+    computed count runs past the tokens it knows (draft positions); the step saves the
+    chunks of known tokens only (before: an IndexError that stopped vLLM's scheduler)."""
+
+    @dataclass
+    class Decoding(Request):
+        output: list[int] = field(default_factory=list)
+
+        @property
+        def all_token_ids(self) -> list[int]:
+            return self.prompt_token_ids + self.output
+
+    engine = _engine(save_decode_cache=True)
+    sched = SchedulerConnector(engine, BLOCK)
+    req = Decoding("s", list(range(20)), list(range(100, 110)))
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, req.block_ids, 0)
+    sched.build_connector_meta([(req, 20)])  # the prefill: chunk 0 saved
+    req.output = list(range(500, 511))  # 31 tokens known
+    req.num_computed_tokens = 33  # two draft positions counted ahead
+    assert sched.build_connector_meta([(req, 0)]).saves == []  # chunk 1 is not all known
+    req.output += [600, 601]  # the drafts accepted: 33 known
+    (save,) = sched.build_connector_meta([(req, 0)]).saves
+    assert save.keys == engine.keys(req.all_token_ids)[1:2] and save.position == CHUNK
+    sched.request_finished(req)
+    engine.close()
