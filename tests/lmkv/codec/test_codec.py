@@ -609,10 +609,8 @@ def test_a_tail_chunk_in_a_lossy_tier_is_stored_lossless_at_its_size(table):
     assert dst.num_tokens == 5 and torch.equal(dst.kv, src.kv)
 
 
-def test_a_gate_trip_during_a_lossy_read_keeps_that_chunk_out(table, tmp_path):
-    """The quality gate trips while a lossy chunk is being decoded: the chunk read is not
-    served nor kept in the hot cache (before, it re-entered the hot cache after the trip
-    had emptied it of lossy chunks)."""
+def _lossy_disk_manager(table, tmp_path):
+    """A storage manager over a cachegen disk tier holding chunk "k"."""
     from lmkv.backends.disk import DiskBackend
     from lmkv.storage.manager import StorageManager
     from lmkv.storage.tier import Tier
@@ -621,11 +619,19 @@ def test_a_gate_trip_during_a_lossy_read_keeps_that_chunk_out(table, tmp_path):
     pool = MemoryPool(LAYOUT, 4 * (64 + LAYOUT.chunk_bytes))
     tier = Tier("disk", DiskBackend(tmp_path, 1 << 30), "cachegen", table, metrics)
     manager = StorageManager(pool, [tier], metrics)
+    buf = pool.allocate()
+    buf.kv.copy_(kv_like(7))
+    tier.write("k", tier.encode("k", buf))
+    buf.release()
+    return pool, tier, manager
+
+
+def test_a_gate_trip_during_a_lossy_read_keeps_that_chunk_out(table, tmp_path):
+    """The quality gate trips while a lossy chunk is being decoded: the chunk read is not
+    served nor kept in the hot cache (before, it re-entered the hot cache after the trip
+    had emptied it of lossy chunks)."""
+    pool, tier, manager = _lossy_disk_manager(table, tmp_path)
     try:
-        buf = pool.allocate()
-        buf.kv.copy_(kv_like(7))
-        tier.write("k", tier.encode("k", buf))
-        buf.release()
         real = tier.read
 
         def read_then_trip(keys, bufs):
@@ -644,19 +650,8 @@ def test_a_gate_trip_just_before_a_lossy_chunk_enters_the_hot_cache_keeps_it_out
     """The trip lands after the load checked the gate and before it put the chunk in the
     hot cache (the gate runs on its own thread): the hot cache refuses it, the load takes it
     as a miss."""
-    from lmkv.backends.disk import DiskBackend
-    from lmkv.storage.manager import StorageManager
-    from lmkv.storage.tier import Tier
-
-    metrics = LMKVMetrics()
-    pool = MemoryPool(LAYOUT, 4 * (64 + LAYOUT.chunk_bytes))
-    tier = Tier("disk", DiskBackend(tmp_path, 1 << 30), "cachegen", table, metrics)
-    manager = StorageManager(pool, [tier], metrics)
+    pool, _, manager = _lossy_disk_manager(table, tmp_path)
     try:
-        buf = pool.allocate()
-        buf.kv.copy_(kv_like(7))
-        tier.write("k", tier.encode("k", buf))
-        buf.release()
         real = manager.hot.put
 
         def trip_then_put(key, buf, parent=None):
