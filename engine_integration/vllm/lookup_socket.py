@@ -7,7 +7,8 @@ each over a Unix socket named after vLLM's engine id and the rank, so every layo
 the same code:
 
 - ``LookupServer`` (a worker process) answers with its LMKVCache: lookups, pins of the
-  chunks a load will take (from the cache's PinTable), pins given back, prefetches, lookup
+  chunks a load will take (from the cache's PinTable), pins given back, prefetches, uses of
+  chunks the engine served itself (touch), lookup
   metrics, draining writes. Chunks are named by rank-free ids; it scopes them to its keys.
 - ``LookupClient`` (the scheduler process) is the ``ChunkIndex`` the scheduler role uses:
   it asks every rank (``RankConnection`` each) and agrees on what all of them hold.
@@ -171,6 +172,9 @@ class LookupServer:
         if op == "prefetch":
             e.prefetch(keys)
             return {}
+        if op == "touch":
+            e.touch(keys)
+            return {}
         if op == "record_lookup":
             e.record_lookup(int(msg["prompt_tokens"]), int(msg["hit_tokens"]),
                             int(msg.get("engine_tokens", 0)))
@@ -230,6 +234,10 @@ class LookupClient:
         if keys:
             for r in self.ranks:
                 r.best_effort("unpin", keys=keys)
+
+    def touch(self, keys: list[str]) -> None:
+        for r in self.ranks:
+            r.best_effort("touch", keys=keys)
 
     def prefetch(self, keys: list[str]) -> None:
         if self.config.enable_prefetch:

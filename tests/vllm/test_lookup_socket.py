@@ -118,6 +118,24 @@ def test_a_pin_names_the_chunk_before_it_in_the_workers_scope(served, monkeypatc
     engine.pool.check_integrity()
 
 
+def test_the_engines_own_prefix_hit_is_a_use_in_the_workers_cache(served, monkeypatch):
+    """A lookup past the engine's own prefix hit tells the worker's hot cache that the chunks
+    under that hit were used (its policy then keeps the chunk a new turn continues)."""
+    engine, server, remote = served
+    prompt = list(range(1200, 1200 + 2 * CHUNK + 3))
+    _store(engine, prompt[: 2 * CHUNK])
+    used = []
+    monkeypatch.setattr(engine.storage.hot.policy, "accessed", used.append)
+
+    class Request:
+        request_id, prompt_token_ids, num_computed_tokens = "r", prompt, 0
+
+    sched = SchedulerConnector(remote, 4)
+    sched.get_num_new_matched_tokens(Request(), 2 * CHUNK)
+    assert used == [engine.key_of(k) for k in remote.keys(prompt)[:2]]
+    sched.request_finished(Request())
+
+
 def test_bad_messages_get_an_error_reply(served):
     _, server, remote = served
     rank = remote.ranks[0]
