@@ -7,9 +7,9 @@ each over a Unix socket named after vLLM's engine id and the rank, so every layo
 the same code:
 
 - ``LookupServer`` (a worker process) answers with its LMKVCache: lookups, pins of the
-  chunks a load will take (from the cache's PinTable), pins given back, prefetches, uses of
-  chunks the engine served itself (touch), lookup
-  metrics, draining writes. Chunks are named by rank-free ids; it scopes them to its keys.
+  chunks a load will take (from the cache's PinTable), pins given back, prefetches, uses
+  of chunks the engine served itself (touch), lookup metrics, draining writes. Chunks are
+  named by rank-free ids; it scopes them to its keys.
 - ``LookupClient`` (the scheduler process) is the ``ChunkIndex`` the scheduler role uses:
   it asks every rank (``RankConnection`` each) and agrees on what all of them hold.
 
