@@ -31,6 +31,7 @@ class CircuitBreaker:
         """Record a failure; returns how long the tier is now skipped."""
         self.failures += 1
         self.trial = False
-        interval = min(self.max, self.base * 2 ** (self.failures - 1))
+        # (the exponent is capped: a float power overflows after 1024 failures, ~8 h down)
+        interval = min(self.max, self.base * 2.0 ** min(self.failures - 1, 64))
         self.open_until = time.monotonic() + interval
         return interval

@@ -317,3 +317,12 @@ def test_disk_lookups_do_not_undo_the_breaker_of_failing_reads(tmp_path, monkeyp
         time.sleep(0.01)
     assert tier.read(["a"], [dst]) == [True] and torch.equal(dst.kv, src.kv)
     assert tier.breaker.failures == 0
+
+
+def test_a_breaker_stays_at_its_ceiling_however_long_the_store_is_down():
+    """Consecutive failures past 1024 (~8 h at the 30 s ceiling): the interval stays at the
+    ceiling (before, the doubling overflowed and every call raised OverflowError)."""
+    breaker = CircuitBreaker(base_interval=1.0, max_interval=30.0)
+    for _ in range(5000):
+        interval = breaker.failure()
+    assert interval == 30.0 and not breaker.closed
