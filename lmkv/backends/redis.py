@@ -67,6 +67,8 @@ class RedisBackend(StorageBackend):
         except self._errors as e:
             raise BackendError(f"redis get failed: {e}") from e
         for v in values:
+            if v is not None and not isinstance(v, bytes):  # not what GET answers: a bad store
+                raise BackendError(f"redis answered a GET with a {type(v).__name__}")
             if v is not None and len(v) > self.max_value_size:
                 raise BackendError(f"redis returned a {len(v)}-byte value (limit {self.max_value_size})")
         return values

@@ -68,10 +68,12 @@ class LazyBackend(StorageBackend):
         backend = self._connected()
         try:
             return fn(backend)
-        except BackendError:
-            if not backend.reconnects:
-                self._reset()
-            raise
+        except Exception as e:  # a client library's error of its own (a garbage reply it could
+            if not backend.reconnects:  # not parse, ...) is the store's fault too: the tier
+                self._reset()  # backs off and counts it, the engine recomputes
+            if isinstance(e, BackendError):
+                raise
+            raise BackendError(f"{self._url}: {type(e).__name__}: {e}") from e
 
     def _reset(self) -> None:
         backend, self._backend = self._backend, None

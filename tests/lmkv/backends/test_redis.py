@@ -120,3 +120,40 @@ def test_a_batch_through_the_registry_is_one_exchange_with_the_server(redis_serv
     assert backend.contains(keys[:3]) == [False, False, True]
     assert backend.num_evictions == 0
     backend.close()
+
+
+@pytest.mark.parametrize("reply", [b":x\r\n", b":5\r\n", b"*1\r\n$1\r\nz\r\n"])
+def test_a_garbage_reply_fails_the_tier_not_the_caller(reply):
+    """A store that answers nonsense (a reply redis-py cannot parse, an integer or an array
+    where a value belongs): the tier counts a failure and backs off; nothing escapes to the
+    engine but a miss (before, ValueError / TypeError left the tier, the breaker stayed
+    closed and every lookup hit the store again)."""
+    import contextlib
+    import socket
+    import threading
+
+    from lmkv.backends.registry import create_backend
+    from lmkv.storage.tier import Tier
+
+    def serve(conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as f, contextlib.suppress(OSError):
+            while line := f.readline():
+                args = [f.read(int(f.readline()[1:]) + 2)[:-2] for _ in range(int(line[1:]))]
+                known = {b"GET": reply, b"EXISTS": b":x\r\n", b"HELLO": b"%1\r\n+proto\r\n:3\r\n"}
+                conn.sendall(known.get(args[0].upper(), b"+OK\r\n"))
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # closed at the end
+            while True:
+                threading.Thread(target=serve, args=(server.accept()[0],), daemon=True).start()
+
+    server = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=accept, daemon=True).start()
+    tier = Tier("remote", create_backend(f"redis://127.0.0.1:{server.getsockname()[1]}", 0.5),
+                "zstd")
+    assert tier.contains(["k"]) is None and tier.breaker.failures == 1
+    tier.breaker.open_until = 0.0  # past its interval
+    tier.breaker.trial = True
+    assert tier.read(["k"], [None]) == [False] and tier.breaker.failures == 2
+    tier.close()
+    server.close()
