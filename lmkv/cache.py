@@ -73,7 +73,8 @@ class LMKVCache:
         if self.config.remote_url:
             from .backends.registry import create_backend
 
-            backend = create_backend(self.config.remote_url, self.config.remote_timeout)
+            backend = create_backend(self.config.remote_url, self.config.remote_timeout,
+                                     max_frame_bytes(self.layout.chunk_bytes))
             tiers.append(_tier("remote", backend, self.config.remote_serde, table, self.metrics))
         return tiers
 

@@ -95,7 +95,10 @@ class MooncakeBackend(StorageBackend):
     # hangs holds the interpreter's GIL for up to 20 x 30 s: every thread of the engine stops
     reconnects = True
 
-    def __init__(self, url: str, timeout: float = 2.0):
+    max_value_size = 1 << 30  # a larger value is a miss, never read
+
+    def __init__(self, url: str, timeout: float = 2.0, max_value_size: int = 1 << 30):
+        self.max_value_size = max_value_size
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -153,6 +156,9 @@ class MooncakeBackend(StorageBackend):
                 continue
             if size < 0:
                 raise BackendError(f"Mooncake get_size failed (code {size})")
+            if size > self.max_value_size:  # not a chunk's frame
+                out.append(None)
+                continue
             value = self.store.get(key)
             if size and not value:  # the client's way of failing (a timeout): not a miss
                 raise BackendError(f"Mooncake get of a {size}-byte value returned nothing")

@@ -32,12 +32,15 @@ def check_url(url: str) -> str:
     return parts.scheme
 
 
-def create_backend(url: str, timeout: float) -> StorageBackend:
+def create_backend(url: str, timeout: float, max_value_size: int | None = None) -> StorageBackend:
     """The backend for ``url``; it connects on first use, and again after a failure, so a
-    store that is down at start-up is picked up once it comes back."""
+    store that is down at start-up is picked up once it comes back. ``max_value_size``: the
+    largest value it reads (a chunk's largest frame: a larger one is a miss, never read
+    whole) or writes."""
     module, name = SCHEMES[check_url(url)]
     cls = getattr(importlib.import_module(module), name)
-    return LazyBackend(lambda: cls(url, timeout=timeout), url)
+    bound = {} if max_value_size is None else {"max_value_size": max_value_size}
+    return LazyBackend(lambda: cls(url, timeout=timeout, **bound), url)
 
 
 class LazyBackend(StorageBackend):

@@ -6,6 +6,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from lmkv.backends.base import BackendError
 from lmkv.backends.redis import RedisBackend
@@ -84,14 +85,14 @@ def test_an_unreachable_cluster_fails_the_tier_not_the_caller(tmp_path):
             s.kill()
 
 
-def _read_counter(url: str):
-    """Client read events redis-server has processed so far (one per request batch it
-    received), less the ones this counter's own requests caused."""
+def _read_counter(url: str, stat: str = "total_reads_processed"):
+    """A counter of redis-server's stats (by default the client read events processed so
+    far: one per request batch it received), read through a connection of its own."""
     import redis
 
     client = redis.Redis.from_url(url)
     client.ping()  # the connection's set-up requests are behind us
-    return lambda: int(client.info("stats")["total_reads_processed"])
+    return lambda: int(client.info("stats")[stat])
 
 
 def test_a_batch_through_the_registry_is_one_exchange_with_the_server(redis_server):
@@ -139,7 +140,7 @@ def test_a_garbage_reply_fails_the_tier_not_the_caller(reply):
         with conn, conn.makefile("rb") as f, contextlib.suppress(OSError):
             while line := f.readline():
                 args = [f.read(int(f.readline()[1:]) + 2)[:-2] for _ in range(int(line[1:]))]
-                known = {b"GET": reply, b"EXISTS": b":x\r\n", b"HELLO": b"%1\r\n+proto\r\n:3\r\n"}
+                known = {b"GETRANGE": reply, b"EXISTS": b":x\r\n", b"HELLO": b"%1\r\n+proto\r\n:3\r\n"}
                 conn.sendall(known.get(args[0].upper(), b"+OK\r\n"))
 
     def accept() -> None:
@@ -157,3 +158,33 @@ def test_a_garbage_reply_fails_the_tier_not_the_caller(reply):
     assert tier.read(["k"], [None]) == [False] and tier.breaker.failures == 2
     tier.close()
     server.close()
+
+
+def test_a_value_larger_than_a_chunk_frame_is_a_miss_never_read_whole(redis_server):
+    """lmkv gives a remote tier the largest frame a chunk can have: a larger value under a
+    chunk's key (another layout's, garbage) is a miss for that key alone, and only that
+    bound's bytes of it cross the network (GETRANGE), not all of it."""
+    from lmkv.backends.registry import LazyBackend
+    from lmkv.cache import LMKVCache
+    from lmkv.codec import max_frame_bytes
+    from lmkv.config import load_config
+    from lmkv.layout import KVLayout
+
+    layout = KVLayout(2, 1, 4, torch.float32, 16)
+    cache = LMKVCache(load_config(env={}, chunk_size=16, max_local_cpu_size=0.001,
+                                  remote_url=redis_server.url), layout, "model")
+    (tier,) = cache.storage.tiers
+    assert isinstance(tier.backend, LazyBackend)
+    bound = max_frame_bytes(layout.chunk_bytes)
+    backend = tier.backend._connected()
+    assert backend.max_value_size == bound
+    cache.close()
+    small = RedisBackend(redis_server.url, max_value_size=1000)
+    small.put([("big", b"x" * 50_000), ("fits", b"y" * 1000)])
+    sent = _read_counter(redis_server.url, "total_net_output_bytes")
+    before = sent()
+    assert small.get(["big", "fits", "none"]) == [None, b"y" * 1000, None]
+    assert sent() - before < 10_000
+    outs = [memoryview(bytearray(2000)) for _ in range(2)]
+    assert small.get_into_many(["big", "fits"], outs) == [None, 1000]
+    small.close()
