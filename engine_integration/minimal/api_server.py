@@ -135,7 +135,7 @@ class APIServer:
         try:
             body.check_supported()
             messages = body.template_messages()
-            chars = sum(len(m["content"]) for m in messages)
+            chars = sum(len(m["content"]) + len(m["role"]) for m in messages)  # all rendered
             prompt = await self._tokenized(self._chat_prompt, messages, chars)
             max_tokens = body.max_completion_tokens
             if max_tokens is None:
@@ -200,6 +200,8 @@ class APIServer:
         self, request: Request, body: GenerationRequest, prompt: list[int],
         params: SamplingParams, chat: bool,
     ) -> Response:
+        if await request.is_disconnected():  # gone while it waited to be tokenized: no prefill
+            return Response(status_code=499)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         # a stream sends what is new after each step; a response needs the finished output only

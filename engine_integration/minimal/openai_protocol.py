@@ -73,7 +73,7 @@ class GenerationRequest(BaseModel):
             yield f"stop[{i}]", stop
 
     model: str | None = None  # None: the served model
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, lt=2**31)  # (beyond any context: refused)
     temperature: FiniteFloat | None = None
     top_p: FiniteFloat | None = None
     top_k: int | None = None
@@ -198,7 +198,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, lt=2**31)
     logprobs: bool | None = None
     top_logprobs: int | None = None
 

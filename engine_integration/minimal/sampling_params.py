@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 # each generated piece of text is matched against every stop string (and the stream holds back
 # what could still become one), so their number and length are bounded; OpenAI's API takes 4
 MAX_STOPS, MAX_STOP_CHARS = 16, 1024
+MAX_STOP_TOKEN_IDS = 256  # each generated token is looked up in them
 
 
 class OutputKind(enum.Enum):
@@ -47,6 +48,8 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
         _check(len(self.stop) <= MAX_STOPS and all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
                f"at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"at most {MAX_STOP_TOKEN_IDS} token ids")
 
     @property
     def greedy(self) -> bool:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import httpx
 import pytest
@@ -264,6 +265,10 @@ BAD_REQUESTS = {
     "tool_choice": ({"prompt": "hi", "tool_choice": "auto"}, 400, "tools"),
     "json mode": ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400,
                   "response_format 'json_object'"),
+    "max_tokens of 4300 digits": ({"prompt": [5, 6], "max_tokens": int("9" * 4300)}, 400,
+                                  "max_tokens"),
+    "too many stop token ids": ({"prompt": "hi", "stop_token_ids": list(range(257))}, 400,
+                                "stop_token_ids"),
 }
 
 
@@ -301,6 +306,19 @@ def test_malformed_bodies_and_chat_errors(server):
     r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": None,
                                                      "stream": None, "response_format": None})
     assert r.status_code == 200
+
+
+def test_a_chat_prompt_too_long_in_its_roles_is_refused_before_it_is_tokenized(server):
+    """Roles are rendered into the prompt too: a huge role is refused by its size at once,
+    as a huge content is (before, it was tokenized first: seconds of the server's time)."""
+    for message in ({"role": "x" * 60_000, "content": "hi"}, {"role": "user", "content": "x" * 60_000}):
+        start = time.monotonic()
+        r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [message]})
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - start < 2.0
+    r = httpx.post(f"{server}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2**40})
+    assert r.status_code == 400 and "max_tokens" in r.text
 
 
 def test_chat_max_tokens_past_the_context_is_refused(server):
@@ -512,3 +530,24 @@ def test_the_model_card_names_the_model_as_asked_for():
         api = SimpleNamespace(model_name="m", created=0, engine=engine)
         (card,) = asyncio.run(APIServer.models(api))["data"]
         assert card["root"] == root
+
+
+def test_a_request_whose_client_left_before_it_was_handed_on_is_never_prefilled():
+    """The client went away while its prompt waited to be tokenized: the server answers
+    nobody and gives the engine nothing (before, the request was prefilled and generated)."""
+    from lmkv_engines.minimal.api_server import APIServer
+    from lmkv_engines.minimal.sampling_params import SamplingParams
+
+    class Gone:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    class Engine:
+        def generate(self, *args, **kwargs):
+            raise AssertionError("handed to the engine")
+
+    server = object.__new__(APIServer)  # only _generate's first steps are exercised
+    server.async_engine = Engine()
+    body = types.SimpleNamespace(stream=False)
+    response = asyncio.run(server._generate(Gone(), body, [5, 6], SamplingParams(), chat=False))
+    assert response.status_code == 499
