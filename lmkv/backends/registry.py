@@ -6,7 +6,7 @@ import contextlib
 import importlib
 import logging
 from collections.abc import Callable, Sequence
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 from .base import Arrived, BackendError, StorageBackend
 
@@ -23,12 +23,25 @@ SCHEMES = {
 
 
 def check_url(url: str) -> str:
-    """The URL's scheme, or ValueError naming what is wrong."""
+    """The URL's scheme, or ValueError naming what is wrong (at start, not at the first
+    call: a tier whose URL can never work would only ever log its failures)."""
     parts = urlparse(url)
     if parts.scheme not in SCHEMES:
         raise ValueError(f"unsupported scheme {parts.scheme!r} in {url!r} (known: {', '.join(SCHEMES)})")
     if not parts.hostname:
         raise ValueError(f"no host in {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number in range
+    except ValueError:
+        raise ValueError(f"bad port in {url!r}") from None
+    if parts.scheme == "lm":
+        from .lm import parse_lm_url
+
+        parse_lm_url(url)  # a port, no path
+    elif parts.scheme == "mooncakestore":
+        for key, values in parse_qs(parts.query).items():
+            if key in ("global_segment_size", "local_buffer_size") and not values[0].isdigit():
+                raise ValueError(f"{key} must be a number of bytes in {url!r}")
     return parts.scheme
 
 

@@ -107,3 +107,19 @@ def test_a_lossy_codec_ships_with_the_quality_gate_on(tmp_path):
     assert remote.quality_check_every == 16
     off = load_config(env={"LMKV_CODEC_CHECK_EVERY": "0"}, local_disk_codec="cachegen", **disk)
     assert off.quality_check_every == 0  # turned off explicitly
+
+
+@pytest.mark.parametrize("url, why", [
+    ("lm://127.0.0.1", "needs host and port"),
+    ("lm://127.0.0.1:9000/x", "no path"),
+    ("redis://127.0.0.1:notaport", "bad port"),
+    ("redis://127.0.0.1:99999", "bad port"),
+    ("mooncakestore://127.0.0.1:50051?local_buffer_size=abc", "local_buffer_size"),
+    ("http://127.0.0.1:1", "unsupported scheme"),
+])
+def test_a_remote_url_that_can_never_work_is_refused_at_start(url, why):
+    """Refused when the config is read, naming the key and what is wrong (before, these
+    passed and the tier failed every call, seen only as throttled warnings)."""
+    with pytest.raises(ConfigError, match=f"remote_url: .*{why}"):
+        load_config(env={}, remote_url=url)
+    assert load_config(env={}, remote_url="lm://127.0.0.1:9000").remote_url
