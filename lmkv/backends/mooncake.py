@@ -160,7 +160,10 @@ class MooncakeBackend(StorageBackend):
                 out.append(None)
                 continue
             value = self.store.get(key)
-            if size and not value:  # the client's way of failing (a timeout): not a miss
+            if size and not value:  # the client's way of failing (a timeout), or the key
+                if self.store.get_size(key) == NOT_FOUND:  # was evicted meanwhile: a miss
+                    out.append(None)
+                    continue
                 raise BackendError(f"Mooncake get of a {size}-byte value returned nothing")
             out.append(value if len(value) == size else None)  # else replaced meanwhile
         return out

@@ -83,21 +83,29 @@ def test_dead_master_fails_fast():
 def test_a_get_that_returns_nothing_for_a_stored_value_is_a_failure_not_a_miss():
     """Mooncake's client answers a failed transfer (a stopped storage process, after its own
     timeout) with empty bytes: a BackendError, so the tier's breaker opens instead of every
-    read paying that timeout again."""
+    read paying that timeout again; unless the key is gone by then (evicted between its size
+    and its get): a miss of that key alone."""
     from lmkv.backends.mooncake import MooncakeBackend
 
+    from lmkv.backends.mooncake import NOT_FOUND
+
     class Store:
+        evicted = False
+
         def get_size(self, key):
-            return 10
+            return NOT_FOUND if key == "evicted" and self.evicted else 10
 
         def get(self, key):
-            return b"" if key == "stuck" else b"0123456789"
+            if key == "evicted":
+                self.evicted = True  # between get_size and get: the store evicts it
+            return b"" if key in ("stuck", "evicted") else b"0123456789"
 
     backend = object.__new__(MooncakeBackend)  # no client library needed: only get() is exercised
     backend.store = Store()
     assert backend.get(["fine"]) == [b"0123456789"]
     with pytest.raises(BackendError, match="returned nothing"):
         backend.get(["fine", "stuck"])
+    assert backend.get(["evicted", "fine"]) == [None, b"0123456789"]  # a miss, not a failure
 
 
 def test_a_hung_master_is_probed_off_the_lookup_thread(store):
