@@ -85,9 +85,7 @@ def test_a_get_that_returns_nothing_for_a_stored_value_is_a_failure_not_a_miss()
     timeout) with empty bytes: a BackendError, so the tier's breaker opens instead of every
     read paying that timeout again; unless the key is gone by then (evicted between its size
     and its get): a miss of that key alone."""
-    from lmkv.backends.mooncake import MooncakeBackend
-
-    from lmkv.backends.mooncake import NOT_FOUND
+    from lmkv.backends.mooncake import NOT_FOUND, MooncakeBackend
 
     class Store:
         evicted = False
