@@ -120,19 +120,18 @@ class LMBackend(StorageBackend):
             self._fail("put to", exc)
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Values in order, None for misses. Hits are returned as bytearrays (no copy)."""
+        """Values in order, None for misses. Hits are returned as bytearrays (no copy). All
+        GETs are sent at once, the replies read in order (one round trip for the batch)."""
         requests = [wire.pack_request(wire.Command.GET, self._key(k)) for k in keys]
         sock = self._connection()
         values: list[bytes | None] = []
         try:
-            for request in requests:
+            self._send(sock, requests, None)
+            for _ in keys:
                 deadline = time.monotonic() + self.timeout
-                self._send(sock, [request], deadline)
                 length = self._read_value_header(sock, deadline)
-                if length is None:
-                    values.append(None)
-                    continue
-                values.append(self._recv_value(sock, length, deadline))  # type: ignore[arg-type]
+                values.append(None if length is None
+                              else self._recv_value(sock, length, deadline))  # type: ignore[arg-type]
         except OSError as exc:
             self._fail("get from", exc)
         return values
@@ -183,14 +182,14 @@ class LMBackend(StorageBackend):
         return lengths
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
+        """All EXISTs sent at once, the answers read in order."""
         requests = [wire.pack_request(wire.Command.EXIST, self._key(k)) for k in keys]
         sock = self._connection()
         found = []
         try:
-            for request in requests:
-                deadline = time.monotonic() + self.timeout
-                self._send(sock, [request], deadline)
-                found.append(self._read_answer(sock, deadline))
+            self._send(sock, requests, None)
+            for _ in keys:
+                found.append(self._read_answer(sock, time.monotonic() + self.timeout))
         except OSError as exc:
             self._fail("exist on", exc)
         return found

@@ -330,3 +330,44 @@ def test_frozen_server_times_out_then_recovers(spawn_server):
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_get_and_contains_send_a_batch_before_reading_any_answer():
+    """A batch of GETs (the zstd and cachegen serdes read this way) or EXISTs is one
+    exchange: a server that answers only once the whole batch has arrived serves it (before,
+    each key waited for its answer first: N round trips, and here a timeout)."""
+    from lmkv.backends import lm_wire as wire
+
+    stored = {wire.encode_key(lm.lmcache_key(k)): v for k, v in (("a@1", b"A" * 5000), ("c@1", b"C" * 10))}
+
+    def serve(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            while True:
+                heads = []
+                for _ in range(3):  # the test's batches are of 3 keys
+                    raw = conn.recv(wire.REQUEST_SIZE, socket.MSG_WAITALL)
+                    if len(raw) < wire.REQUEST_SIZE:
+                        return
+                    heads.append(wire.unpack_request(raw))
+                for head in heads:
+                    value = stored.get(head.key)
+                    if head.command == wire.Command.EXIST:
+                        conn.sendall(wire.pack_response(wire.Code.SUCCESS if value else wire.Code.FAIL))
+                    elif value is None:
+                        conn.sendall(wire.pack_response(wire.Code.FAIL))
+                    else:
+                        conn.sendall(wire.pack_response(wire.Code.SUCCESS, len(value)) + value)
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                threading.Thread(target=serve, args=(server.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    backend = LMBackend(f"lm://127.0.0.1:{server.getsockname()[1]}", timeout=1.0)
+    assert backend.get(["a@1", "b@1", "c@1"]) == [b"A" * 5000, None, b"C" * 10]
+    assert backend.contains(["c@1", "b@1", "a@1"]) == [True, False, True]
+    backend.close()
+    server.close()
