@@ -190,8 +190,10 @@ class ChatMessage(BaseModel):
             return self.content or ""
         parts = []
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise ValueError(f"message content of type {part.type!r} is not supported")
+            if part.text is None:
+                raise ValueError("a message content part of type 'text' has no text")
             parts.append(part.text)
         return "".join(parts)
 

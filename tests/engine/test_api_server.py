@@ -551,3 +551,11 @@ def test_a_request_whose_client_left_before_it_was_handed_on_is_never_prefilled(
     body = types.SimpleNamespace(stream=False)
     response = asyncio.run(server._generate(Gone(), body, [5, 6], SamplingParams(), chat=False))
     assert response.status_code == 499
+
+
+def test_chat_content_parts_the_server_cannot_read_get_a_message_naming_why(server):
+    for part, why in (({"type": "text"}, "has no text"),
+                      ({"type": "image_url", "image_url": {"url": "x"}}, "'image_url' is not supported")):
+        r = httpx.post(f"{server}/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": [part]}]})
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
