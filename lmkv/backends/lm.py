@@ -258,10 +258,11 @@ class LMBackend(StorageBackend):
 
     def _read_value_header(self, sock: socket.socket, deadline: float) -> int | None:
         reply = self._read_response(sock, deadline)
-        if reply.code == wire.Code.FAIL:  # not stored
+        if reply.code == wire.Code.FAIL and reply.length == 0:  # not stored
             return None
         if reply.code != wire.Code.SUCCESS:  # not a reply: the stream is out of step
-            self._fail_with(f"{self._where()} answered with code {reply.code}")
+            self._fail_with(f"{self._where()} answered with code {reply.code}, length "
+                            f"{reply.length}: out of step")
         if not 0 <= reply.length <= self.max_value_size:
             self._fail_with(f"{self._where()} announced a {reply.length}-byte value")
         return reply.length

@@ -332,31 +332,21 @@ def _state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
-def test_get_and_contains_send_a_batch_before_reading_any_answer():
-    """A batch of GETs (the zstd and cachegen serdes read this way) or EXISTs is one
-    exchange: a server that answers only once the whole batch has arrived serves it (before,
-    each key waited for its answer first: N round trips, and here a timeout)."""
-    from lmkv.backends import lm_wire as wire
-
-    stored = {wire.encode_key(lm.lmcache_key(k)): v for k, v in (("a@1", b"A" * 5000), ("c@1", b"C" * 10))}
+def _answering_server(answer, batch: int = 1) -> socket.socket:
+    """A fake lm:// server on a free port: it reads ``batch`` request headers, then sends
+    ``answer(header)`` for each (bytes). Close it when done."""
 
     def serve(conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):
             while True:
                 heads = []
-                for _ in range(3):  # the test's batches are of 3 keys
+                for _ in range(batch):
                     raw = conn.recv(wire.REQUEST_SIZE, socket.MSG_WAITALL)
                     if len(raw) < wire.REQUEST_SIZE:
                         return
                     heads.append(wire.unpack_request(raw))
                 for head in heads:
-                    value = stored.get(head.key)
-                    if head.command == wire.Command.EXIST:
-                        conn.sendall(wire.pack_response(wire.Code.SUCCESS if value else wire.Code.FAIL))
-                    elif value is None:
-                        conn.sendall(wire.pack_response(wire.Code.FAIL))
-                    else:
-                        conn.sendall(wire.pack_response(wire.Code.SUCCESS, len(value)) + value)
+                    conn.sendall(answer(head))
 
     server = socket.create_server(("127.0.0.1", 0))
 
@@ -366,8 +356,40 @@ def test_get_and_contains_send_a_batch_before_reading_any_answer():
                 threading.Thread(target=serve, args=(server.accept()[0],), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
+    return server
+
+
+def test_get_and_contains_send_a_batch_before_reading_any_answer():
+    """A batch of GETs (the zstd and cachegen serdes read this way) or EXISTs is one
+    exchange: a server that answers only once the whole batch has arrived serves it (before,
+    each key waited for its answer first: N round trips, and here a timeout)."""
+    stored = {wire.encode_key(lm.lmcache_key(k)): v for k, v in (("a@1", b"A" * 5000), ("c@1", b"C" * 10))}
+
+    def answer(head) -> bytes:
+        value = stored.get(head.key)
+        if head.command == wire.Command.EXIST:
+            return wire.pack_response(wire.Code.SUCCESS if value else wire.Code.FAIL)
+        if value is None:
+            return wire.pack_response(wire.Code.FAIL)
+        return wire.pack_response(wire.Code.SUCCESS, len(value)) + value
+
+    server = _answering_server(answer, batch=3)
     backend = LMBackend(f"lm://127.0.0.1:{server.getsockname()[1]}", timeout=1.0)
     assert backend.get(["a@1", "b@1", "c@1"]) == [b"A" * 5000, None, b"C" * 10]
     assert backend.contains(["c@1", "b@1", "a@1"]) == [True, False, True]
+    backend.close()
+    server.close()
+
+
+def test_a_miss_that_carries_a_value_puts_the_stream_out_of_step():
+    """A FAIL reply to GET with a length (lmkv_server and LMCache's server send none): the
+    bytes after it are no reply's, so the call fails and the connection is dropped (before,
+    it was taken as a miss and the next reply was read from the middle of those bytes)."""
+    server = _answering_server(lambda head: wire.pack_response(wire.Code.FAIL, 5) + b"xxxxx")
+    backend = LMBackend(f"lm://127.0.0.1:{server.getsockname()[1]}", timeout=1.0)
+    for read in (lambda: backend.get(["a@1"]),
+                 lambda: backend.get_into_many(["a@1"], [memoryview(bytearray(64))])):
+        with pytest.raises(BackendError, match="out of step"):
+            read()
     backend.close()
     server.close()
