@@ -95,8 +95,10 @@ class Scheduler:
             connector = self.connector if req.use_cache else None
             if connector is not None and not req.output_token_ids:
                 blend = _blend_plan(connector, req)
+            cacheable = req.cacheable
             if blend is not None:
-                # a blended prefill runs the whole prompt in one step, whatever the budget
+                # a blended prefill runs the whole prompt in one step, whatever the budget;
+                # its approximate KV is never offered to the prefix cache
                 req.cacheable = False
                 computed, external, num_new = ComputedBlocks([], 0), 0, req.num_tokens
             else:
@@ -110,6 +112,7 @@ class Scheduler:
                     break
                 num_new = min(num_new, budget)
             if not self.blocks.allocate_slots(req, external + num_new, computed):
+                req.cacheable = cacheable  # it may take the exact path when tried again
                 break
             self.waiting.popleft()
             req.blend = blend
