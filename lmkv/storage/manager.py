@@ -344,19 +344,19 @@ class StorageManager:
                 buf = self.hot.get(key)
                 if buf is not None:
                     loaded[key] = buf
+            hot = set(loaded)
             missing = [k for k in keys if k not in loaded]
-            read: set[str] = set()
             for tier in self.tiers:
                 if not missing:
                     break
                 if tier.available:
-                    missing = self._read_tier(tier, missing, loaded, read)
+                    missing = self._read_tier(tier, missing, loaded)
         except BaseException:
             for buf in loaded.values():
                 buf.release()
             raise
         for key in keys:
-            if key in read:
+            if key in loaded and key not in hot:  # read from a tier
                 buf = loaded[key]
                 if self.keep_hot:  # refused once the quality gate tripped, if decoded lossy
                     self.hot.put(key, buf, parents.get(key))
@@ -368,10 +368,9 @@ class StorageManager:
         self.metrics.hot_chunks.set(len(self.hot))
         return loaded
 
-    def _read_tier(self, tier: Tier, keys: list[str], loaded: dict[str, ChunkBuffer],
-                   read: set[str]) -> list[str]:
-        """Read ``keys`` from one tier into new chunks (added to ``loaded`` and ``read``);
-        returns the keys it did not have or could not deliver intact. Where slots would have to be
+    def _read_tier(self, tier: Tier, keys: list[str], loaded: dict[str, ChunkBuffer]) -> list[str]:
+        """Read ``keys`` from one tier into new chunks (added to ``loaded``); returns the keys
+        it did not have or could not deliver intact. Where slots would have to be
         taken from hot chunks, the tier is first asked which keys it holds, so that no hot
         chunk is evicted for a miss."""
         rest: list[str] = []
@@ -402,7 +401,6 @@ class StorageManager:
                 missing.append(key)
                 continue
             loaded[key] = buf
-            read.add(key)
         return missing + rest
 
     def make_lossless(self) -> list[str]:
