@@ -17,8 +17,9 @@ peers:
 serve: setup
 	LMKV_CONFIG_FILE=$${LMKV_CONFIG_FILE:-examples/local_cpu_disk.yaml} exec .venv/bin/engine serve $(ARGS)
 
-# Set up (lmkv and the peer systems), lint, and run the whole test suite.
-test: setup peers
+# Set up (lmkv and the peer systems, side by side), lint, and run the whole test suite.
+test:
+	./scripts/setup_all.sh
 	.venv/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 

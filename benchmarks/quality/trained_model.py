@@ -135,6 +135,7 @@ class TrainConfig:
     context_weight: float = 0.1  # loss weight of QA tokens other than answers (answers: 1)
     seed: int = 0
     threads: int = 2
+    eval_questions: int = 40  # held-out questions per QA evaluation (those with filler: 2/5)
 
     @property
     def head_dim(self) -> int:
@@ -361,16 +362,17 @@ def train(cfg: TrainConfig, out_dir: Path, log_every: int = 25, save_every: int 
     best: dict = {"score": -1.0}
 
     def evaluate(where: str, phase: Phase) -> None:
-        evals["qa_short"] = qa_accuracy(model, tok, 40, 4, (0, 0), dev)
-        evals["qa_long"] = qa_accuracy(model, tok, 16, 6, (3, 3), dev)
-        evals["qa_two_doc"] = qa_accuracy(model, tok, 40, 4, (0, 0), dev, two_doc=True)
+        n, n_long = cfg.eval_questions, max(1, cfg.eval_questions * 2 // 5)
+        evals["qa_short"] = qa_accuracy(model, tok, n, 4, (0, 0), dev)
+        evals["qa_long"] = qa_accuracy(model, tok, n_long, 6, (3, 3), dev)
+        evals["qa_two_doc"] = qa_accuracy(model, tok, n, 4, (0, 0), dev, two_doc=True)
         linked = ""
         if phase.linked:
-            evals["qa_linked"] = qa_accuracy(model, tok, 40, 4, (0, 0), dev, linked=True)
+            evals["qa_linked"] = qa_accuracy(model, tok, n, 4, (0, 0), dev, linked=True)
             linked = f"; linked {evals['qa_linked']:.2f} (4 short documents)"
         if phase.continued:
-            evals["qa_continued"] = qa_accuracy(model, tok, 40, 4, (0, 0), dev, continued=True)
-            evals["qa_continued_long"] = qa_accuracy(model, tok, 16, 6, (3, 3), dev, continued=True)
+            evals["qa_continued"] = qa_accuracy(model, tok, n, 4, (0, 0), dev, continued=True)
+            evals["qa_continued_long"] = qa_accuracy(model, tok, n_long, 6, (3, 3), dev, continued=True)
             linked += (f"; second paragraphs {evals['qa_continued']:.2f} (4 short documents), "
                        f"{evals['qa_continued_long']:.2f} (6 documents with filler)")
         print(f"held-out QA after {where}: single-document {evals['qa_short']:.2f} (4 short "

@@ -1,13 +1,15 @@
 """Compile gate: every kernel instantiation of cuda/ builds with NVRTC (the run-time path that
 CuPy's RawModule takes on users' GPUs) and with nvcc, whose ptxas report must show no register
 spills and shared memory within the per-block limit. Skipped when the tools are missing; CI
-installs them (see docs/kernels.md)."""
+installs them (see docs/kernels.md). The nvcc builds run one after another in a background
+thread from the module's start, on the second core while NVRTC compiles in this process."""
 
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -70,38 +72,66 @@ def test_nvrtc(nvrtc, file, arch):
         lib.destroyProgram(prog)
 
 
-def _ptxas_report(file: str, arch: str, tmp: Path) -> dict[str, dict[str, int]]:
-    """{demangled kernel: {registers, smem, stack, spill_stores, spill_loads}}."""
-    unit = tmp / f"gate_{file}"
-    refs = "".join(f"    (void*)&{n},\n" for n in INSTANTIATIONS[file])
-    unit.write_text(f'#include "{file}"\nvoid* lmkv_instances[] = {{\n{refs}}};\n')
-    cmd = [
-        "nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-Xptxas", "-v", "-Werror", "all-warnings",
-        f"-I{SOURCE_DIR}", str(unit), "-o", str(tmp / f"{file}.{arch}.cubin"),
-    ]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    report: dict[str, dict[str, int]] = {}
-    current = None
-    for line in r.stderr.splitlines():
-        if m := re.search(r"Function properties for (\S+)", line):
-            current = m.group(1)
-            report[current] = {}
-        elif current and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)):  # noqa: E501
-            report[current].update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
-        elif current and (m := re.search(r"Used (\d+) registers", line)):
-            smem = re.search(r"(\d+) bytes smem", line)
-            report[current].update(registers=int(m[1]), smem=int(smem[1]) if smem else 0)
-    names = subprocess.run(["c++filt"], input="\n".join(report), capture_output=True, text=True)
-    return dict(zip(names.stdout.split("\n"), report.values(), strict=False))
+class _NvccBuilds:
+    """Every (file, arch) built by nvcc -cubin with the ptxas report, in a background thread."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.results: dict[tuple[str, str], subprocess.CompletedProcess] = {}
+        self.done = {(f, a): threading.Event() for f in sorted(INSTANTIATIONS) for a in ARCHS}
+        threading.Thread(target=self._run, name="nvcc-builds", daemon=True).start()
+
+    def _run(self) -> None:
+        for file, arch in self.done:
+            try:
+                self.results[file, arch] = self._build(file, arch)
+            finally:
+                self.done[file, arch].set()
+
+    def _build(self, file: str, arch: str) -> subprocess.CompletedProcess:
+        unit = self.tmp / f"gate_{file}"
+        refs = "".join(f"    (void*)&{n},\n" for n in INSTANTIATIONS[file])
+        unit.write_text(f'#include "{file}"\nvoid* lmkv_instances[] = {{\n{refs}}};\n')
+        cmd = [
+            "nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-Xptxas", "-v", "-Werror", "all-warnings",
+            f"-I{SOURCE_DIR}", str(unit), "-o", str(self.tmp / f"{file}.{arch}.cubin"),
+        ]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    def report(self, file: str, arch: str) -> dict[str, dict[str, int]]:
+        """{demangled kernel: {registers, smem, stack, spill_stores, spill_loads}}."""
+        assert self.done[file, arch].wait(timeout=600), f"nvcc {file} {arch} did not finish"
+        r = self.results.get((file, arch))
+        assert r is not None, f"nvcc {file} {arch} failed to run"
+        assert r.returncode == 0, r.stderr
+        report: dict[str, dict[str, int]] = {}
+        current = None
+        for line in r.stderr.splitlines():
+            if m := re.search(r"Function properties for (\S+)", line):
+                current = m.group(1)
+                report[current] = {}
+            elif current and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)):  # noqa: E501
+                report[current].update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
+            elif current and (m := re.search(r"Used (\d+) registers", line)):
+                smem = re.search(r"(\d+) bytes smem", line)
+                report[current].update(registers=int(m[1]), smem=int(smem[1]) if smem else 0)
+        names = subprocess.run(["c++filt"], input="\n".join(report), capture_output=True, text=True)
+        return dict(zip(names.stdout.split("\n"), report.values(), strict=False))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nvcc_builds(tmp_path_factory):
+    if shutil.which("nvcc") is None or shutil.which("c++filt") is None:
+        return None
+    return _NvccBuilds(tmp_path_factory.mktemp("nvcc"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("file", sorted(INSTANTIATIONS))
-def test_ptxas_no_spills(file, arch, tmp_path):
-    if shutil.which("nvcc") is None or shutil.which("c++filt") is None:
+def test_ptxas_no_spills(file, arch, nvcc_builds):
+    if nvcc_builds is None:
         pytest.skip("nvcc (CUDA toolkit) and c++filt (binutils) are needed for the ptxas report")
-    report = _ptxas_report(file, arch, tmp_path)
+    report = nvcc_builds.report(file, arch)
     assert len(report) == len(INSTANTIATIONS[file]), sorted(report)
     for kernel, stats in report.items():
         base = re.match(r"void (\w+)<", kernel)[1]

@@ -18,7 +18,7 @@ from lmkv_engines.minimal.llm import LLM
 
 MIX = (("text", 0.25), ("recall", 0.25), ("copy", 0.25), ("qa", 0.25))
 TINY = TrainConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                   num_kv_heads=1, max_position_embeddings=512,
+                   num_kv_heads=1, max_position_embeddings=512, eval_questions=5,
                    phases=(Phase("a", steps=1, seq_len=64, batch_size=2, lr=1e-3, mix=(("copy", 1.0),)),
                            Phase("b", steps=1, seq_len=96, batch_size=2, lr=1e-3, mix=MIX, decay=1.0)))
 
