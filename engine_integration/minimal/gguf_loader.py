@@ -1,7 +1,7 @@
-"""Load a Llama-family GGUF file (llama.cpp's format) read with the ``gguf`` package: the
-config from ``llama.*`` metadata, weights dequantized at load to the engine's dtype with
-GGUF names and llama.cpp's Q/K row order mapped to the engine's, and the tokenizer and chat
-template from ``tokenizer.*`` metadata."""
+"""Load a Llama-family GGUF file (llama.cpp's format, parsed by ``gguf_file``): the config
+from ``llama.*`` metadata, weights dequantized at load to the engine's dtype with GGUF names
+and llama.cpp's Q/K row order mapped to the engine's, and the tokenizer and chat template
+from ``tokenizer.*`` metadata."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from .gguf_file import BLOCKS, GGUFFile
 from .model import LlamaForCausalLM
 from .model_config import ModelConfig, RopeScaling
 from .tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURE = "llama"  # llama.cpp writes Llama and Mistral checkpoints as "llama"
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+SUPPORTED_TYPES = tuple(BLOCKS)  # F32, F16, BF16, Q8_0, Q4_0, Q4_1
 
 # GGUF tensor name -> the engine's (Hugging Face) name; "blk.{i}." becomes "model.layers.{i}."
 _GLOBAL_NAMES = {
@@ -53,40 +54,37 @@ class GGUFCheckpoint:
     naming what was found when the architecture or a tensor type is not supported."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         try:
-            self._reader = GGUFReader(str(self.path))
-        except (ValueError, OSError, IndexError) as e:
+            self._file = GGUFFile(self.path)
+        except ValueError as e:
             raise ValueError(f"{self.path} is not a readable GGUF file: {e}") from e
         arch = self.field("general.architecture", None)
         if arch != SUPPORTED_ARCHITECTURE:
             raise ValueError(f"GGUF file {self.path} holds architecture {arch!r}; this engine "
                              f"loads {SUPPORTED_ARCHITECTURE!r} (Llama-family) GGUF files")
-        found = {t.tensor_type.name for t in self._reader.tensors}
+        found = {t.type_name for t in self._file.tensors}
         unsupported = sorted(found - set(SUPPORTED_TYPES))
         if unsupported:
             raise ValueError(f"GGUF file {self.path} has tensors of type {', '.join(unsupported)}; "
                              f"this engine dequantizes {', '.join(SUPPORTED_TYPES)}")
-        if "rope_freqs.weight" in {t.name for t in self._reader.tensors}:
+        if "rope_freqs.weight" in {t.name for t in self._file.tensors}:
             raise ValueError(f"GGUF file {self.path} has per-frequency RoPE factors "
                              "(rope_freqs.weight), which this engine does not apply")
 
     def field(self, key: str, default: Any = _MISSING) -> Any:
         """One metadata value (strings decoded, arrays as lists)."""
-        f = self._reader.fields.get(key)
-        if f is None:
+        if key not in self._file.fields:
             if default is _MISSING:
                 raise ValueError(f"GGUF file {self.path} lacks metadata key {key}")
             return default
-        return f.contents()
+        return self._file.fields[key]
 
     def model_config(self) -> ModelConfig:
         a = SUPPORTED_ARCHITECTURE
         hidden = self.field(f"{a}.embedding_length")
         num_heads = self.field(f"{a}.attention.head_count")
-        names = {t.name for t in self._reader.tensors}
+        names = {t.name for t in self._file.tensors}
         vocab = self.field(f"{a}.vocab_size", None) or len(self.field("tokenizer.ggml.tokens"))
         eos = tuple(i for k in ("eos", "eot", "eom")
                     if (i := self.field(f"tokenizer.ggml.{k}_token_id", None)) is not None)
@@ -128,8 +126,6 @@ class GGUFCheckpoint:
     def load_model(self, cfg: ModelConfig, dtype: torch.dtype,
                    max_positions: int) -> LlamaForCausalLM:
         """The model with every tensor dequantized to ``dtype``."""
-        from gguf.quants import dequantize
-
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg, max_positions)
         model.model.rope = type(model.model.rope)(
@@ -139,12 +135,12 @@ class GGUFCheckpoint:
         if cfg.tie_word_embeddings:
             expected.pop("lm_head.weight", None)
         state: dict[str, torch.Tensor] = {}
-        for t in self._reader.tensors:
+        for t in self._file.tensors:
             name = engine_name(t.name)
             if name not in expected:
                 raise ValueError(f"GGUF file {self.path} has tensor {t.name}, which a Llama "
                                  f"with this config does not have")
-            w = dequantize(t.data, t.tensor_type)  # [out, in] or [n] as the engine's layout
+            w = self._file.dequantize(t)  # [out, in] or [n] as the engine's layout
             if t.name.endswith(".attn_q.weight"):
                 w = unpermute_rows(w, cfg.num_heads)
             elif t.name.endswith(".attn_k.weight"):
@@ -152,9 +148,6 @@ class GGUFCheckpoint:
             want = tuple(expected[name].shape)
             if w.shape != want:
                 raise ValueError(f"GGUF tensor {t.name} has shape {w.shape}, config implies {want}")
-            w = np.ascontiguousarray(w, dtype=np.float32)
-            if not w.flags.writeable:  # F32 tensors are views of the read-only map
-                w = w.copy()
             state[name] = torch.from_numpy(w).to(dtype)
         missing = sorted(set(expected) - set(state))
         if missing:
