@@ -103,7 +103,7 @@ class CacheGen(Codec):
         from . import cachegen
 
         if table is None:
-            raise ValueError("a cachegen payload, and no calibration table to decode it")
+            raise cachegen.ForeignPayload("a cachegen payload, and no calibration table to decode it")
         cachegen.decode_into(payload, kv, table)
 
 

@@ -70,6 +70,12 @@ class PayloadError(ValueError):
     """A cachegen payload that is malformed or made with another table."""
 
 
+class ForeignPayload(PayloadError):
+    """A sound payload this reader cannot decode: made with another calibration table than
+    its own, or where it has none (another engine's, sharing the store, or its own from
+    before the quality gate tripped)."""
+
+
 class OutOfRange(ValueError):
     """A chunk with values beyond the table's range (|x - mean| / step >= QMAX): coded, they
     would be clamped, far outside the error bound; the caller stores it another way."""
@@ -194,8 +200,8 @@ def decode_into(payload: bytes | memoryview, out: torch.Tensor, table: CacheGenT
     if magic not in (MAGIC, MAGIC_TRANSFORM):
         raise PayloadError(f"not a cachegen payload (magic {bytes(magic)!r})")
     if table_id != table.table_id or group != table.group_size:
-        raise PayloadError(f"payload made with calibration table {table_id:016x}, "
-                           f"this reader has {table.table_id:016x}")
+        raise ForeignPayload(f"payload made with calibration table {table_id:016x}, "
+                             f"this reader has {table.table_id:016x}")
     if (magic == MAGIC_TRANSFORM) != (table.basis is not None):
         raise PayloadError("payload and calibration table disagree on the transform")
     if coder not in CODERS.values():

@@ -16,6 +16,7 @@ import xxhash
 
 from ..memory import HEADER_BYTES, ChunkBuffer
 from .base import Codec, Raw, by_id, get_codec
+from .cachegen import ForeignPayload
 from .calibration import CacheGenTable
 
 MAGIC = b"LMKV"
@@ -29,6 +30,12 @@ _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 class FrameError(ValueError):
     """A stored payload is corrupt, truncated, or not what the reader expects."""
+
+
+class ForeignFrame(FrameError):
+    """A sound frame (its checksum holds) that this reader cannot decode: lossy, made with
+    another calibration table or where the reader has none. Not corrupt: a miss, left in
+    place for the engines that can read it."""
 
 
 def encode(buf: ChunkBuffer, key: str, codec: Codec | str, table: CacheGenTable | None = None) -> memoryview:
@@ -106,6 +113,8 @@ def decode_into(data: bytes | memoryview, buf: ChunkBuffer, key: str,
             kv[:, :, got[2] :].zero_()
         else:
             codec.decode_into(payload, kv, table)
+    except ForeignPayload as e:
+        raise ForeignFrame(f"{codec.name} payload: {e}") from e
     except (ValueError, MemoryError, OverflowError) as e:  # what bytes from outside can cause
         detail = e if isinstance(e, ValueError) else f"{type(e).__name__} {e}"
         raise FrameError(f"{codec.name} payload: {detail}") from e

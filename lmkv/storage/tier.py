@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from ..backends.base import BackendError, StorageBackend
-from ..codec import Codec, FrameError, decode_into, encode, get_codec
+from ..codec import Codec, ForeignFrame, FrameError, decode_into, encode, get_codec
 from ..codec.cachegen import OutOfRange
 from ..codec.calibration import CacheGenTable
 from ..logs import LogThrottle
@@ -218,7 +218,15 @@ class Tier:
         return None
 
     def _settle(self, key: str, data: memoryview | bytes, error: Exception | None) -> bool:
-        """On the calling thread: count a checked frame, or report and remove a corrupt one."""
+        """On the calling thread: count a checked frame, or report and remove a corrupt one
+        (a foreign one, another table's, is a miss and stays: engines sharing the store may
+        read it; a save of the recomputed chunk replaces it)."""
+        if isinstance(error, ForeignFrame):
+            self._quiet.log(log, logging.WARNING, "foreign", "lmkv: a chunk in %s was coded with "
+                            "another calibration table (%s); taken as a miss and left in place",
+                            self.name, error)
+            self.metrics.errors.labels(self.name, "foreign").inc()
+            return False
         if isinstance(error, FrameError):
             self._quiet.log(log, logging.WARNING, "corrupt", "lmkv: a chunk from %s is corrupt (%s); "
                             "it will be recomputed", self.name, error)

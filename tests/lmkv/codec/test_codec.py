@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmkv.codec import FrameError, cachegen, decode_into, encode, rans
+from lmkv.codec import ForeignFrame, FrameError, cachegen, decode_into, encode, rans
 from lmkv.codec.calibration import CacheGenTable, CalibrationSettings, calibrate
 from lmkv.codec.gate import QualityGate
 from lmkv.config import ConfigError, load_config
@@ -146,10 +146,14 @@ def test_corrupt_truncated_and_foreign_payloads_are_rejected(table):
         decode_into(bytes(flipped), dst, "k", table)
     with pytest.raises(FrameError, match="truncated"):
         decode_into(frame[:-10], dst, "k", table)
-    with pytest.raises(FrameError, match="no calibration table"):
+    for bad in (bytes(flipped), frame[:-10]):  # corrupt: not foreign
+        with pytest.raises(FrameError) as e:
+            decode_into(bad, dst, "k", table)
+        assert not isinstance(e.value, ForeignFrame)
+    with pytest.raises(ForeignFrame, match="no calibration table"):
         decode_into(frame, dst, "k", None)
     other = calibrate([kv_like(s) for s in range(4, 6)])
-    with pytest.raises(FrameError, match="calibration table"):
+    with pytest.raises(ForeignFrame, match="calibration table"):
         decode_into(frame, dst, "k", other)
     # a payload that passes the checksum but is malformed: cachegen's own checks catch it
     payload = cachegen.encode(src.kv, table)
@@ -665,3 +669,27 @@ def test_a_gate_trip_just_before_a_lossy_chunk_enters_the_hot_cache_keeps_it_out
     finally:
         manager.close()
     assert pool.num_free == 4
+
+
+def test_a_frame_coded_with_another_table_is_a_miss_left_for_its_engine(table, tmp_path):
+    """Two engines share a store with different calibration tables: each reads the other's
+    lossy frames as misses (counted as foreign) and never deletes them."""
+    from lmkv.backends.disk import DiskBackend
+    from lmkv.storage.tier import Tier
+
+    metrics = LMKVMetrics()
+    pool = MemoryPool(LAYOUT, 2 * (64 + LAYOUT.chunk_bytes))
+    mine = Tier("disk", DiskBackend(tmp_path, 1 << 30), "cachegen", table, metrics)
+    buf = pool.allocate()
+    buf.kv.copy_(kv_like(7))
+    assert mine.write("k", mine.encode("k", buf))
+    buf.release()
+    other = calibrate([kv_like(s) for s in range(4, 6)])
+    theirs = Tier("disk", DiskBackend(tmp_path, 1 << 30), "cachegen", other, metrics)
+    for tier, served in ((theirs, False), (mine, True), (theirs, False), (mine, True)):
+        buf = pool.allocate()
+        assert tier.read(["k"], [buf]) == [served]
+        buf.release()
+    errors = {s.labels["kind"]: s.value for m in metrics.registry.collect()
+              if m.name == "lmkv_errors" for s in m.samples if s.name.endswith("_total")}
+    assert errors == {"foreign": 2}
