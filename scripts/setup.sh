@@ -12,6 +12,8 @@ apt_pkgs=(redis-server libibverbs1)  # libibverbs1: Mooncake's native library ne
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     missing=()
     for p in "${apt_pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+    # Debian's python3 makes venvs only with python3-venv (ensurepip)
+    if ! python3 -c "import ensurepip" >/dev/null 2>&1; then missing+=(python3-venv); fi
     if [ ${#missing[@]} -gt 0 ]; then
         echo "setup: installing system packages: ${missing[*]}"
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
@@ -24,7 +26,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.lmkv-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$extras" ]; then
-    echo "setup: installing lmkv[$extras] into .venv (torch==2.13.0 CPU)"
+    echo "setup: installing lmkv[$extras] into .venv (torch==2.13.0)"
     .venv/bin/python -m pip install -q --upgrade pip
     # the lock: setup_vllm_venv.sh installs this checkout editable too (lmkv.egg-info)
     flock .editable-install.lock .venv/bin/python -m pip install -q -e ".[$extras]"
