@@ -30,7 +30,7 @@ _NO_SPLIT = 1 << 30
 # vs 0.52 of HBM bandwidth; docs/kernels.md; groups of 2 and 3 run the same code with rows
 # unused, not measured apart), and tiles for groups of 1 or > 4 (R = 1 and 8: not measured).
 # "warps_lean": the warps kernel with fewer instructions per step (docs/kernels.md).
-DECODE_KERNELS = ("auto", "warps", "warps_lean", "tiles")  # warps_lean: not yet run on a GPU
+DECODE_KERNELS = ("auto", "warps", "warps_lean", "tiles")
 LEAN_MAX_SLOTS = 2**31 - 1  # warps_lean passes slots between lanes as 32-bit integers
 
 
@@ -56,6 +56,10 @@ def _common(
         f"head_dim {query.shape[2]} / {d}: need equal, in {HEAD_DIMS}",
     )
     require(hq % hkv == 0, f"{hq} query heads is not a multiple of {hkv} KV heads")
+    # the kernels read K and V rows as 16-byte vectors: a misaligned view would be a sticky
+    # CUDA error (the context lost), not a recompute
+    require(kv_layer.data_ptr() % 16 == 0,
+            f"kv_layer must start 16-byte aligned (its data is at {kv_layer.data_ptr():#x})")
     for name, t, ndim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1)):
         check_tensor(t, name, launcher, ndim=ndim, contiguous=False)
         require(not t.is_floating_point(), f"{name} must be an integer tensor")

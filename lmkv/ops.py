@@ -264,7 +264,8 @@ def reshape_and_cache(
 
         rows_ok = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
         if not rows_ok or key.stride(0) != value.stride(0):  # the kernel takes [Hkv, D] rows
-            key, value = key.contiguous(), value.contiguous()
+            # (clone: .contiguous() keeps the odd strides of size-1 dims, which torch ignores)
+            key, value = (t.clone(memory_format=torch.contiguous_format) for t in (key, value))
         return kv_copy.reshape_and_cache(launcher, key, value, kv_layer, slot_mapping, check=check)
     ops_torch.reshape_and_cache(key, value, kv_layer, slot_mapping)
 

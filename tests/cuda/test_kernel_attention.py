@@ -121,6 +121,9 @@ def test_wrapper_rejects_bad_arguments(emu):
         run(q=torch.zeros(2, 3, 64))
     with pytest.raises(TypeError, match="dtype"):
         run(kv=kv.half())
+    misaligned = torch.zeros(kv.numel() + 1)[1:].view(kv.shape)  # contiguous, 4 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        run(kv=misaligned)
     no_lens = torch.zeros(0, dtype=torch.int32)
     empty = attention.paged_attention_decode(emu, q[:0], kv, tables[:0], no_lens, 0.125)
     assert empty.shape == (0, 4, 64)

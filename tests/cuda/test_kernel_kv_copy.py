@@ -53,6 +53,22 @@ def test_reshape_and_cache(emu, dtype, heads, dim, tokens):
     assert reshape_and_cache(emu, dtype, heads, dim, tokens)
 
 
+def test_rows_with_odd_strides_of_size_one_dims_are_repacked(emu):
+    """ops.reshape_and_cache takes what its torch twin takes: one KV head's keys as a
+    transposed view ([T, 1, D] with stride(1) != D, which torch calls contiguous)."""
+    from lmkv import ops, ops_torch
+
+    key = torch.randn(1, 5, 64).transpose(0, 1)
+    value = torch.randn(5, 1, 64)
+    assert key.is_contiguous() and key.stride(1) != 64
+    slots = torch.tensor([3, 0, -1, 9, 12])
+    want = torch.zeros(2, 4, 4, 1, 64)
+    ops_torch.reshape_and_cache(key, value, want, slots)
+    got = torch.zeros(2, 4, 4, 1, 64)
+    ops.reshape_and_cache(key, value, got, slots, launcher=emu)
+    assert torch.equal(got, want)
+
+
 def test_wrapper_rejects_bad_arguments(emu):
     kv = torch.zeros(2, 2, 4, 8, 2, 64, dtype=torch.float16)
     chunk = torch.zeros(2, 2, 3, 2, 64, dtype=torch.float16)
