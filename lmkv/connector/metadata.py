@@ -31,13 +31,16 @@ class LoadSpec:
 class SaveSpec:
     """Gather the tokens at ``slot_mappings[i]`` into a new chunk stored under ``keys[i]``;
     ``parent`` is the key of the chunk before ``keys[0]`` in the prompt (None: the first);
-    ``position``: the position of ``keys[0]``'s first token (the chunks are consecutive)."""
+    ``position``: the position of ``keys[0]``'s first token (the chunks are consecutive);
+    ``lossy``: computed over KV decoded from a lossy codec, so approximate too (stored as
+    such: StorageManager.put)."""
 
     request_id: str
     keys: list[str]
     slot_mappings: list[torch.Tensor]
     parent: str | None = None
     position: int = 0
+    lossy: bool = False
 
     def parents(self) -> dict[str, str | None]:
         """key -> the key of the chunk before it (the cache policy's prefix tree)."""

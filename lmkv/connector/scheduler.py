@@ -222,6 +222,7 @@ class SchedulerConnector:
                     [self._slots(request.block_ids, i * c, (i + 1) * c) for i in idx],
                     st.keys[st.saved_chunks - 1] if st.saved_chunks else None,
                     st.saved_chunks * c,
+                    lossy=st.lossy,
                 ))
                 st.saved_chunks = full
             n = len(request.prompt_token_ids)
@@ -230,7 +231,7 @@ class SchedulerConnector:
                 whole = n // c * c
                 meta.saves.append(SaveSpec(
                     request.request_id, [st.tail], [self._slots(request.block_ids, whole, n)],
-                    st.keys[n // c - 1] if n >= c else None, whole))
+                    st.keys[n // c - 1] if n >= c else None, whole, lossy=st.lossy))
                 st.tail_done = True
         return meta
 

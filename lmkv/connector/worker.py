@@ -332,6 +332,7 @@ class WorkerConnector:
                     return out
                 buf.position = spec.position + i * self.cache.chunk_size
                 buf.num_tokens = slots.shape[0]  # fewer for a prompt's partial last chunk
+                buf.lossy = spec.lossy
                 out.append((key, buf, slots))
         return out
 

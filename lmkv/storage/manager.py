@@ -71,10 +71,16 @@ class StorageManager:
     def put(self, key: str, buf: ChunkBuffer, parent: str | None = None) -> None:
         """Store ``buf`` under ``key`` (the chunk after ``parent`` in its prompt; None for a
         first or content-keyed chunk): hot now if the policy keeps it, lower tiers in the
-        background. The caller keeps its own reference and releases it as usual."""
+        background. The caller keeps its own reference and releases it as usual. A chunk
+        marked lossy (computed over KV decoded lossy) goes only where it is read back as
+        lossy: the hot cache until the quality gate trips, whole chunks to lossy tiers."""
         hot = self.keep_hot and self.hot.put(key, buf, parent)
         self.metrics.hot_chunks.set(len(self.hot))
-        queued = bool(self.tiers) and self._submit_write(key, buf)
+        tiers = self.tiers
+        if buf.lossy:  # (a partial chunk, or one beyond a table's range, is framed lossless)
+            whole = buf.num_tokens == buf.kv.shape[2]
+            tiers = [t for t in tiers if t.lossy] if whole and not self.lossless_only else []
+        queued = bool(tiers) and self._submit_write(key, buf, tiers)
         if hot or queued:
             self.metrics.stored_chunks.inc()
 
@@ -154,6 +160,9 @@ class StorageManager:
                     how = (tier.codec, id(tier.table))  # the other tiers still get the chunk
                     if how not in frames:
                         frames[how] = tier.encode(key, buf)
+                    if frames[how] is None:  # approximate KV that only a lossless frame holds
+                        self.metrics.dropped.labels(f"save_{tier.name}").inc()
+                        continue
                     if not tier.write(key, frames[how]):
                         failed.append(tier)
                 except Exception:

@@ -78,16 +78,22 @@ class Tier:
         then rejected on read (the table is gone), dropped and recomputed."""
         self.codec, self.table = get_codec("zstd"), None
 
-    def encode(self, key: str, buf: ChunkBuffer) -> memoryview:
+    def encode(self, key: str, buf: ChunkBuffer) -> memoryview | None:
         """``buf``'s frame in this tier's codec (a raw frame aliases the slot). A chunk that
         the lossy codec cannot hold within its error bound (values beyond its table's range)
-        is framed lossless (zstd) instead, counted, and logged the first time."""
+        is framed lossless (zstd) instead, counted, and logged the first time. None for a
+        chunk marked lossy that only a lossless frame would hold (read back, it would pass
+        for exact KV)."""
         codec, table = self.codec, self.table
         if codec.lossy and table is None:  # make_lossless ran between the two reads
             codec = get_codec("zstd")
+        if buf.lossy and not (codec.lossy and buf.num_tokens == buf.kv.shape[2]):
+            return None
         try:
             return encode(buf, key, codec, table)
         except OutOfRange as e:
+            if buf.lossy:
+                return None
             self.metrics.lossless_chunks.labels(self.name).inc()
             if not self._warned_range:
                 self._warned_range = True

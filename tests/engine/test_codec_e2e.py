@@ -223,3 +223,25 @@ def test_smollm2_disk_tier_decodes_natively_and_serves_the_same_tokens(tmp_path,
         assert metric(llm, "lmkv_errors_total", tier="disk", kind="corrupt") == 0
         read = metric(llm, "lmkv_tier_hits_total", tier="disk")  # chunks the prompts share: once
     assert read >= 3 and (lib is None or len(calls) == read)
+
+
+def test_chunks_computed_over_lossy_kv_are_kept_as_lossy(tiny_model_dir, tmp_path):
+    """A prompt served lossy KV from a cachegen disk tier and extended by a new chunk: the
+    new chunk, computed over that KV, enters the hot cache marked lossy (the quality gate
+    samples requests that load it, its fallback drops it; which tiers take it: test_codec)."""
+    _table(tiny_model_dir, tmp_path / "fine.safetensors", error=5e-4)
+    opts = dict(local_disk_codec="cachegen", cachegen_calibration=str(tmp_path / "fine.safetensors"),
+                codec_check_every=0, enable_prefetch=False)
+    first = prompts(n=1)[0][: 4 * CHUNK + 1]
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
+        llm.generate([first], GREEDY)
+    extended = first[:-1] + prompts(n=1, seed=9)[0][: 2 * CHUNK + 1]
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:  # a fresh hot cache
+        cache = llm.engine.kv_connector.cache
+        out = llm.generate([extended], GREEDY)[0]
+        assert out.num_external_tokens == 4 * CHUNK  # decoded lossy from disk
+        cache.storage.io.drain()
+        keys = cache.keys(extended[: 6 * CHUNK])
+        hot = cache.storage.hot.entries
+        assert [hot[k].lossy for k in keys[4:]] == [True, True]
+        assert all(hot[k].lossy for k in keys[:4])

@@ -693,3 +693,41 @@ def test_a_frame_coded_with_another_table_is_a_miss_left_for_its_engine(table, t
     errors = {s.labels["kind"]: s.value for m in metrics.registry.collect()
               if m.name == "lmkv_errors" for s in m.samples if s.name.endswith("_total")}
     assert errors == {"foreign": 2}
+
+
+def test_a_chunk_computed_over_lossy_kv_is_stored_only_where_it_reads_back_lossy(table, tmp_path):
+    """KV computed over chunks decoded lossy is approximate too: a lossless tier never gets
+    it (read back, it would pass for exact KV, unseen by the quality gate), a lossy tier
+    gets it whole only, and after the gate's fallback nothing keeps it."""
+    from lmkv.backends.disk import DiskBackend
+    from lmkv.storage.manager import StorageManager
+    from lmkv.storage.tier import Tier
+
+    metrics = LMKVMetrics()
+    pool = MemoryPool(LAYOUT, 8 * (64 + LAYOUT.chunk_bytes))
+    raw = Tier("disk", DiskBackend(tmp_path / "raw", 1 << 30), "raw", None, metrics)
+    lossy = Tier("remote", DiskBackend(tmp_path / "lossy", 1 << 30), "cachegen", table, metrics)
+    manager = StorageManager(pool, [raw, lossy], metrics)
+    try:
+        def put(key, derived, tokens=LAYOUT.chunk_size):
+            buf = pool.allocate()
+            buf.kv.copy_(kv_like(8))
+            buf.num_tokens, buf.lossy = tokens, derived
+            manager.put(key, buf)
+            buf.release()
+            manager.io.drain()
+
+        put("exact", False)
+        put("derived", True)
+        put("derived-tail", True, tokens=5)
+        held = lambda tier: [k for k in ("exact", "derived", "derived-tail") if tier.contains([k])[0]]
+        assert held(raw) == ["exact"]
+        assert held(lossy) == ["exact", "derived"]
+        assert manager.hot.entries["derived"].lossy
+        manager.make_lossless()
+        assert not manager.hot.contains("derived")
+        put("derived-after", True)
+        assert not manager.hot.contains("derived-after")
+        assert not raw.contains(["derived-after"])[0] and not lossy.contains(["derived-after"])[0]
+    finally:
+        manager.close()
