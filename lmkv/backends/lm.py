@@ -57,7 +57,8 @@ class LMBackend(StorageBackend):
 
     Every call is bounded: ``connect_timeout`` for connecting, ``timeout`` for each request
     and its reply, from the first byte sent to the last byte received, within
-    lm_socket.DEADLINE_SLACK (in a batch read, each reply from the end of the one before).
+    lm_socket.DEADLINE_SLACK (in a batch read, each reply from the end of the one before; a
+    batch of EXISTs as a whole).
     A PUT, which may be large, and a batch of requests must make progress within
     ``timeout`` at every send. Any failure closes the
     connection and raises BackendError; the next call reconnects. A connection that the
@@ -182,14 +183,17 @@ class LMBackend(StorageBackend):
         return lengths
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
-        """All EXISTs sent at once, the answers read in order."""
+        """All EXISTs sent at once, the answers read in order; the batch as a whole within
+        one ``timeout`` (a lookup waits on it: a store that answers each EXIST just in time
+        must not hold it for a timeout per key)."""
         requests = [wire.pack_request(wire.Command.EXIST, self._key(k)) for k in keys]
         sock = self._connection()
         found = []
         try:
-            self._send(sock, requests, None)
+            deadline = time.monotonic() + self.timeout
+            self._send(sock, requests, deadline)
             for _ in keys:
-                found.append(self._read_answer(sock, time.monotonic() + self.timeout))
+                found.append(self._read_answer(sock, deadline))
         except OSError as exc:
             self._fail("exist on", exc)
         return found

@@ -284,6 +284,23 @@ def test_a_reply_stalled_after_its_header_times_out_within_the_timeout(call):
     fake.close()
 
 
+def test_a_batch_of_exists_is_bounded_by_one_timeout():
+    """A store that answers each EXIST just within the timeout: a lookup of 4 keys fails
+    after one timeout, not after four."""
+    def slow_answers(conn: socket.socket) -> None:
+        while len(conn.recv(wire.REQUEST_SIZE, socket.MSG_WAITALL)) == wire.REQUEST_SIZE:
+            time.sleep(0.3)
+            conn.sendall(wire.pack_response(wire.Code.SUCCESS))
+
+    fake = FakeServer(slow_answers)
+    backend = LMBackend(fake.url, timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match="timed out"):
+        backend.contains(["a@1", "b@1", "c@1", "d@1"])
+    assert time.monotonic() - t0 < 0.8
+    fake.close()
+
+
 @pytest.mark.parametrize("name, seconds", [
     ("timeout", math.inf), ("timeout", math.nan), ("timeout", 1e-7), ("timeout", 0.0),
     ("timeout", -1.0), ("connect_timeout", math.inf), ("connect_timeout", 1e-4),
