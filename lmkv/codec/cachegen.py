@@ -136,7 +136,9 @@ def encode(kv: torch.Tensor, table: CacheGenTable, coder: str = "zstd",
         x = (x.float().reshape(two, layers, t, h * d) @ table.basis.to(dev)).view(kv.shape)
     symbols = ops.cachegen_quantize(x, table.step.to(dev), table.mean.to(dev),
                                     table.delta.to(dev), table.group_size).cpu()
-    if not bool(torch.isfinite(kv).all()):  # NaN would quantize to some finite symbol
+    # NaN would quantize to some finite symbol; the rotation and the transform can also
+    # overflow finite values near the dtype's limit into inf - inf
+    if not (bool(torch.isfinite(kv).all()) and bool(torch.isfinite(x).all())):
         raise OutOfRange("the chunk holds a NaN or an infinity")
     if (worst := _largest_symbol(symbols, table)) >= QMAX:
         raise OutOfRange(f"a value {worst} steps from the table's mean (at most {QMAX - 1} can be "
@@ -176,7 +178,7 @@ def _largest_symbol(symbols: torch.Tensor, table: CacheGenTable) -> int:
     """max |q| before deltas, for symbols [2, L, T, H, D] int16 (quantize clamps to QMAX, so
     QMAX means a value was clamped)."""
     if not bool(table.delta.any()):
-        return int(symbols.abs().amax())
+        return int(symbols.to(torch.int32).abs().amax())  # (int16: |-32768| is -32768)
     q = symbols.to(torch.int32)
     g = table.group_size
     anchor = q[:, :, ::g].repeat_interleave(g, dim=2)[:, :, : q.shape[2]]

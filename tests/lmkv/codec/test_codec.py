@@ -731,3 +731,17 @@ def test_a_chunk_computed_over_lossy_kv_is_stored_only_where_it_reads_back_lossy
         assert not raw.contains(["derived-after"])[0] and not lossy.contains(["derived-after"])[0]
     finally:
         manager.close()
+
+
+def test_a_chunk_whose_transform_overflows_is_not_coded_lossy():
+    """Finite KV near float32's limit: the decorrelating transform's sums overflow (inf - inf
+    is NaN, which quantizes to a finite symbol): refused like a NaN in the chunk."""
+    chunks = [kv_correlated(s, LAYOUT) for s in range(4)]
+    transformed = calibrate(chunks, CalibrationSettings(error=0.04))
+    assert transformed.basis is not None
+    x = kv_correlated(9, LAYOUT)
+    x[0, 0, 0, 0] = 3e38
+    x[0, 0, 0, 1] = -3e38
+    assert bool(torch.isfinite(x).all())
+    with pytest.raises(cachegen.OutOfRange, match="NaN"):
+        cachegen.encode(x, transformed)
