@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -17,18 +19,22 @@ def cache_dir() -> Path:
 
 
 def compiler() -> str | None:
-    """$CC, else cc or gcc on PATH, else None."""
+    """$CC (a command line: "ccache gcc" works), else cc or gcc on PATH, else None."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def _cpu_flags() -> str:
+    """What -march=native builds for: the machine and its CPU's feature list (x86's
+    "flags", ARM's "Features" line of /proc/cpuinfo)."""
+    lines = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+            if line.startswith(("flags", "Features")):
+                lines.append(line)
+                break
     except OSError:
         pass
-    return ""
+    return "\n".join([platform.machine(), *lines])
 
 
 def build(cc: str, source: Path, out_dir: Path, flags: tuple[str, ...] = (),
@@ -38,7 +44,9 @@ def build(cc: str, source: Path, out_dir: Path, flags: tuple[str, ...] = (),
     the flags, the libraries and the CPU's flags, so a stale or foreign build is never loaded;
     written under a temporary name and renamed, so concurrent builds are safe. Raises OSError
     naming the compiler's complaint."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    command = shlex.split(cc)
+    version = subprocess.run([*command, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
     key = hashlib.sha256("\0".join([source.read_text(), version, *flags, _cpu_flags(), *libs]).encode())
     path = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if path.exists():
@@ -47,10 +55,14 @@ def build(cc: str, source: Path, out_dir: Path, flags: tuple[str, ...] = (),
     with tempfile.NamedTemporaryFile(dir=out_dir, suffix=".so", delete=False) as tmp:
         pass
     try:
-        res = subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", *flags, "-o", tmp.name,
-                              str(source), *libs], capture_output=True, text=True, timeout=120)
+        res = subprocess.run([*command, "-O3", "-march=native", "-shared", "-fPIC", *flags, "-o",
+                              tmp.name, str(source), *libs], capture_output=True, text=True,
+                             timeout=120)
         if res.returncode != 0:
             raise OSError(f"{cc} failed on {source.name}: {res.stderr.strip()[-2000:]}")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp.name, 0o755 & ~umask)  # (a temporary file is 0600: others sharing the cache)
         os.replace(tmp.name, path)
     finally:
         Path(tmp.name).unlink(missing_ok=True)

@@ -102,9 +102,20 @@ def attention(query: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.T
     block_tables [B, max_blocks] -> [T, Hq, D], or None when this does not take it."""
     if not _takes(query, kv_layer, block_tables) or (lib := library()) is None:
         return None
+    if {seq_lens.device.type, query_start_loc.device.type} != {"cpu"}:
+        return None
     heads, dim = query.shape[1], query.shape[2]
     kv_heads, block_size = kv_layer.shape[3], kv_layer.shape[2]
     starts = query_start_loc.to(torch.int64).contiguous()
+    nseq = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    # attention.c indexes the query, the output and the tables by these without bounds
+    if (starts.dim() != 1 or starts.numel() != nseq + 1 or block_tables.shape[0] < nseq
+            or (nseq and not (int(starts[0]) >= 0 and bool((starts[1:] >= starts[:-1]).all())
+                              and int(starts[-1]) <= query.shape[0]))):
+        raise ValueError(f"attention metadata does not fit: query {tuple(query.shape)}, "
+                         f"seq_lens {tuple(seq_lens.shape)}, query_start_loc {starts.tolist()} "
+                         f"(non-decreasing, within the query's rows, one more than seq_lens), "
+                         f"block_tables {tuple(block_tables.shape)}")
     if starts.numel() < 2 or int((starts[1:] - starts[:-1]).max()) * (heads // kv_heads) > ROWS:
         return None
     q = query.to(torch.float32).contiguous()

@@ -15,7 +15,16 @@ import torch.nn.functional as F
 
 
 def _slots(kv_cache_like: torch.Tensor, slot_mapping: torch.Tensor, skip: int) -> torch.Tensor:
-    return slot_mapping[skip:].to(kv_cache_like.device)
+    slots = slot_mapping[skip:].to(kv_cache_like.device)
+    _no_negative(slots)
+    return slots
+
+
+def _no_negative(slots: torch.Tensor) -> None:
+    """Refuse a negative slot as the native copies do (torch's indexing would take -1 for the
+    last row or block: another sequence's page)."""
+    if slots.numel() and (lowest := int(slots.min())) < 0:
+        raise IndexError(f"slot {lowest} is negative: paged memory has no such slot")
 
 
 def paged_to_chunk(
@@ -33,7 +42,9 @@ def chunk_to_paged(
 def _transfer(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int,
               to_paged: bool) -> None:
     """Copy tokens [skip, T) between the chunk and paged memory, in either direction."""
-    for rows, pages, lo in _spans(kv_cache, _slots(kv_cache, slot_mapping, 0), skip):
+    slots = slot_mapping.to(kv_cache.device)
+    _no_negative(slots[skip:])
+    for rows, pages, lo in _spans(kv_cache, slots, skip):
         if pages.dim() == 6:  # whole blocks: one strided copy per block, all layers at once
             bs = pages.shape[3]
             for i, block in enumerate(rows.tolist()):

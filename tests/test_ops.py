@@ -65,6 +65,24 @@ def test_vllm_layout_matches_engine_layout():
         assert int((flat != 0).any(-1).any(-1).sum()) == 8
 
 
+@pytest.mark.parametrize("slots", [[-4, -3, -2, -1], [0, -1, 2, 3]])
+def test_negative_slots_are_refused_not_taken_from_the_end(slots):
+    """The torch copies (what runs without the native ones) refuse a negative slot as those
+    do: torch's indexing took -1 for the last block or row, another sequence's page."""
+    kv, vllm = _engine_cache(), [torch.zeros(6, 4, 2, 16) for _ in range(3)]
+    before = kv.clone()
+    chunk = torch.ones(2, 3, 4, 2, 8)
+    slots = torch.tensor(slots)
+    for copy in (lambda: attention.chunk_to_paged(chunk, kv, slots),
+                 lambda: attention.paged_to_chunk(kv, slots, chunk),
+                 lambda: attention.chunk_to_paged_vllm(chunk, vllm, slots),
+                 lambda: attention.paged_to_chunk_vllm(vllm, slots, chunk)):
+        with pytest.raises(IndexError, match="negative"):
+            copy()
+    assert torch.equal(kv, before) and not any(v.any() for v in vllm)
+    attention.chunk_to_paged(chunk, kv, torch.tensor([-1, 5, 6, 7]), skip=1)  # skipped: unread
+
+
 def _hf_rope(x, positions, inv_freq):
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)

@@ -78,6 +78,14 @@ def test_it_leaves_to_the_reference_what_it_does_not_take():
         cpu_attention.attention(q, kv, tables + kv.shape[1], seq_lens, starts, 0.25)
     with pytest.raises(ValueError, match="longer than its table"):
         cpu_attention.attention(q, kv, tables[:, :2], seq_lens, starts, 0.25)
+    # metadata that does not fit the query: refused before attention.c indexes by it
+    for bad in (dict(starts=torch.tensor([0, 1, 5])), dict(starts=torch.tensor([0, 2])),
+                dict(starts=torch.tensor([1, 0, 2])), dict(lens=torch.tensor([20, 30, 5])),
+                dict(tables=tables[:1])):
+        with pytest.raises(ValueError, match="metadata does not fit"):
+            cpu_attention.attention(q, kv, bad.get("tables", tables), bad.get("lens", seq_lens),
+                                    bad.get("starts", starts), 0.25)
+    assert cpu_attention.attention(q, kv, tables, seq_lens.to("meta"), starts, 0.25) is None
 
 
 @needs_cc
