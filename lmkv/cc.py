@@ -14,6 +14,12 @@ import tempfile
 from pathlib import Path
 
 
+def switched_off(env: str) -> bool:
+    """Whether the environment variable ``env`` (LMKV_NATIVE_*) turns native code off: 0,
+    false, off or no."""
+    return os.environ.get(env, "").strip().lower() in ("0", "false", "off", "no")
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("LMKV_CACHE_DIR") or Path.home() / ".cache" / "lmkv") / "native"
 

@@ -21,7 +21,8 @@ CONFIG_FILE_ENV = "LMKV_CONFIG_FILE"
 ENV_PREFIX = "LMKV_"
 # LMKV_* variables that are not keys
 _NOT_KEYS = {"CONFIG_FILE", "CACHE_DIR", "TEST_CACHE_DIR", "NATIVE_DECODE", "NATIVE_COPY", "NATIVE_ATTENTION",
-             "CODEC_PRODUCT"}
+             "CODEC_PRODUCT", "LMCACHE_VENV", "EXTRAS"}
+MAX_SIZE_GB = 1e6  # sizes beyond this are a typo, not a machine
 
 
 DEFAULT_CHECK_EVERY = 16  # the quality gate's sampling rate when a lossy codec is on
@@ -70,10 +71,14 @@ class LMKVConfig:
 
     def __post_init__(self) -> None:
         _require(self.chunk_size >= 1, "chunk_size", "must be >= 1")
-        _require(self.max_local_cpu_size > 0, "max_local_cpu_size", "must be > 0 (GB)")
+        _require(0 < self.max_local_cpu_size <= MAX_SIZE_GB, "max_local_cpu_size",
+                 f"must be > 0 and at most {MAX_SIZE_GB:g} (GB)")
+        if isinstance(self.cache_policy, str):  # LMCache writes LRU
+            object.__setattr__(self, "cache_policy", self.cache_policy.lower())
         _require(self.cache_policy in POLICIES, "cache_policy",
                  f"must be one of {', '.join(POLICIES)}, got {self.cache_policy!r}")
-        _require(self.max_local_disk_size >= 0, "max_local_disk_size", "must be >= 0 (GB)")
+        _require(0 <= self.max_local_disk_size <= MAX_SIZE_GB, "max_local_disk_size",
+                 f"must be >= 0 and at most {MAX_SIZE_GB:g} (GB)")
         _require(self.io_queue_size >= 1, "io_queue_size", "must be >= 1")
         _require(self.kv_role in ("both", "producer", "consumer"), "kv_role",
                  "must be one of both, producer, consumer")
@@ -88,6 +93,8 @@ class LMKVConfig:
         if self.local_disk is not None:
             path = self.local_disk.removeprefix("file://")
             _require(bool(path), "local_disk", "must be a directory path")
+            _require("," not in path, "local_disk", "takes one directory (LMCache's list of "
+                     "several, comma-separated, is not supported)")
             _require(self.max_local_disk_size > 0, "max_local_disk_size",
                      "must be > 0 (GB) when local_disk is set")
             object.__setattr__(self, "local_disk", path)
@@ -108,6 +115,8 @@ class LMKVConfig:
         _require(self.blend_check_layer >= 0, "blend_check_layer", "must be >= 0")
         _require(bool(self.blend_special_str), "blend_special_str", "must not be empty")
         _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a TCP port (0 = off)")
+        _require(bool(self.metrics_host) and self.metrics_host.count(":") != 1, "metrics_host",
+                 "must be a host name or address, without a port (that is metrics_port)")
 
     @property
     def hot_cache_bytes(self) -> int:

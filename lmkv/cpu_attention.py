@@ -12,13 +12,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 from pathlib import Path
 
 import torch
 
-from .cc import build, cache_dir, compiler
+from .cc import build, cache_dir, compiler, switched_off
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ _I64, _P = ctypes.c_int64, ctypes.c_void_p
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, or None (the reason logged once) to run the torch reference."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if switched_off(DISABLE_ENV):
         log.info("lmkv: native CPU attention off (%s=0); attention runs in torch", DISABLE_ENV)
         return None
     cc = compiler()

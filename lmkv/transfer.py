@@ -10,13 +10,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 from pathlib import Path
 
 import torch
 
-from .cc import build, cache_dir, compiler
+from .cc import build, cache_dir, compiler, switched_off
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +30,7 @@ _I64 = ctypes.c_int64
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded copier, or None (the reason logged once) to copy with torch."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if switched_off(DISABLE_ENV):
         log.info("lmkv: native paged copies off (%s=0); copying with torch", DISABLE_ENV)
         return None
     cc = compiler()

@@ -38,7 +38,7 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = m and _SIZE_UNITS.get(m.group(2).lower())
     if not m or unit is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1e9)")
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 4GB, 1000000000)")
     return int(float(m.group(1)) * unit)
 
 

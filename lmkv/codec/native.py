@@ -12,7 +12,6 @@ import ctypes.util
 import functools
 import itertools
 import logging
-import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from ..cc import build as cc_build
-from ..cc import cache_dir, compiler
+from ..cc import cache_dir, compiler, switched_off
 from ..memory import NO_POSITION
 from .calibration import CacheGenTable
 
@@ -48,7 +47,7 @@ def build(cc: str, zstd: str, out_dir: Path, flags: tuple[str, ...] = ()) -> Pat
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded decoder, or None (the reason logged once) to decode with torch."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if switched_off(DISABLE_ENV):
         log.info("cachegen: native decode off (%s=0); decoding with torch", DISABLE_ENV)
         return None
     cc = compiler()

@@ -43,3 +43,10 @@ def test_a_build_is_readable_by_others_and_cc_may_carry_arguments(monkeypatch, t
     mode = stat.S_IMODE(path.stat().st_mode)
     assert mode & 0o044 == 0o044, oct(mode)
     assert [p.name for p in (tmp_path / "out").iterdir()] == [path.name]  # no temporary left
+
+
+@pytest.mark.parametrize("value,off", [("0", True), ("false", True), ("Off", True), ("no", True),
+                                       ("1", False), ("", False)])
+def test_native_code_is_switched_off_by_any_usual_spelling(monkeypatch, value, off):
+    monkeypatch.setenv("LMKV_NATIVE_COPY", value)
+    assert cc.switched_off("LMKV_NATIVE_COPY") is off

@@ -62,6 +62,11 @@ def test_lmcache_yaml_is_accepted(tmp_path):
     ("remote_timeout: .inf\n", "remote_timeout"),  # no deadline at all
     ("remote_timeout: .nan\n", "remote_timeout"),
     ("remote_timeout: 0.0000001\n", "remote_timeout"),  # a 0 timeval: no timeout
+    ("max_local_cpu_size: .inf\n", "max_local_cpu_size"),  # (failed later, naming no key)
+    ("local_disk: /d\nmax_local_disk_size: .inf\n", "max_local_disk_size"),
+    ("local_disk: file:///a/,file:///b/\nmax_local_disk_size: 1\n", "local_disk"),  # LMCache's list
+    ("metrics_host: ''\n", "metrics_host"),
+    ("metrics_host: localhost:9100\n", "metrics_host"),
 ])
 def test_bad_keys_and_values_name_the_key(tmp_path, yaml_text, key):
     path = tmp_path / "c.yaml"
@@ -83,6 +88,13 @@ def test_bad_env_and_files_are_clear(tmp_path):
     (tmp_path / "bad.yaml").write_text("a: [1,\n")
     with pytest.raises(ConfigError, match="YAML"):
         load_config(tmp_path / "bad.yaml", env={})
+
+
+def test_lmcache_spellings_and_the_projects_own_variables():
+    assert load_config(env={}, cache_policy="LRU").cache_policy == "lru"  # LMCache's default
+    assert load_config(env={}, metrics_host="::1").metrics_host == "::1"
+    cfg = load_config(env={"LMKV_LMCACHE_VENV": "/v", "LMKV_EXTRAS": "test", "LMKV_CHUNK_SIZE": "64"})
+    assert cfg.chunk_size == 64
 
 
 def test_config_is_frozen():
