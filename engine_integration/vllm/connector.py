@@ -41,7 +41,7 @@ from lmkv.connector import ConnectorMetadata, SchedulerConnector, WorkerConnecto
 from lmkv.logs import LogThrottle
 from lmkv.paged import PagedMemory
 
-from .engines import engine_spec
+from .engines import engine_spec, rank_config
 from .lookup_socket import LookupClient, LookupServer, socket_path
 from .paged import StridedPagedMemory, cpu_paged_memory, gpu_paged_memory
 from .requests import RequestViews
@@ -118,7 +118,8 @@ class LMKVConnector(KVConnectorBase_V1):
         else:
             tp_rank = _tp_rank() if self.spec.tp_size > 1 else 0
             layout = replace(self.spec.layout, rank=tp_rank)  # each rank stores its own shard
-            self.cache = LMKVCache(self.spec.config, layout, self.spec.model_id)
+            config = rank_config(self.spec.config, tp_rank, self.spec.tp_size, dp_rank)
+            self.cache = LMKVCache(config, layout, self.spec.model_id)
             atexit.register(self.shutdown)  # vLLM may exit without shutting connectors down
             path = socket_path(self.engine_id, dp_rank, tp_rank)
             try:

@@ -3,7 +3,7 @@ the model id, from vLLM's config and kv_connector_extra_config."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,9 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     role = _ROLES.get(getattr(vllm_config.kv_transfer_config, "kv_role", None))
     if role and "kv_role" not in extra:  # vLLM's producer/consumer roles carry over to lmkv
         extra = {**extra, "kv_role": role}
+    clash = sorted({"path", "env"} & set(extra))  # load_config's own parameters
+    if clash:
+        raise ConfigError(f"unknown lmkv config key(s): {', '.join(clash)} (in kv_connector_extra_config)")
     config = load_config(**extra)
     if config.enable_blending:
         raise ConfigError("lmkv config key enable_blending is not supported inside vLLM (CacheBlend needs "
@@ -69,3 +72,17 @@ def model_id(model: str, revision: str | None = None) -> str:
     if (path / "config.json").is_file():
         return model_fingerprint(path)
     return f"hub:{model}@{revision or 'main'}"
+
+
+def rank_config(config: LMKVConfig, tp_rank: int, tp_size: int, dp_rank: int = 0) -> LMKVConfig:
+    """One worker rank's config: the ranks of an engine (and of its data-parallel copies)
+    cannot share one metrics_port, so rank r of data-parallel rank d serves lmkv's metrics on
+    metrics_port + d * tp_size + r (the scheduler's lookups are counted on tensor rank 0)."""
+    offset = dp_rank * tp_size + tp_rank
+    if not config.metrics_port or not offset:
+        return config
+    port = config.metrics_port + offset
+    if port > 65535:
+        raise ConfigError(f"lmkv config key metrics_port {config.metrics_port}: rank {offset} "
+                          f"would serve on {port}, past 65535")
+    return replace(config, metrics_port=port)

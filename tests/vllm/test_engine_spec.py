@@ -77,3 +77,21 @@ def test_tensor_parallel_ranks_are_accepted_each_with_its_shard(monkeypatch):
     monkeypatch.delenv("LMKV_CONFIG_FILE", raising=False)
     spec = engine_spec(_vllm_config("org/model", world_size=2, tp=2), {})
     assert spec.tp_size == 2 and spec.layout.num_kv_heads == 1  # the heads of one rank
+
+
+def test_each_rank_serves_its_metrics_on_a_port_of_its_own():
+    from lmkv.config import load_config
+    from lmkv_engines.vllm.engines import rank_config
+
+    cfg = load_config(env={}, metrics_port=9100)
+    assert [rank_config(cfg, r, 2).metrics_port for r in (0, 1)] == [9100, 9101]
+    assert rank_config(cfg, 1, 2, dp_rank=1).metrics_port == 9103
+    assert rank_config(load_config(env={}), 1, 2).metrics_port == 0  # off stays off
+    with pytest.raises(ConfigError, match="past 65535"):
+        rank_config(load_config(env={}, metrics_port=65535), 1, 2)
+
+
+@pytest.mark.parametrize("key", ["path", "env"])
+def test_extra_config_cannot_reach_load_configs_own_parameters(key):
+    with pytest.raises(ConfigError, match=f"unknown lmkv config key.*{key}"):
+        engine_spec(_vllm_config("/m"), {key: "/etc/passwd"})
