@@ -40,7 +40,8 @@ def run(config: ServerConfig) -> None:
 
 
 class ListenError(OSError):
-    """A port cannot be bound (in use, not permitted, no such address)."""
+    """The server cannot start: a port cannot be bound (in use, not permitted, no such
+    address), its memory cannot be mapped, or it may open too few files."""
 
 
 async def serve(config: ServerConfig) -> None:
@@ -58,7 +59,11 @@ async def serve(config: ServerConfig) -> None:
             if config.allow
             else "anyone who can reach this port",
         )
-    arena = PageArena(config.num_pages, config.page_size, config.prefault)
+    try:
+        arena = PageArena(config.num_pages, config.page_size, config.prefault)
+    except (OSError, OverflowError) as e:  # ENOMEM: more than the machine can map
+        raise ListenError(f"--max-memory {config.num_pages * config.page_size} bytes cannot be "
+                          f"mapped ({e}); give a size this machine has") from e
     store = Store(arena, policy=config.cache_policy)
     persister = None
     if config.persist_dir is not None:

@@ -87,3 +87,17 @@ def test_cli_rejects_bad_values(capsys):
     assert "below one page" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["127.0.0.1", "9000", "--max-memory", "lots"])
+
+
+def test_more_memory_than_the_machine_maps_is_a_clear_error(capsys):
+    """--max-memory beyond what mmap gives (1 EiB here): exit 1 and one line naming the
+    flag, not a traceback."""
+    import socket
+
+    from lmkv_server.cli import main
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    assert main(["127.0.0.1", str(port), "--max-memory", str(1 << 60), "--no-prefault"]) == 1
+    err = capsys.readouterr().err
+    assert "lmkv_server: error: --max-memory" in err and "Traceback" not in err
