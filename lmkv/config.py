@@ -173,6 +173,25 @@ def load_config(
     return from_dict(values)
 
 
+def keys_in_env(env: dict[str, str] | None = None) -> list[str]:
+    """The LMKV_* variables set that name config keys (what a load_config would use)."""
+    env = dict(os.environ) if env is None else env
+    return sorted(name for name in env
+                  if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] not in _NOT_KEYS)
+
+
+def off_but_configured(env: dict[str, str] | None = None) -> str | None:
+    """With LMKV_CONFIG_FILE unset (lmkv off) but LMKV_<KEY> variables set: a warning that
+    names them, else None."""
+    env = dict(os.environ) if env is None else env
+    stray = [] if env.get(CONFIG_FILE_ENV) else keys_in_env(env)
+    if not stray:
+        return None
+    return (f"lmkv is off: LMKV_CONFIG_FILE is not set, so {', '.join(stray)} "
+            f"{'is' if len(stray) == 1 else 'are'} not used (LMKV_CONFIG_FILE turns lmkv on; "
+            "an empty YAML file takes every setting from these variables)")
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     import yaml
 

@@ -370,8 +370,13 @@ def serve(config: ServerConfig) -> None:
             log.info("lmkv is on (LMKV_CONFIG_FILE=%s): %s", config.lmkv_config_file,
                      lmkv_config.describe())
         else:
-            log.info("lmkv is off: LMKV_CONFIG_FILE is not set (e.g. "
-                     "LMKV_CONFIG_FILE=examples/local_cpu_disk.yaml turns it on)")
+            from lmkv.config import off_but_configured
+
+            if warning := off_but_configured():
+                log.warning("%s", warning)
+            else:
+                log.info("lmkv is off: LMKV_CONFIG_FILE is not set (e.g. "
+                         "LMKV_CONFIG_FILE=examples/local_cpu_disk.yaml turns it on)")
         from .llm_engine import LLMEngine
 
         engine = LLMEngine(config.engine, lmkv_config=lmkv_config)

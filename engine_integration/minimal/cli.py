@@ -248,10 +248,13 @@ def _serve(config: ServerConfig) -> int:
 
 def _lmkv_config():
     """lmkv's config when LMKV_CONFIG_FILE is set, else None (lmkv off)."""
+    from lmkv.config import load_config, off_but_configured
+
     path = os.environ.get("LMKV_CONFIG_FILE")
     if not path:
+        if warning := off_but_configured():
+            logging.getLogger("lmkv").warning("%s", warning)
         return None
-    from lmkv.config import load_config
 
     return load_config(path)
 

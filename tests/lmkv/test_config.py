@@ -135,3 +135,19 @@ def test_a_remote_url_that_can_never_work_is_refused_at_start(url, why):
     with pytest.raises(ConfigError, match=f"remote_url: .*{why}"):
         load_config(env={}, remote_url=url)
     assert load_config(env={}, remote_url="lm://127.0.0.1:9000").remote_url
+
+
+def test_lmkv_variables_without_a_config_file_are_named_not_ignored_silently(caplog):
+    from lmkv.config import off_but_configured
+    from lmkv_engines.minimal.cli import _lmkv_config
+
+    env = {"LMKV_LOCAL_DISK": "/data", "LMKV_MAX_LOCAL_DISK_SIZE": "50", "LMKV_CACHE_DIR": "/c"}
+    warning = off_but_configured(env)
+    assert "LMKV_LOCAL_DISK, LMKV_MAX_LOCAL_DISK_SIZE are not used" in warning
+    assert off_but_configured({**env, "LMKV_CONFIG_FILE": "x.yaml"}) is None
+    assert off_but_configured({"LMKV_CACHE_DIR": "/c"}) is None  # not a key
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level("WARNING"):
+        mp.delenv("LMKV_CONFIG_FILE", raising=False)
+        mp.setenv("LMKV_CHUNK_SIZE", "64")
+        assert _lmkv_config() is None
+    assert "LMKV_CHUNK_SIZE is not used" in caplog.text
