@@ -26,12 +26,21 @@ MIN_TAIL = 16  # tokens a calibration prompt keeps past its stored chunks, to me
 def calibration_prompts(vocab_size: int, num: int, length: int, seed: int = 0,
                         text: str | None = None, tokenize=None) -> list[list[int]]:
     """``num`` prompts of ``length`` tokens: consecutive windows of ``text`` when given
-    (best: text like the traffic the cache will see), else random token ids."""
+    (best: text like the traffic the cache will see), else random token ids. Raises
+    ValueError for text shorter than one prompt (it is not replaced by random ids unasked)."""
+    if num < 1 or length < 1:
+        raise ValueError(f"calibration needs at least one prompt of at least one token, got "
+                         f"{num} prompt(s) of {length} token(s) (--prompts, --length)")
     if text is not None and tokenize is not None:
         ids = tokenize(text)
         windows = [ids[i : i + length] for i in range(0, len(ids) - length + 1, length)]
-        if windows:
-            return windows[:num]
+        if not windows:
+            raise ValueError(f"the calibration text is {len(ids)} tokens, shorter than one "
+                             f"prompt of {length} (--text, --length)")
+        if len(windows) < num:
+            log.warning("the calibration text holds %d prompts of %d tokens, not %d: "
+                        "calibrating on those", len(windows), length, num)
+        return windows[:num]
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(5, vocab_size, (length,), generator=g).tolist() for _ in range(num)]
 

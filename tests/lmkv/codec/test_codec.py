@@ -745,3 +745,16 @@ def test_a_chunk_whose_transform_overflows_is_not_coded_lossy():
     assert bool(torch.isfinite(x).all())
     with pytest.raises(cachegen.OutOfRange, match="NaN"):
         cachegen.encode(x, transformed)
+
+
+def test_calibration_text_shorter_than_a_prompt_is_an_error_not_random_ids():
+    from lmkv.codec.calibrate import calibration_prompts
+
+    tokenize = lambda text: list(range(len(text.split())))  # noqa: E731
+    with pytest.raises(ValueError, match="50 tokens, shorter than one prompt of 100"):
+        calibration_prompts(1000, 3, 100, text="w " * 50, tokenize=tokenize)
+    assert len(calibration_prompts(1000, 3, 10, text="w " * 25, tokenize=tokenize)) == 2
+    with pytest.raises(ValueError, match="--prompts, --length"):
+        calibration_prompts(1000, 0, 100)
+    with pytest.raises(ValueError, match="--prompts, --length"):
+        calibration_prompts(1000, 2, -5)
