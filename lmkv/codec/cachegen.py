@@ -284,9 +284,10 @@ def _reconstruct(parts: list[np.ndarray], table: CacheGenTable, out: torch.Tenso
     payload; coefficients not stored are at their mean. The steps are folded into the basis
     (``CacheGenTable.synthesis``). Coefficients coded as int8 are exact in bfloat16, so all
     (kv, layer) products run as one batched matmul in bfloat16 (its rounding is ~0.3% of the
-    KV's spread around the offset, which is added in fp32) or float32, whichever this CPU runs
-    faster (``product_dtype``); the wider bands, the strongest few coefficients, are added in
-    fp32."""
+    KV's spread around the offset) or float32, whichever this CPU runs faster
+    (``product_dtype``); the offset and the wider bands (the strongest few coefficients) are
+    added in ``out``'s dtype, each rounded to it (one rounding per step for bfloat16 and
+    float16 chunks; the native decoder rounds once)."""
     two, layers, t, h, d = out.shape
     n, c = two * layers, h * d
     edges = table.bands.reshape(n, -1).tolist()
