@@ -5,7 +5,7 @@ LMKV_NATIVE_DECODE=0, or for a chunk it does not take, cachegen decodes with tor
 chunk either way, to rounding: float32 chunks to float32 rounding without AMX (with AMX the
 products stay in float32 where torch rounds them to bfloat16); bfloat16 and float16 chunks
 differ by a rounding or two more, as torch rounds to the chunk's dtype after each step where
-the native path rounds once.
+the native path rounds once."""
 
 from __future__ import annotations
 
