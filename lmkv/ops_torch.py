@@ -15,15 +15,14 @@ import torch.nn.functional as F
 
 
 def _slots(kv_cache_like: torch.Tensor, slot_mapping: torch.Tensor, skip: int) -> torch.Tensor:
-    slots = slot_mapping[skip:].to(kv_cache_like.device)
-    _no_negative(slots)
-    return slots
+    _no_negative(slot_mapping[skip:])  # where the slots are (the host, usually)
+    return slot_mapping[skip:].to(kv_cache_like.device)
 
 
 def _no_negative(slots: torch.Tensor) -> None:
     """Refuse a negative slot as the native copies do (torch's indexing would take -1 for the
     last row or block: another sequence's page)."""
-    if slots.numel() and (lowest := int(slots.min())) < 0:
+    if slots.numel() and slots.device.type != "meta" and (lowest := int(slots.min())) < 0:
         raise IndexError(f"slot {lowest} is negative: paged memory has no such slot")
 
 
@@ -42,9 +41,8 @@ def chunk_to_paged(
 def _transfer(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, chunk: torch.Tensor, skip: int,
               to_paged: bool) -> None:
     """Copy tokens [skip, T) between the chunk and paged memory, in either direction."""
-    slots = slot_mapping.to(kv_cache.device)
-    _no_negative(slots[skip:])
-    for rows, pages, lo in _spans(kv_cache, slots, skip):
+    _no_negative(slot_mapping[skip:])
+    for rows, pages, lo in _spans(kv_cache, slot_mapping.to(kv_cache.device), skip):
         if pages.dim() == 6:  # whole blocks: one strided copy per block, all layers at once
             bs = pages.shape[3]
             for i, block in enumerate(rows.tolist()):
