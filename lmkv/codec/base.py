@@ -84,7 +84,33 @@ def zstd_exact(blob, size: int, what: str) -> bytes:
         raise ValueError(f"{what} does not decode: {e}") from e
     if len(raw) != size:
         raise ValueError(f"{what} decodes to {len(raw)} bytes, expected {size}")
+    if (end := _zstd_frame_end(blob)) != len(blob):  # (libzstd's own decoder refuses them too)
+        raise ValueError(f"{what} has {len(blob) - end} stray bytes after its zstd frame")
     return raw
+
+
+def _zstd_frame_end(blob) -> int:
+    """Where the zstd frame at the start of ``blob`` ends (RFC 8878: its header, blocks of a
+    3-byte header each, then the optional 4-byte checksum); ValueError if it runs past."""
+    import zstandard
+
+    view = memoryview(blob).cast("B")
+    pos = zstandard.frame_header_size(view)
+    while True:
+        if pos + 3 > len(view):
+            raise ValueError("zstd frame truncated in a block header")
+        header = int.from_bytes(view[pos : pos + 3], "little")
+        kind, size = (header >> 1) & 3, header >> 3
+        if kind == 3:
+            raise ValueError("zstd frame has a reserved block type")
+        pos += 3 + (1 if kind == 1 else size)  # an RLE block stores its one byte
+        if header & 1:  # the last block
+            break
+    if zstandard.get_frame_parameters(view).has_checksum:
+        pos += 4
+    if pos > len(view):
+        raise ValueError("zstd frame truncated")
+    return pos
 
 
 class CacheGen(Codec):

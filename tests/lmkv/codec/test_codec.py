@@ -758,3 +758,18 @@ def test_calibration_text_shorter_than_a_prompt_is_an_error_not_random_ids():
         calibration_prompts(1000, 0, 100)
     with pytest.raises(ValueError, match="--prompts, --length"):
         calibration_prompts(1000, 2, -5)
+
+
+def test_bytes_after_a_zstd_frame_are_refused_as_the_native_decoder_does():
+    """A checksummed frame whose zstd payload carries bytes after its zstd frame: a
+    FrameError (zstandard decoded the frame and ignored the rest)."""
+    import zstandard
+
+    pool = MemoryPool(LAYOUT, 2 * (64 + LAYOUT.chunk_bytes))
+    buf = pool.allocate()
+    kv = kv_like(4)
+    payload = zstandard.ZstdCompressor(level=1).compress(kv.numpy().tobytes())
+    decode_into(_framed("k", payload), buf, "k")
+    assert torch.equal(buf.kv, kv)
+    with pytest.raises(FrameError, match="4 stray bytes after its zstd frame"):
+        decode_into(_framed("k", payload + b"junk"), buf, "k")
