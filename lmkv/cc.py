@@ -4,6 +4,7 @@ result with ctypes and falls back to torch where none can be built."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -32,15 +33,11 @@ def compiler() -> str | None:
 def _cpu_flags() -> str:
     """What -march=native builds for: the machine and its CPU's feature list (x86's
     "flags", ARM's "Features" line of /proc/cpuinfo)."""
-    lines = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                lines.append(line)
-                break
-    except OSError:
-        pass
-    return "\n".join([platform.machine(), *lines])
+    features = ""
+    with contextlib.suppress(OSError):
+        features = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith(("flags", "Features"))), "")
+    return f"{platform.machine()}\n{features}"
 
 
 def build(cc: str, source: Path, out_dir: Path, flags: tuple[str, ...] = (),
@@ -66,9 +63,9 @@ def build(cc: str, source: Path, out_dir: Path, flags: tuple[str, ...] = (),
                              timeout=120)
         if res.returncode != 0:
             raise OSError(f"{cc} failed on {source.name}: {res.stderr.strip()[-2000:]}")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp.name, 0o755 & ~umask)  # (a temporary file is 0600: others sharing the cache)
+        # a temporary file is 0600: readable by whoever may list the cache directory (its
+        # mode follows the umask; os.umask would change it for every thread of the process)
+        os.chmod(tmp.name, out_dir.stat().st_mode & 0o755)
         os.replace(tmp.name, path)
     finally:
         Path(tmp.name).unlink(missing_ok=True)

@@ -165,10 +165,9 @@ def load_config(
     path = path or env.get(CONFIG_FILE_ENV)
     if path:
         values.update(read_yaml(Path(path)))
-    for name, raw in env.items():
-        if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] not in _NOT_KEYS:
-            key = name[len(ENV_PREFIX):].lower()
-            values[key] = _parse_env(key, raw)
+    for name in keys_in_env(env):
+        key = name[len(ENV_PREFIX):].lower()
+        values[key] = _parse_env(key, env[name])
     values.update(overrides)
     return from_dict(values)
 
