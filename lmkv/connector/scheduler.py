@@ -9,6 +9,7 @@ Requests are duck-typed: ``request_id``, ``prompt_token_ids``, ``all_token_ids``
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -64,6 +65,13 @@ class _RequestState:
     # engine allocates (a request that waits for blocks is looked up again every step)
     looked_up: tuple[int, int] | None = None
     no_loads: bool = False  # a load into its pages failed: it is recomputed without lmkv
+    touched: bool = False  # its engine prefix hit was counted as a use (once per request)
+
+
+# Keys of chunks loaded lossy that the engine's prefix cache may still hold: a later request
+# whose engine hit covers one of them computes over lossy KV as well. Bounded; at 16 tokens
+# a chunk it covers a million tokens of engine memory.
+LOSSY_KEYS_KEPT = 1 << 16
 
 
 class SchedulerConnector:
@@ -80,11 +88,15 @@ class SchedulerConnector:
         # prefill/decode disaggregation: a producer only saves, a consumer only loads
         self.loads = cache.config.kv_role != "producer"
         self.saves = cache.config.kv_role != "consumer"
-        self.blending = cache.config.enable_blending
+        # (a producer reads nothing stored, RAG chunks included)
+        self.blending = cache.config.enable_blending and self.loads
         if self.blending and not blend_separator:
             raise ValueError("enable_blending needs the token ids of blend_special_str")
         self.blend_separator = blend_separator or []
         self.states: dict[str, _RequestState] = {}
+        self.lossy_keys: OrderedDict[str, None] = OrderedDict()
+        # requests holding pins that build_connector_meta has not planned yet
+        self.pinning: set[str] = set()
 
     def on_new_request(self, request: Any) -> None:
         """A request entered the engine's queue: start pulling its chunks up to the hot cache."""
@@ -113,14 +125,19 @@ class SchedulerConnector:
         # from the first chunk the engine lacks.
         first = min(num_computed_tokens // c, full)
         below = self.cache.lookup(st.keys[:first]) if first else 0
-        if below:  # used now, as if loaded: the chunks saved after them are kept behind them
-            self.cache.touch(st.keys[:below])
+        if below and not st.touched:  # used now, as if loaded: the chunks saved after them
+            self.cache.touch(st.keys[:below])  # are kept behind them
+            st.touched = True
+        if self.lossy_keys and not st.lossy:  # the engine's hit holds KV another request loaded lossy
+            st.lossy = self._engine_hit_lossy(st.keys[: min(-(-num_computed_tokens // c), full)])
         # each pin names the chunk before its first (the prefix policies keep a chunk only
         # behind its parent, and the engine's own hit may hold that parent)
         lossy = (self.cache.pin(st.keys[first:full], st.keys[first - 1] if first else None)
                  if full > first else [])
         # at once: whatever follows, these pins are given back or loaded
         st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
+        if st.pinned:
+            self.pinning.add(request.request_id)
         found = first + len(lossy) if lossy else below
         st.gap = range(below, first) if lossy else range(0)
         if (st.tail is not None and first + len(lossy) == full
@@ -132,7 +149,9 @@ class SchedulerConnector:
                 lossy = lossy + tail
                 st.tail_done = True
         st.saved_chunks = max(st.saved_chunks, found)  # not saved again
-        st.lossy = st.lossy or any(lossy)
+        if any(lossy):
+            st.lossy = True
+            self._note_lossy(st.keys[first : first + len(lossy)])
         hit = min((first + len(lossy)) * c, len(request.prompt_token_ids) - 1)
         st.looked_up = (len(request.prompt_token_ids), num_computed_tokens)
         if hit <= num_computed_tokens:
@@ -171,7 +190,19 @@ class SchedulerConnector:
 
     def build_connector_meta(self, scheduled: Iterable[tuple[Any, int]]) -> ConnectorMetadata:
         """``scheduled``: (request, num_new_tokens) for this step, with each request's
-        ``num_computed_tokens`` as it stands before the step (loaded tokens included)."""
+        ``num_computed_tokens`` as it stands before the step (loaded tokens included).
+        Pins of requests looked up but not scheduled (waiting for blocks, preempted) are
+        given back: their next lookup pins again."""
+        try:
+            return self._build_meta(scheduled)
+        finally:
+            for rid in self.pinning:
+                st = self.states.get(rid)
+                if st is not None:
+                    self._unpin(st)
+            self.pinning.clear()
+
+    def _build_meta(self, scheduled: Iterable[tuple[Any, int]]) -> ConnectorMetadata:
         meta = ConnectorMetadata()
         c = self.cache.chunk_size
         for request, num_new in scheduled:
@@ -234,6 +265,19 @@ class SchedulerConnector:
                     st.keys[n // c - 1] if n >= c else None, whole, lossy=st.lossy))
                 st.tail_done = True
         return meta
+
+    def _note_lossy(self, keys: list[str]) -> None:
+        for key in keys:
+            self.lossy_keys[key] = None
+            self.lossy_keys.move_to_end(key)
+        while len(self.lossy_keys) > LOSSY_KEYS_KEPT:
+            self.lossy_keys.popitem(last=False)
+
+    def _engine_hit_lossy(self, keys: list[str]) -> bool:
+        """Whether any of ``keys`` (chunks the engine's own prefix cache serves) was loaded
+        lossy for an earlier request: those blocks hold its approximate KV (or an exact copy
+        computed since; counted as lossy all the same)."""
+        return any(key in self.lossy_keys for key in keys)
 
     def served_lossy(self, request: Any) -> bool:
         """Whether KV decoded from a lossy codec was loaded for ``request`` (ask before

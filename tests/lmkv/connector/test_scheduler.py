@@ -292,3 +292,86 @@ def test_decode_saves_stop_at_the_tokens_known_when_the_engine_counts_drafts_ahe
     assert save.keys == engine.keys(req.all_token_ids)[1:2] and save.position == CHUNK
     sched.request_finished(req)
     engine.close()
+
+
+class _LossyCache:
+    """An LMKVCache whose every pinned chunk reports it was decoded from a lossy codec."""
+
+    def __init__(self, engine: LMKVCache):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def pin(self, keys, parent=None):
+        return [True for _ in self._engine.pin(keys, parent)]
+
+
+def test_a_request_served_lossy_kv_by_the_engines_prefix_cache_is_lossy_too():
+    """Request A loads lossy chunks; they enter the engine's prefix cache. Request B, whose
+    engine hit covers them, computes over that approximate KV: its saves are marked lossy
+    and the quality gate may sample it (before, B was taken for exact)."""
+    engine = _engine()
+    shared = list(range(1000, 1000 + 2 * CHUNK))
+    _store(engine, shared)
+    sched = SchedulerConnector(_LossyCache(engine), BLOCK)
+    a = Request("a", shared + [1, 2, 3])
+    offered, meta = _schedule(sched, a, computed=0)
+    assert offered == 2 * CHUNK and sched.served_lossy(a)
+    for key in meta.loads[0].keys:
+        engine.take(key).release()
+    sched.request_finished(a)
+    b = Request("b", shared + list(range(5000, 5000 + CHUNK + 3)))
+    offered, meta = _schedule(sched, b, computed=2 * CHUNK)  # the engine serves the shared part
+    assert offered == 0 and sched.served_lossy(b)
+    (save,) = meta.saves
+    assert save.lossy and save.keys == engine.keys(b.prompt_token_ids)[2:3]
+    c = Request("c", list(range(9000, 9000 + 2 * CHUNK + 3)))  # unrelated: exact
+    _schedule(sched, c, computed=CHUNK)
+    assert not sched.served_lossy(c)
+    for r in (b, c):
+        sched.request_finished(r)
+    engine.close()
+
+
+def test_pins_of_a_request_that_was_not_scheduled_are_given_back_at_once():
+    """A request looked up but not allocated (no free blocks, over the step's budget) gives
+    its pins back when the step is planned, not at its next lookup: a queue of waiting
+    requests would hold the hot cache's slots. Also when planning the step raises."""
+    engine = _engine()
+    prompt = list(range(6000, 6000 + 2 * CHUNK + 1))
+    _store(engine, prompt)
+    sched = SchedulerConnector(engine, BLOCK)
+    waiting = Request("w", prompt)
+    assert sched.get_num_new_matched_tokens(waiting, 0)[0] == 2 * CHUNK
+    assert len(engine.pins) == 2
+    assert sched.build_connector_meta([]).loads == []  # the step ran without it
+    assert len(engine.pins) == 0
+    # looked up again, allocated this time: loaded as before
+    offered, meta = _schedule(sched, waiting, computed=0)
+    assert offered == 2 * CHUNK and len(meta.loads[0].keys) == 2
+    for key in meta.loads[0].keys:
+        engine.take(key).release()
+    sched.request_finished(waiting)
+
+    other = Request("x", prompt)
+    sched.get_num_new_matched_tokens(other, 0)
+    with pytest.raises(ValueError):  # a request without its blocks: planning the step fails
+        sched.build_connector_meta([(Request("broken", list(range(CHUNK + 1)), [], 0), CHUNK + 1),
+                                    (other, 1)])
+    assert len(engine.pins) == 0
+    engine.close()
+
+
+def test_a_producer_reuses_no_stored_rag_chunk():
+    """kv_role: producer only saves: with enable_blending it offers no blend plan."""
+    doc = list(range(100, 100 + CHUNK))
+    prompt = doc + [7] + list(range(300, 310))
+    for role, planned in (("both", True), ("producer", False)):
+        engine = _engine(kv_role=role, enable_blending=True)
+        assert engine.store_chunk(doc, torch.randn(2, 2, CHUNK, 1, 4))
+        sched = SchedulerConnector(engine, BLOCK, blend_separator=[7])
+        plan = sched.get_blend_plan(Request("p", prompt))
+        assert (plan is not None) == planned
+        sched.request_finished(Request("p", prompt))
+        engine.close()
