@@ -375,3 +375,29 @@ def test_a_producer_reuses_no_stored_rag_chunk():
         assert (plan is not None) == planned
         sched.request_finished(Request("p", prompt))
         engine.close()
+
+
+def test_a_request_waiting_several_steps_counts_its_engine_hit_as_one_use():
+    """The engine-prefix touch is one use per request, however often it is looked up while
+    it waits for blocks (a frequency policy would count a waiting request as many uses)."""
+    engine = _engine()
+    prompt = list(range(8000, 8000 + 2 * CHUNK + 1))
+    _store(engine, prompt)
+    touches = []
+
+    class Counting(_LossyCache):
+        def pin(self, keys, parent=None):
+            return self._engine.pin(keys, parent)
+
+        def touch(self, keys):
+            touches.append(list(keys))
+            self._engine.touch(keys)
+
+    sched = SchedulerConnector(Counting(engine), BLOCK)
+    req = Request("w", prompt)
+    for _ in range(3):
+        sched.get_num_new_matched_tokens(req, CHUNK)
+        sched.build_connector_meta([])
+    assert touches == [engine.keys(prompt)[:1]]
+    sched.request_finished(req)
+    engine.close()
