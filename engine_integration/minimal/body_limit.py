@@ -1,10 +1,13 @@
-"""An ASGI middleware that refuses request bodies above a size with HTTP 413.
+"""An ASGI middleware that bounds request bodies: one above a size gets HTTP 413, and the
+bodies of the requests being handled at once share a budget (more get HTTP 503).
 
 A declared Content-Length above the limit is refused before any byte is read; a body sent
-without one (chunked) is read here, up to the limit, and refused once it passes it."""
+without one (chunked) is read here, up to the limit, and refused once it passes it. A
+request holds its body's bytes of the budget until its response ends."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -16,39 +19,72 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
-class BodyTooLarge(Exception):
-    def __init__(self, limit: int):
-        super().__init__(f"the request body is larger than the server accepts ({limit} bytes; "
-                         "engine serve --max-request-body)")
-
-
 class BodyLimit:
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], limit: int):
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], limit: int,
+                 budget: int):
         self.app = app
         self.limit = limit
+        self.budget = budget  # bytes of the bodies of all requests being handled
+        self.held = 0  # (one event loop: no lock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await too_large(send, BodyTooLarge(self.limit))
+        if declared is not None and declared.isdigit():
+            n = int(declared)
+            if n > self.limit:
+                await self._too_large(send)
+                return
+            if not self._take(n):
+                await self._busy(send)
+                return
+            try:  # the server holds the client to its length
+                await self.app(scope, receive, send)
+            finally:
+                self.held -= n
             return
-        if declared is not None:
-            await self.app(scope, receive, send)  # the server holds the client to its length
+        if declared is not None:  # not a number: the server answers 400
+            await self.app(scope, receive, send)
             return
         body = bytearray()  # chunked: read it all here, at most limit bytes, then hand it on
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            body += message.get("body", b"")
-            if len(body) > self.limit:
-                await too_large(send, BodyTooLarge(self.limit))
-                return
-            if not message.get("more_body", False):
-                break
+        try:
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                piece = message.get("body", b"")
+                if len(body) + len(piece) > self.limit:
+                    await self._too_large(send)
+                    return
+                if not self._take(len(piece)):
+                    await self._busy(send)
+                    return
+                body += piece
+                if not message.get("more_body", False):
+                    break
+            await self.app(scope, self._replay(bytes(body), receive), send)
+        finally:
+            self.held -= len(body)
+
+    def _take(self, n: int) -> bool:
+        if n and self.held + n > self.budget:
+            return False
+        self.held += n
+        return True
+
+    async def _too_large(self, send: Send) -> None:
+        await refuse(send, 413, f"the request body is larger than the server accepts "
+                     f"({self.limit} bytes; engine serve --max-request-body)")
+
+    async def _busy(self, send: Send) -> None:
+        await refuse(send, 503, f"the server is handling {self.held} bytes of request bodies "
+                     f"and accepts {self.budget} at once (engine serve --max-request-bodies); "
+                     "try again")
+
+    @staticmethod
+    def _replay(body: bytes, receive: Receive) -> Receive:
         sent = False
 
         async def replay() -> Message:
@@ -56,17 +92,16 @@ class BodyLimit:
             if sent:
                 return await receive()  # later calls wait for the client's disconnect
             sent = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
+        return replay
 
 
-async def too_large(send: Send, exc: BodyTooLarge) -> None:
-    import json
-
-    body = json.dumps(error_body(str(exc), 413)).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+async def refuse(send: Send, status: int, message: str) -> None:
+    body = json.dumps(error_body(message, status)).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+    if status == 503:
+        headers.append((b"retry-after", b"1"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

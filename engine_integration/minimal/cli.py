@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default %(default)s)")
     serve.add_argument("--max-request-body", type=parse_size, default=ServerConfig.max_request_body,
                        help="largest request body accepted; larger ones get HTTP 413 (default 8MiB)")
+    serve.add_argument("--max-request-bodies", type=parse_size,
+                       default=ServerConfig.max_request_bodies,
+                       help="total size of the bodies of the requests handled at once; a request "
+                       "past it gets HTTP 503 (default 256MiB)")
     serve.add_argument("--graceful-shutdown-timeout", type=float,
                        default=ServerConfig.graceful_shutdown_timeout, metavar="SECONDS",
                        help="on SIGTERM or SIGINT, how long requests in flight may run on "
@@ -194,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine=engine_config(args), host=args.host, port=args.port,
                 max_pending=args.max_pending, log_level=args.log_level,
                 max_request_body=args.max_request_body,
+                max_request_bodies=args.max_request_bodies,
                 graceful_shutdown_timeout=args.graceful_shutdown_timeout,
                 lmkv_config_file=os.environ.get("LMKV_CONFIG_FILE") or None,
             )
