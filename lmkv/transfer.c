@@ -111,9 +111,9 @@ int lmkv_transfer(char *chunk, char *pages, const int64_t *slots, int64_t tokens
                   int64_t layers, int64_t row, int64_t c_kv, int64_t c_layer, int64_t c_t,
                   int64_t p_layer, int64_t p_kv, int64_t p_slot, int to_paged, int threads,
                   int stream) {
-    if (tokens <= 0 || layers <= 0 || row <= 0) return OK;
-    for (int64_t t = 0; t < tokens; t++)
+    for (int64_t t = 0; t < tokens; t++) /* (also when there is nothing to copy) */
         if (slots[t] < 0 || slots[t] >= num_slots) return E_SLOT;
+    if (tokens <= 0 || layers <= 0 || row <= 0) return OK;
     run_t *runs = malloc((size_t)tokens * sizeof(run_t));
     if (runs == NULL) return E_MEMORY;
     int merge = c_t == row && p_slot == row;

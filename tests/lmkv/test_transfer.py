@@ -99,6 +99,11 @@ def test_a_slot_outside_paged_memory_raises_and_writes_nothing():
         with pytest.raises(IndexError):
             ops.paged_to_chunk(kv, slots, out)
         assert out.eq(7).all()
+        # with nothing to copy (no layers, an empty row) a bad slot is refused all the same
+        lib = transfer.library()
+        for layers, row in ((0, 32), (2, 0)):
+            assert lib.lmkv_transfer(chunk.data_ptr(), kv.data_ptr(), slots.data_ptr(), 6, 16,
+                                     layers, row, 0, 0, 0, 0, 0, 0, 1, 1, 0) == -1
 
 
 @needs_cc
