@@ -69,12 +69,26 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return s;
 }
 
+#if defined(__FLT16_MAX__) && !defined(LMKV_NO_FLOAT16)
+static inline float half_to_float(const char *p) { return (float)*(const _Float16 *)p; }
+#else /* compilers without _Float16 (GCC < 12 on x86): from the bits */
+static inline float half_to_float(const char *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    union { uint32_t i; float f; } u;
+    if (exp == 0x1f) u.i = sign | 0x7f800000u | (man << 13); /* inf, nan */
+    else if (exp) u.i = sign | ((exp + 112) << 23) | (man << 13);
+    else { u.f = (float)man * 0x1p-24f; u.i |= sign; } /* zero, subnormal: exact */
+    return u.f;
+}
+#endif
+
 /* a row of d elements as float32: the row itself for float32 KV, else converted into buf */
 static inline const float *as_float(const char *row, int64_t d, int64_t kind, float *buf) {
     if (kind == F32) return (const float *)row;
     if (kind == F16) {
-        const _Float16 *x = (const _Float16 *)row;
-        for (int64_t e = 0; e < d; e++) buf[e] = (float)x[e];
+        for (int64_t e = 0; e < d; e++) buf[e] = half_to_float(row + 2 * e);
     } else {
         const uint16_t *x = (const uint16_t *)row;
         for (int64_t e = 0; e < d; e++) {

@@ -130,3 +130,29 @@ def test_an_address_sanitizer_build_reads_only_its_pages(tmp_path):
                        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert r.returncode == 0 and "ERROR: AddressSanitizer" not in r.stderr, r.stdout + r.stderr[-6000:]
     assert "native attention clean" in r.stdout
+
+
+@needs_cc
+@pytest.mark.parametrize("float16_type", [True, False], ids=["_Float16", "from-bits"])
+def test_every_finite_float16_value_reads_back_exactly(float16_type, tmp_path, monkeypatch):
+    """float16 KV as attention.c reads it, with the compiler's _Float16 and with the
+    conversion from the bits that compilers without it (GCC < 12 on x86) build: one key
+    per sequence, so the output is its value row, for every finite float16 bit pattern
+    (subnormals and negative zero included)."""
+    from lmkv.cc import build, compiler
+
+    flags = cpu_attention.build_flags() + (() if float16_type else ("-DLMKV_NO_FLOAT16",))
+    lib = cpu_attention.load(build(compiler(), cpu_attention.SOURCE, tmp_path, flags, ("-lm",)))
+    monkeypatch.setattr(cpu_attention, "library", lambda: lib)
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    values = bits[torch.isfinite(bits)]
+    dim = 256
+    values = torch.cat([values, values[: -len(values) % dim]])  # whole rows
+    n = len(values) // dim
+    kv = torch.zeros(2, n, 1, 1, dim, dtype=torch.float16)
+    kv[0] = 1.0
+    kv[1, :, 0, 0] = values.view(n, dim)
+    q = torch.ones(n, 1, dim, dtype=torch.float16)
+    got = cpu_attention.attention(q, kv, torch.arange(n)[:, None], torch.ones(n, dtype=torch.int64),
+                                  torch.arange(n + 1), 0.0625)
+    assert got is not None and torch.equal(got.view(-1), values)
