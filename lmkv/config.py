@@ -214,6 +214,7 @@ _HINTS = typing.get_type_hints(LMKVConfig)
 
 
 def from_dict(values: dict[str, Any]) -> LMKVConfig:
+    values = _lmcache_blend_keys(values)
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise ConfigError(
@@ -221,6 +222,30 @@ def from_dict(values: dict[str, Any]) -> LMKVConfig:
             f"(known: {', '.join(sorted(_FIELDS))})"
         )
     return LMKVConfig(**{k: _coerce(k, v) for k, v in values.items()})
+
+
+def _lmcache_blend_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """LMCache's blend keys read as lmkv's: its lists ``blend_recompute_ratios`` and
+    ``blend_check_layers`` of one value each (lmkv blends with one ratio, picked at one
+    layer); ``blend_thresholds`` null and ``blend_min_tokens``, which LMCache 0.5 reads
+    but does not use."""
+    out = dict(values)
+    for plural, single in (("blend_recompute_ratios", "blend_recompute_ratio"),
+                           ("blend_check_layers", "blend_check_layer")):
+        if plural not in out:
+            continue
+        value = out.pop(plural)
+        if value is None:
+            continue
+        _require(isinstance(value, list) and len(value) == 1, plural,
+                 f"(LMCache's) must be a list of one value: lmkv blends with one "
+                 f"{single} (got {value!r})")
+        _require(single not in out, plural, f"and {single} are both set: give one")
+        out[single] = value[0]
+    _require(out.pop("blend_thresholds", None) is None, "blend_thresholds",
+             "is not supported: lmkv recomputes blend_recompute_ratio of the tokens")
+    out.pop("blend_min_tokens", None)
+    return out
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -67,6 +67,12 @@ def test_lmcache_yaml_is_accepted(tmp_path):
     ("local_disk: file:///a/,file:///b/\nmax_local_disk_size: 1\n", "local_disk"),  # LMCache's list
     ("metrics_host: ''\n", "metrics_host"),
     ("metrics_host: localhost:9100\n", "metrics_host"),
+    ("blend_recompute_ratios: [0.15, 0.3]\n", "blend_recompute_ratios"),  # lmkv has one ratio
+    ("blend_check_layers: [1, 4]\n", "blend_check_layers"),
+    ("blend_check_layers: 1\n", "blend_check_layers"),  # LMCache's is a list
+    ("blend_check_layers: [1]\nblend_check_layer: 2\n", "blend_check_layers"),
+    ("blend_recompute_ratios: [2]\n", "blend_recompute_ratio"),
+    ("blend_thresholds: [0.5]\n", "blend_thresholds"),
 ])
 def test_bad_keys_and_values_name_the_key(tmp_path, yaml_text, key):
     path = tmp_path / "c.yaml"
@@ -88,6 +94,16 @@ def test_bad_env_and_files_are_clear(tmp_path):
     (tmp_path / "bad.yaml").write_text("a: [1,\n")
     with pytest.raises(ConfigError, match="YAML"):
         load_config(tmp_path / "bad.yaml", env={})
+
+
+def test_lmcaches_blend_keys_are_read(tmp_path):
+    """LMCache's CacheBlend YAML: its lists of one ratio and one check layer, and the keys it
+    reads but does not use."""
+    path = tmp_path / "blend.yaml"
+    path.write_text("enable_blending: true\nblend_recompute_ratios: [0.3]\nblend_check_layers: [2]\n"
+                    "blend_thresholds: null\nblend_min_tokens: 256\nblend_special_str: ' # # '\n")
+    cfg = load_config(path, env={})
+    assert (cfg.blend_recompute_ratio, cfg.blend_check_layer) == (0.3, 2)
 
 
 def test_lmcache_spellings_and_the_projects_own_variables():
