@@ -130,14 +130,15 @@ class SchedulerConnector:
             st.touched = True
         if self.lossy_keys and not st.lossy:  # the engine's hit holds KV another request loaded lossy
             st.lossy = self._engine_hit_lossy(st.keys[: min(-(-num_computed_tokens // c), full)])
+        # pins taken from here on are given back at the step's plan unless the engine
+        # allocates the request
+        self.pinning.add(request.request_id)
         # each pin names the chunk before its first (the prefix policies keep a chunk only
         # behind its parent, and the engine's own hit may hold that parent)
         lossy = (self.cache.pin(st.keys[first:full], st.keys[first - 1] if first else None)
                  if full > first else [])
         # at once: whatever follows, these pins are given back or loaded
         st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
-        if st.pinned:
-            self.pinning.add(request.request_id)
         found = first + len(lossy) if lossy else below
         st.gap = range(below, first) if lossy else range(0)
         if (st.tail is not None and first + len(lossy) == full

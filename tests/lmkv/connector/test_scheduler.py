@@ -401,3 +401,24 @@ def test_a_request_waiting_several_steps_counts_its_engine_hit_as_one_use():
     assert touches == [engine.keys(prompt)[:1]]
     sched.request_finished(req)
     engine.close()
+
+
+def test_a_pinned_tail_of_a_request_not_scheduled_is_given_back_too():
+    """save_unfull_chunk: a prompt whose only stored piece lmkv offers is its partial last
+    chunk (shorter than a chunk, or its full chunks in the engine's own cache)."""
+    engine = _engine(save_unfull_chunk=True)
+    for prompt, computed in ((list(range(10)), 0), (list(range(100, 100 + CHUNK + 10)), CHUNK)):
+        keys = engine.keys(prompt)
+        _store(engine, prompt)
+        buf = engine.allocate()
+        buf.num_tokens = len(prompt) % CHUNK
+        engine.store(engine.tail_key(prompt), buf, keys[-1] if keys else None)
+        buf.release()
+        sched = SchedulerConnector(engine, BLOCK)
+        req = Request(f"t{computed}", prompt)
+        assert sched.get_num_new_matched_tokens(req, computed)[0] == len(prompt) - computed - 1
+        assert len(engine.pins) == 1
+        sched.build_connector_meta([])
+        assert len(engine.pins) == 0
+        sched.request_finished(req)
+    engine.close()
