@@ -29,6 +29,8 @@ class StorageBackend(ABC):
 
     num_evictions: int = 0  # entries it dropped to stay within its bounds (0: the store's own business)
     num_unreadable: int = 0  # entries it dropped because they could not be read (served as misses)
+    # puts it declined without failing (a full store that evicts on its own time): not stored
+    num_not_stored: int = 0
     # contains() reads local state only (an index in memory): it may run beside any other
     # call (the Tier does not make lookups wait), and its answer says nothing of the store's health
     concurrent_contains: bool = False

@@ -4,8 +4,10 @@ Settings other than the master's address follow LMCache's names, from the JSON f
 by MOONCAKE_CONFIG_PATH or the URL's query: local_hostname, metadata_server,
 global_segment_size, local_buffer_size, protocol, device_name. Chunks move zero-copy
 (put_from / get_into) when they live in memory registered with ``register_memory`` (lmkv's
-chunk pool); otherwise through Python bytes. The client's calls to the master time out
-after ``remote_timeout`` (Mooncake's MC_RPC_TIMEOUT_MS, unless set: its default is 30 s).
+chunk pool); otherwise through Python bytes and the client's local buffer, which bounds
+them. A put the store declines (full, a quota) is not stored, not a failure. The client's
+calls to the master time out after ``remote_timeout`` (Mooncake's MC_RPC_TIMEOUT_MS, unless
+set: its default is 30 s).
 """
 
 from __future__ import annotations
@@ -24,7 +26,32 @@ from .base import Arrived, BackendError, StorageBackend, report
 
 log = logging.getLogger(__name__)
 NOT_FOUND = -704
-TOO_SMALL = -600  # get_into's buffer is smaller than the object
+TOO_SMALL = -600  # get_into's buffer is smaller than the object (INVALID_PARAMS)
+# puts the store declines for want of room (NO_AVAILABLE_HANDLE: full until its eviction
+# runs; TENANT_QUOTA_EXCEEDED) or because another client writes the key now
+# (OBJECT_ALREADY_EXISTS): the chunk is not stored, and the store is not failing
+NOT_STORED = {-200: "the store is full", -705: "another client is writing the key",
+              -1700: "the tenant's quota is used up"}
+_UNITS = (("kb", 1 << 10), ("mb", 1 << 20), ("gb", 1 << 30), ("tb", 1 << 40), ("k", 1 << 10),
+          ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40), ("b", 1))
+
+
+def _size(key: str, value) -> int:
+    """A size setting as Mooncake's own config reads it: bytes, or a number with a binary
+    unit ("1GB", "256mb", "0.5g")."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        text = str(value).strip().lower()
+        unit, scale = next(((u, m) for u, m in _UNITS if text.endswith(u)), ("", 1))
+        try:
+            n = int(float(text[: len(text) - len(unit)]) * scale)
+        except (ValueError, OverflowError):
+            raise BackendError(f"Mooncake setting {key}: {value!r} is not a size (bytes, or a "
+                               "number with kb, mb, gb or tb)") from None
+    if n < 0:
+        raise BackendError(f"Mooncake setting {key}: {value!r} is negative")
+    return n
 
 
 def _settings(url: str) -> dict:
@@ -49,7 +76,7 @@ def _settings(url: str) -> dict:
         settings[key] = values[0]
     settings["master_server_address"] = f"{host}:{port}"
     for key in ("global_segment_size", "local_buffer_size"):
-        settings[key] = int(settings[key])
+        settings[key] = _size(key, settings[key])
     return settings
 
 
@@ -96,6 +123,9 @@ class MooncakeBackend(StorageBackend):
     reconnects = True
 
     max_value_size = 1 << 30  # a larger value is a miss, never read
+    # values moved through Python bytes pass through the client's local buffer: a larger
+    # one can be neither written nor read that way (set from local_buffer_size)
+    copy_limit = 64 << 20
 
     def __init__(self, url: str, timeout: float = 2.0, max_value_size: int = 1 << 30):
         self.max_value_size = max_value_size
@@ -119,6 +149,9 @@ class MooncakeBackend(StorageBackend):
         if rc != 0:
             raise BackendError(f"Mooncake setup against {url} failed (code {rc})")
         self._regions: list[tuple[int, int]] = []  # registered [start, end) addresses
+        self.copy_limit = s["local_buffer_size"]
+        self.num_not_stored = 0
+        self._warned: set[str] = set()
 
     def register_memory(self, region: memoryview) -> None:
         start = _address(region)
@@ -137,15 +170,30 @@ class MooncakeBackend(StorageBackend):
         return None
 
     def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        """A put the store declines (full, a quota, a concurrent writer) or that cannot pass
+        the local buffer is not stored (counted in ``num_not_stored``), not a failure."""
         for key, value in items:
             view = memoryview(value)
             addr = self._registered(view)
             if addr is not None:
                 rc = self.store.upsert_from(key, addr, len(view))
+            elif len(view) > self.copy_limit:
+                self._not_stored("local_buffer", f"a {len(view)}-byte value does not fit "
+                                 f"local_buffer_size ({self.copy_limit} bytes): raise it")
+                continue
             else:
                 rc = self.store.upsert(key, bytes(view))
-            if rc != 0:
+            if rc in NOT_STORED:
+                self._not_stored(str(rc), f"{NOT_STORED[rc]} (code {rc})")
+            elif rc != 0:
                 raise BackendError(f"Mooncake put of {len(view)} bytes failed (code {rc})")
+
+    def _not_stored(self, why: str, message: str) -> None:
+        self.num_not_stored += 1
+        if why not in self._warned:  # once per reason: a full store declines puts until it evicts
+            self._warned.add(why)
+            log.warning("lmkv: Mooncake did not store a chunk: %s (further ones counted in "
+                        "lmkv_dropped_total)", message)
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -157,6 +205,14 @@ class MooncakeBackend(StorageBackend):
             if size < 0:
                 raise BackendError(f"Mooncake get_size failed (code {size})")
             if size > self.max_value_size:  # not a chunk's frame
+                out.append(None)
+                continue
+            if size > self.copy_limit:  # cannot pass the local buffer: a miss, not a failure
+                if "read_local_buffer" not in self._warned:
+                    self._warned.add("read_local_buffer")
+                    log.warning("lmkv: Mooncake holds a %d-byte value that cannot be read "
+                                "through local_buffer_size (%d bytes): served as a miss; "
+                                "raise it", size, self.copy_limit)
                 out.append(None)
                 continue
             value = self.store.get(key)

@@ -6,7 +6,7 @@ import contextlib
 import importlib
 import logging
 from collections.abc import Callable, Sequence
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import urlparse
 
 from .base import Arrived, BackendError, StorageBackend
 
@@ -39,9 +39,12 @@ def check_url(url: str) -> str:
 
         parse_lm_url(url)  # a port, no path
     elif parts.scheme == "mooncakestore":
-        for key, values in parse_qs(parts.query).items():
-            if key in ("global_segment_size", "local_buffer_size") and not values[0].isdigit():
-                raise ValueError(f"{key} must be a number of bytes in {url!r}")
+        from .mooncake import _settings
+
+        try:  # the URL's settings and MOONCAKE_CONFIG_PATH's file
+            _settings(url)
+        except BackendError as e:
+            raise ValueError(f"{e} ({url!r})") from None
     return parts.scheme
 
 
@@ -127,6 +130,10 @@ class LazyBackend(StorageBackend):
     @property
     def num_unreadable(self) -> int:
         return self._backend.num_unreadable if self._backend is not None else 0
+
+    @property
+    def num_not_stored(self) -> int:
+        return self._backend.num_not_stored if self._backend is not None else 0
 
     def register_memory(self, region: memoryview) -> None:
         self._regions.append(region)

@@ -108,7 +108,7 @@ class Tier:
             return False
         start = time.perf_counter()
         with self._lock:
-            before = self.backend.num_evictions
+            before, declined = self.backend.num_evictions, self.backend.num_not_stored
             try:
                 self.backend.put([(key, frame)])
             except BackendError as e:
@@ -118,6 +118,10 @@ class Tier:
                 self._timed("put", start)
             self.write_breaker.success()
             evicted = self.backend.num_evictions - before
+            declined = self.backend.num_not_stored - declined
+        if declined > 0:  # the store answered and kept nothing: logged by the backend
+            self.metrics.dropped.labels(f"save_{self.name}").inc()
+            return False
         self.metrics.tier_bytes.labels(self.name, "put").inc(len(frame))
         self.metrics.evictions.labels(self.name).inc(max(0, evicted))
         return True

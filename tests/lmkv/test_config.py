@@ -143,6 +143,7 @@ def test_a_lossy_codec_ships_with_the_quality_gate_on(tmp_path):
     ("redis://127.0.0.1:notaport", "bad port"),
     ("redis://127.0.0.1:99999", "bad port"),
     ("mooncakestore://127.0.0.1:50051?local_buffer_size=abc", "local_buffer_size"),
+    ("mooncakestore://127.0.0.1:50051?global_segment_size=-1gb", "global_segment_size"),
     ("http://127.0.0.1:1", "unsupported scheme"),
 ])
 def test_a_remote_url_that_can_never_work_is_refused_at_start(url, why):
@@ -151,6 +152,7 @@ def test_a_remote_url_that_can_never_work_is_refused_at_start(url, why):
     with pytest.raises(ConfigError, match=f"remote_url: .*{why}"):
         load_config(env={}, remote_url=url)
     assert load_config(env={}, remote_url="lm://127.0.0.1:9000").remote_url
+    assert load_config(env={}, remote_url="mooncakestore://h:1/?local_buffer_size=1gb").remote_url
 
 
 def test_lmkv_variables_without_a_config_file_are_named_not_ignored_silently(caplog):

@@ -179,3 +179,64 @@ def test_a_hung_master_costs_remote_timeout_per_call_not_30_s(store, monkeypatch
             assert time.monotonic() < deadline
             time.sleep(0.2)
     backend.close()
+
+
+def test_sizes_in_the_config_read_as_mooncakes_own_loader_reads_them(monkeypatch, tmp_path):
+    from lmkv.backends.mooncake import _settings
+
+    path = tmp_path / "mooncake.json"
+    path.write_text('{"global_segment_size": "1GB", "local_buffer_size": "0.5 mb"}')
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    s = _settings("mooncakestore://127.0.0.1:50051/?global_segment_size=3g")
+    assert (s["global_segment_size"], s["local_buffer_size"]) == (3 << 30, 1 << 19)
+    for bad in ("lots", "-1", "1 XB", "true"):
+        with pytest.raises(BackendError, match="local_buffer_size"):
+            _settings(f"mooncakestore://h:1/?local_buffer_size={bad}")
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH")
+    assert _settings("mooncakestore://h:1/?local_buffer_size=4096")["local_buffer_size"] == 4096
+
+
+def test_a_declined_put_is_not_stored_and_the_tier_keeps_writing():
+    """Mooncake declines a put when its store is full until its eviction runs (or for a quota,
+    or a key another client writes): the chunk is not stored (a dropped save), the store
+    has not failed, and the tier's write breaker stays closed. Other codes are failures."""
+    from lmkv.backends.mooncake import MooncakeBackend
+    from lmkv.storage.tier import Tier
+
+    class Store:
+        codes = [-200, 0, -705, -1700, 0]
+
+        def upsert(self, key, value):
+            return self.codes.pop(0)
+
+    backend = object.__new__(MooncakeBackend)  # no client library needed: only put() runs
+    backend.store, backend._regions, backend.copy_limit = Store(), [], 1 << 20
+    backend.num_not_stored, backend._warned = 0, set()
+    tier = Tier("remote", backend, "raw")
+    stored = [tier.write(f"k{i}", memoryview(b"x" * 100)) for i in range(5)]
+    assert stored == [False, True, False, False, True] and tier.writable
+    assert backend.num_not_stored == 3
+    assert tier.metrics.dropped.labels("save_remote")._value.get() == 3
+    Store.codes = [-900]  # the master is gone: a failure
+    with pytest.raises(BackendError, match="-900"):
+        backend.put([("k", b"x")])
+
+
+def test_values_past_the_local_buffer_are_not_stored_or_read_through_copies(store):
+    """A value that is not in the registered pool passes through the client's local buffer:
+    a larger one is not stored (rather than a failed put) and, stored zero-copy by another
+    client, reads as a miss through copies (rather than a failed read); into the
+    registered pool it reads."""
+    from lmkv.backends.mooncake import MooncakeBackend
+
+    backend = MooncakeBackend(store.url + "&local_buffer_size=1mb")
+    pool = torch.zeros(2, 2 << 20, dtype=torch.uint8)
+    backend.register_memory(memoryview(pool.numpy()).cast("B"))
+    backend.put([("big-copy", b"y" * (2 << 20))])
+    assert backend.num_not_stored == 1 and backend.contains(["big-copy"]) == [False]
+    pool[0] = torch.randint(0, 255, (2 << 20,), dtype=torch.uint8)
+    backend.put([("big-zc", memoryview(pool[0].numpy()))])
+    assert backend.get(["big-zc"]) == [None]
+    assert backend.get_into("big-zc", memoryview(pool[1].numpy())) == 2 << 20
+    assert torch.equal(pool[0], pool[1])
+    backend.close()
