@@ -21,12 +21,13 @@ def export_hf(model: str | None, out: str | Path, dtype: str = "float32") -> Pat
     path = resolve_model(model)
     if not is_gguf(path):
         raise ValueError(f"{path} is already a checkpoint directory; nothing to export")
-    gguf = GGUFCheckpoint(path)
-    mc = gguf.model_config()
-    weights = gguf.load_model(mc, getattr(torch, dtype), mc.max_position_embeddings).state_dict()
+    with GGUFCheckpoint(path) as gguf:
+        mc = gguf.model_config()
+        # (the RoPE tables are not weights: one position will do)
+        weights = gguf.load_model(mc, getattr(torch, dtype), 1).state_dict()
+        tok = gguf.tokenizer()
     if mc.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    tok = gguf.tokenizer()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),

@@ -5,6 +5,7 @@ Q8_0, Q4_0, Q4_1). Errors are ValueErrors naming the file and what was wrong."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
 from dataclasses import dataclass
@@ -48,8 +49,10 @@ class TensorInfo:
 
 
 class GGUFFile:
-    """``fields`` (key -> value: ints, floats, bools, str, lists) and ``tensors`` (in file
-    order) of one GGUF file; ``data(t)`` and ``dequantize(t)`` read a tensor."""
+    """``fields`` (key -> value: ints, floats, bools, str, lists; arrays of numbers as numpy
+    arrays) and ``tensors`` (in file order) of one GGUF file; ``data(t)`` and
+    ``dequantize(t)`` read a tensor. ``close()`` unmaps it (a file truncated while mapped
+    kills the process with SIGBUS when a tensor is read, as with any mapping)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -59,6 +62,25 @@ class GGUFFile:
                 raise ValueError(f"{self.path} is not a GGUF file: {size} bytes")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._buf = memoryview(self._map)
+        try:
+            self._parse(size)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Unmap the file. Views from ``data`` still held keep the mapping until they go."""
+        self._buf.release()
+        with contextlib.suppress(BufferError):  # a caller's view of a tensor holds it:
+            self._map.close()  # unmapped when that view is freed
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _parse(self, size: int) -> None:
         self._pos = 0
         magic = bytes(self._take(4, "the magic"))
         if magic != MAGIC:
@@ -76,10 +98,16 @@ class GGUFFile:
         self.fields: dict[str, Any] = {}
         for _ in range(n_fields):
             key = self._string("a metadata key")
+            if key in self.fields:
+                raise ValueError(f"{self.path}: metadata key {key} appears twice")
             self.fields[key] = self._value(self._scalar("<I"), key, 0)
         infos = [self._tensor_info() for _ in range(n_tensors)]
+        names = [info[0] for info in infos]
+        if len(set(names)) < len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"{self.path}: tensor {twice[0]} appears twice")
         alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):  # noqa: E721
             raise ValueError(f"{self.path}: general.alignment {alignment!r} is not a power of two")
         start = -(-self._pos // alignment) * alignment
         self.tensors: list[TensorInfo] = []
@@ -131,11 +159,14 @@ class GGUFFile:
         if depth >= MAX_ARRAY_DEPTH:
             raise ValueError(f"{self.path}: metadata key {key} nests arrays {depth + 1} deep")
         item, count = self._scalar("<I"), self._scalar("<Q")
-        if item in _NUMPY:
+        if item not in _NUMPY and item not in (_STRING, _ARRAY):
+            raise ValueError(f"{self.path}: metadata key {key} is an array of type {item}, "
+                             "not a GGUF type")
+        if item in _NUMPY:  # kept as numpy (a list of Python numbers takes ~10x the bytes)
             dtype = np.dtype(_NUMPY[item])
             raw = self._take(count * dtype.itemsize, f"the array {key}")
-            values = np.frombuffer(raw, dtype).tolist()
-            return [bool(v) for v in values] if item == 7 else values
+            values = np.frombuffer(raw, dtype).copy()  # (not a view: close() must be able to unmap)
+            return values.astype(bool) if item == 7 else values
         if count * 8 > len(self._buf) - self._pos:  # strings and arrays take 8 bytes at least
             raise ValueError(f"{self.path}: the array {key} claims {count} items, more than the "
                              "file holds")
@@ -149,6 +180,8 @@ class GGUFFile:
         if not 1 <= n_dims <= MAX_DIMS:
             raise ValueError(f"{self.path}: tensor {name} has {n_dims} dimensions")
         dims = [self._scalar("<Q") for _ in range(n_dims)]
+        if any(d >= 1 << 62 for d in dims):  # (ggml's dims are int64)
+            raise ValueError(f"{self.path}: tensor {name} has dimensions {dims}")
         type_id, offset = self._scalar("<I"), self._scalar("<Q")
         type_name = TYPE_NAMES.get(type_id, f"type {type_id}")
         nbytes = 0
@@ -159,6 +192,15 @@ class GGUFFile:
                                  f"values, not a multiple of its block of {per_block}")
             nbytes = int(np.prod(dims, dtype=object)) // per_block * block_bytes
         return name, tuple(reversed(dims)), type_name, offset, nbytes
+
+
+def plain(value: Any) -> Any:
+    """A metadata value with its numpy arrays (arrays of numbers) as lists."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
 
 
 def dequantize(raw: memoryview | bytes, type_name: str, shape: tuple[int, ...]) -> np.ndarray:

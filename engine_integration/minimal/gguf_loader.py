@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .gguf_file import BLOCKS, GGUFFile
+from .gguf_file import BLOCKS, GGUFFile, plain
 from .model import LlamaForCausalLM
 from .model_config import ModelConfig, RopeScaling
 from .tokenizer import Tokenizer
@@ -72,48 +72,78 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF file {self.path} has per-frequency RoPE factors "
                              "(rope_freqs.weight), which this engine does not apply")
 
-    def field(self, key: str, default: Any = _MISSING) -> Any:
-        """One metadata value (strings decoded, arrays as lists)."""
+    def close(self) -> None:
+        """Unmap the file (the dequantized weights are copies and stay)."""
+        self._file.close()
+
+    def __enter__(self) -> GGUFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def field(self, key: str, default: Any = _MISSING, kind: type | None = None) -> Any:
+        """One metadata value (strings decoded, arrays as lists); with ``kind`` (int, float,
+        str, list) a value of another type is a ValueError naming the key."""
         if key not in self._file.fields:
             if default is _MISSING:
                 raise ValueError(f"GGUF file {self.path} lacks metadata key {key}")
             return default
-        return self._file.fields[key]
+        value = plain(self._file.fields[key])
+        if kind is not None and not _is(value, kind):
+            raise ValueError(f"GGUF file {self.path}: metadata key {key} holds {_shown(value)}, "
+                             f"not {_KIND_NAMES[kind]}")
+        return value
 
     def model_config(self) -> ModelConfig:
+        """The config from ``llama.*`` metadata, checked against the file's tensors."""
         a = SUPPORTED_ARCHITECTURE
-        hidden = self.field(f"{a}.embedding_length")
-        num_heads = self.field(f"{a}.attention.head_count")
+        hidden = self.field(f"{a}.embedding_length", kind=int)
+        num_heads = self.field(f"{a}.attention.head_count", kind=int)
+        if num_heads < 1 or hidden < 1:
+            raise ValueError(f"GGUF file {self.path}: {a}.embedding_length {hidden} and "
+                             f"{a}.attention.head_count {num_heads} must be positive")
         names = {t.name for t in self._file.tensors}
-        vocab = self.field(f"{a}.vocab_size", None) or len(self.field("tokenizer.ggml.tokens"))
+        layers = self.field(f"{a}.block_count", kind=int)
+        blocks = {int(n.split(".")[1]) for n in names
+                  if n.startswith("blk.") and n.split(".")[1].isdigit()}
+        if len(blocks) != layers or blocks != set(range(layers)):  # (the length first: a huge count)
+            raise ValueError(f"GGUF file {self.path}: {a}.block_count is {layers}, its tensors "
+                             f"hold {len(blocks)} blocks" + (f" (numbered up to {max(blocks)})"
+                                                             if blocks else ""))
+        tokens = self.field("tokenizer.ggml.tokens", None, list)
+        vocab = self.field(f"{a}.vocab_size", None, int) or len(tokens or ())
         eos = tuple(i for k in ("eos", "eot", "eom")
-                    if (i := self.field(f"tokenizer.ggml.{k}_token_id", None)) is not None)
+                    if (i := self.field(f"tokenizer.ggml.{k}_token_id", None, int)) is not None)
         return ModelConfig(
             architecture="LlamaForCausalLM",
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=self.field(f"{a}.feed_forward_length"),
-            num_layers=self.field(f"{a}.block_count"),
+            intermediate_size=self.field(f"{a}.feed_forward_length", kind=int),
+            num_layers=layers,
             num_heads=num_heads,
-            num_kv_heads=self.field(f"{a}.attention.head_count_kv", None) or num_heads,
-            head_dim=self.field(f"{a}.attention.key_length", None)
-            or self.field(f"{a}.rope.dimension_count", None) or hidden // num_heads,
-            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            num_kv_heads=self.field(f"{a}.attention.head_count_kv", None, int) or num_heads,
+            head_dim=self.field(f"{a}.attention.key_length", None, int)
+            or self.field(f"{a}.rope.dimension_count", None, int) or hidden // num_heads,
+            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5, float)),
+            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0, float)),
             rope_scaling=self._rope_scaling(),
-            max_position_embeddings=self.field(f"{a}.context_length", 2048),
+            max_position_embeddings=self.field(f"{a}.context_length", 2048, int),
             tie_word_embeddings="output.weight" not in names,
             torch_dtype="float32",
-            bos_token_id=self.field("tokenizer.ggml.bos_token_id", None),
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id", None, int),
             eos_token_ids=eos,
         )
 
     def _rope_scaling(self) -> RopeScaling | None:
-        kind = self.field(f"{SUPPORTED_ARCHITECTURE}.rope.scaling.type", "none")
+        kind = self.field(f"{SUPPORTED_ARCHITECTURE}.rope.scaling.type", "none", str)
         if kind == "none":
             return None
         if kind == "linear":
-            factor = float(self.field(f"{SUPPORTED_ARCHITECTURE}.rope.scaling.factor"))
+            factor = float(self.field(f"{SUPPORTED_ARCHITECTURE}.rope.scaling.factor", kind=float))
+            if not factor > 0:
+                raise ValueError(f"GGUF file {self.path}: RoPE scaling factor {factor} is not "
+                                 "positive")
             return RopeScaling(kind="linear", factor=factor)
         raise ValueError(f"GGUF file {self.path} has RoPE scaling {kind!r}; this engine "
                          "applies 'linear' scaling only")
@@ -175,3 +205,19 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     rows = w.shape[0]
     return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
              .swapaxes(1, 2).reshape(w.shape))
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", list: "an array"}
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__} of {len(value)} items"

@@ -38,38 +38,50 @@ def tokenizer_from_gguf(field: Callable[..., Any], where: str) -> Tokenizer:
     if style not in PRE_TOKENIZER_STYLES:
         raise ValueError(f"GGUF file {where} has pre-tokenizer {style!r}; this engine splits "
                          f"text as {', '.join(PRE_TOKENIZER_STYLES)}")
-    tokens: list[str] = field("tokenizer.ggml.tokens", None)
-    merges: list[str] = field("tokenizer.ggml.merges", None)
+    tokens: list[str] = field("tokenizer.ggml.tokens", None, list)
+    merges: list[str] = field("tokenizer.ggml.merges", None, list)
     if not tokens or merges is None:
         raise ValueError(f"GGUF file {where} lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
-    types: list[int] = field("tokenizer.ggml.token_type", None) or [1] * len(tokens)
+    types: list[int] = field("tokenizer.ggml.token_type", None, list) or [1] * len(tokens)
+    if not all(isinstance(t, str) for t in tokens) or len(types) != len(tokens) \
+            or not all(isinstance(m, str) and " " in m for m in merges):
+        raise ValueError(f"GGUF file {where}: tokenizer.ggml.tokens must be strings, "
+                         "tokenizer.ggml.token_type one per token, and each of "
+                         "tokenizer.ggml.merges two tokens joined by a space")
 
-    bpe = models.BPE(
-        vocab={t: i for i, t in enumerate(tokens)},
-        merges=[tuple(m.split(" ", 1)) for m in merges],
-        ignore_merges=style in _LLAMA3_STYLES,  # as Llama 3's own tokenizer.json
-    )
-    tok = HFTokenizer(bpe)
-    tok.pre_tokenizer = _pre_tokenizer(style)
-    tok.decoder = decoders.ByteLevel()
-    # control tokens (<|im_start|>) are matched whole and dropped when decoding; user-defined
-    # ones are matched whole and kept
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types, strict=True) if k == CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED])
+    def token_id(key: str) -> int | None:
+        i = field(f"tokenizer.ggml.{key}_token_id", None, int)
+        if i is not None and not 0 <= i < len(tokens):
+            raise ValueError(f"GGUF file {where}: tokenizer.ggml.{key}_token_id {i} is not "
+                             f"among its {len(tokens)} tokens")
+        return i
 
-    bos_id = field("tokenizer.ggml.bos_token_id", None)
-    eos_id = field("tokenizer.ggml.eos_token_id", None)
-    bos = tokens[bos_id] if bos_id is not None else ""
-    eos = tokens[eos_id] if eos_id is not None else ""
-    if field("tokenizer.ggml.add_bos_token", False) and bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-            special_tokens=[(bos, bos_id)])
-    stop_ids = tuple(field(f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom"))
-    return Tokenizer(tok, field("tokenizer.chat_template", None), bos, eos,
-                     tuple(i for i in stop_ids if i is not None))
+    bos_id, eos_id = token_id("bos"), token_id("eos")
+    stop_ids = tuple(i for i in (eos_id, token_id("eot"), token_id("eom")) if i is not None)
+    template = field("tokenizer.chat_template", None, str)
+    try:  # the library's own complaints (a merge of tokens not in the vocabulary, ...)
+        tok = HFTokenizer(models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            ignore_merges=style in _LLAMA3_STYLES,  # as Llama 3's own tokenizer.json
+        ))
+        tok.pre_tokenizer = _pre_tokenizer(style)
+        tok.decoder = decoders.ByteLevel()
+        # control tokens (<|im_start|>) are matched whole and dropped when decoding;
+        # user-defined ones are matched whole and kept
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types, strict=True) if k == CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED])
+        bos = tokens[bos_id] if bos_id is not None else ""
+        eos = tokens[eos_id] if eos_id is not None else ""
+        if field("tokenizer.ggml.add_bos_token", False) and bos:
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                special_tokens=[(bos, bos_id)])
+    except Exception as e:
+        raise ValueError(f"GGUF file {where}: its tokenizer cannot be built: {e}") from e
+    return Tokenizer(tok, template, bos, eos, stop_ids)
 
 
 def _pre_tokenizer(style: str):

@@ -89,9 +89,12 @@ class LLMEngine:
             )
         self.max_model_len = max_len
 
-        max_pos = mc.max_position_embeddings
-        model = (gguf.load_model(mc, self.dtype, max_pos) if gguf
-                 else load_model(model_dir, mc, self.dtype, max_pos))
+        # RoPE tables for the positions this engine runs (a model's context may be millions)
+        if gguf:
+            with gguf:  # unmapped once its weights are copied out
+                model = gguf.load_model(mc, self.dtype, max_len)
+        else:
+            model = load_model(model_dir, mc, self.dtype, max_len)
         self.model = model.to(device.torch)
         self.model.model.rope.to(device.torch)
         # [L, 2, num_blocks, block_size, Hkv, D]; zeros touches every page now, not mid-request

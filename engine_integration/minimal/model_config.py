@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,26 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        for name, value, most in (("vocab_size", self.vocab_size, 1 << 24),
+                                  ("hidden_size", self.hidden_size, 1 << 17),
+                                  ("intermediate_size", self.intermediate_size, 1 << 20),
+                                  ("num_hidden_layers", self.num_layers, 1 << 12),
+                                  ("num_attention_heads", self.num_heads, 1 << 12),
+                                  ("num_key_value_heads", self.num_kv_heads, 1 << 12),
+                                  ("head_dim", self.head_dim, 1 << 10),
+                                  ("max_position_embeddings", self.max_position_embeddings, 1 << 30)):
+            if type(value) is not int or not 1 <= value <= most:  # noqa: E721 - bool is no size
+                raise ValueError(f"model config {name} is {value!r}: expected a whole number "
+                                 f"in [1, {most}]")
+        for name, value in (("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)):
+            if not isinstance(value, int | float) or isinstance(value, bool) \
+                    or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"model config {name} is {value!r}: expected a positive number")
+        ids = (self.bos_token_id, *self.eos_token_ids)
+        if any(i is not None and (type(i) is not int or not 0 <= i < self.vocab_size)  # noqa: E721
+               for i in ids):
+            raise ValueError(f"model config token ids {ids} must lie in [0, vocab_size "
+                             f"{self.vocab_size})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "

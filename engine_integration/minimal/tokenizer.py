@@ -3,6 +3,7 @@ loader (gguf_tokenizer.py); chat templates render as Hugging Face transformers r
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import logging
@@ -75,18 +76,23 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """The prompt text for ``messages`` with the assistant's turn opened, rendered in
         the sandboxed Jinja environment transformers uses (blocks trimmed, loop controls,
-        ``raise_exception``, ``tojson``)."""
+        ``raise_exception``, ``tojson``, ``strftime_now``). A template that fails on them
+        (any error inside it) is a ValueError."""
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str):
             raise jinja2.TemplateError(message)
 
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
-                                                                  indent=indent)
+        env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
             template = env.from_string(self.chat_template)
             return template.render(
@@ -95,7 +101,7 @@ class Tokenizer:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        except jinja2.TemplateError as e:
+        except Exception as e:  # the template is the model's, its errors the request's
             raise ValueError(f"chat template failed on these messages: {e}") from e
 
 

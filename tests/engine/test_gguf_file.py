@@ -6,11 +6,12 @@ wrong, never an IndexError, a crash or a huge allocation."""
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from lmkv_engines.minimal.gguf_file import GGUFFile, dequantize
+from lmkv_engines.minimal.gguf_file import GGUFFile, dequantize, plain
 
 gguf = pytest.importorskip("gguf")
 
@@ -28,7 +29,7 @@ def _write(path, tensors=None, **fields):
     w.add_float32("llama.rope.freq_base", 100000.0)
     w.add_uint64("big", 1 << 40)
     for key, value in fields.items():
-        w.add_int32(key, value)
+        (w.add_bool if isinstance(value, bool) else w.add_int32)(key, value)
     for name, data, raw in tensors:
         w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()
@@ -47,9 +48,11 @@ def test_fields_and_tensors_as_the_gguf_package_reads_them(tmp_path):
         tensors.append((kind.lower(), gguf.quants.quantize(x, qt), qt))
     path = _write(tmp_path / "m.gguf", tensors=tensors)
     f, ref = GGUFFile(path), gguf.GGUFReader(str(path))
-    assert {k: v.contents() for k, v in ref.fields.items() if not k.startswith("GGUF.")} == f.fields
-    assert f.fields["general.name"] == "t\u00e9st" and f.fields["tokenizer.ggml.add_bos_token"] is True
-    assert f.fields["big"] == 1 << 40 and f.fields["tokenizer.ggml.scores"] == [0.5, -1.0, 0.0]
+    fields = {k: plain(v) for k, v in f.fields.items()}
+    assert {k: v.contents() for k, v in ref.fields.items() if not k.startswith("GGUF.")} == fields
+    assert fields["general.name"] == "t\u00e9st" and fields["tokenizer.ggml.add_bos_token"] is True
+    assert fields["big"] == 1 << 40 and fields["tokenizer.ggml.scores"] == [0.5, -1.0, 0.0]
+    assert isinstance(f.fields["tokenizer.ggml.scores"], np.ndarray)  # numbers stay compact
     assert [t.name for t in f.tensors] == [t.name for t in ref.tensors]
     for t, r in zip(f.tensors, ref.tensors, strict=True):
         assert t.type_name == r.tensor_type.name and t.shape == (4, 64)
@@ -91,7 +94,8 @@ def _find(path, text: str) -> int:
 @pytest.mark.parametrize("case", [
     "truncated_header", "truncated_metadata", "string_past_the_end", "array_count_huge",
     "tensor_past_the_end", "version_1", "big_endian", "value_type", "counts_too_big",
-    "not_gguf", "alignment", "utf8", "dims",
+    "not_gguf", "alignment", "utf8", "dims", "duplicate_key", "duplicate_tensor", "huge_dim",
+    "bool_alignment",
 ])  # fmt: skip
 def test_malformed_files_are_refused_by_what_is_wrong(tmp_path, case):
     path = _write(tmp_path / "m.gguf")
@@ -103,7 +107,9 @@ def test_malformed_files_are_refused_by_what_is_wrong(tmp_path, case):
         "tensor_past_the_end": "runs past the end of the file", "version_1": "version 1",
         "big_endian": "big-endian", "value_type": "value type 77", "counts_too_big": "more than",
         "not_gguf": "not a GGUF file", "alignment": "power of two", "utf8": "not UTF-8",
-        "dims": "dimensions",
+        "dims": "dimensions", "duplicate_key": "metadata key dup1 appears twice",
+        "duplicate_tensor": "tensor w appears twice", "huge_dim": r"dimensions \[32, 9223",
+        "bool_alignment": "power of two",
     }[case]
     if case == "truncated_header":
         path.write_bytes(raw[:20])
@@ -132,8 +138,33 @@ def test_malformed_files_are_refused_by_what_is_wrong(tmp_path, case):
         _corrupt(path, _find(path, "t\u00e9st") + 8, b"\xff")
     elif case == "dims":  # the tensor's dimension count, after its name
         _corrupt(path, _find(path, "w") + 9, struct.pack("<I", 9))
+    elif case == "duplicate_key":  # (gguf's writer keeps one value per key)
+        path = _write(tmp_path / "d.gguf", dup1=1, dup2=2)
+        _corrupt(path, _find(path, "dup2") + 8, b"dup1")
+    elif case == "duplicate_tensor":
+        v = np.zeros((2, 32), np.float32)
+        path = _write(tmp_path / "d.gguf", tensors=(("w", v, None), ("v", v, None)))
+        _corrupt(path, _find(path, "v") + 8, b"w")
+    elif case == "huge_dim":  # the tensor's second dimension
+        _corrupt(path, _find(path, "w") + 9 + 4 + 8, struct.pack("<Q", 1 << 63))
+    elif case == "bool_alignment":
+        path = _write(tmp_path / "a.gguf", **{"general.alignment": True})
+    maps = _mappings(path)
     with pytest.raises(ValueError, match=want):
         GGUFFile(path)
+    assert _mappings(path) == maps  # a refused file is unmapped at once
+
+
+def _mappings(path) -> int:
+    return Path("/proc/self/maps").read_text().count(str(path.resolve()))
+
+
+def test_close_unmaps_the_file(tmp_path):
+    path = _write(tmp_path / "m.gguf")
+    with GGUFFile(path) as f:
+        assert _mappings(path) == 1
+        w = f.dequantize(f.tensors[0])
+    assert _mappings(path) == 0 and w.shape == (2, 32)
 
 
 def test_a_row_that_is_not_whole_blocks_is_refused(tmp_path):
