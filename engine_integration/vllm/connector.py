@@ -153,6 +153,14 @@ class LMKVConnector(KVConnectorBase_V1):
         # others' attention, so a failure anywhere spoils every rank's new KV of the step)
         self._any_rank: Callable[[bool], bool] = lambda failed: failed
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False in every role: lmkv copies a chunk out of its blocks within the step that
+        computes it and holds no block past it, and a dropped save is a later miss (vLLM's
+        default, True for a producer, would recompute requests preempted under async
+        scheduling for nothing)."""
+        return False
+
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Layer-wise loads and saves wait and copy in hooks between layers, which a full

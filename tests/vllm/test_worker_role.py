@@ -48,3 +48,9 @@ def test_a_load_failed_on_another_tensor_parallel_rank_stores_nothing_here(seen)
 def test_layerwise_mode_asks_vllm_for_piecewise_cuda_graphs(seen):
     """A full graph's replay skips the per-layer hooks that wait for each layer's load."""
     assert seen["piecewise"] == {"False": False, "True": True}
+
+
+def test_lmkv_asks_vllm_for_no_reliable_kv_delivery(seen):
+    """lmkv holds no block past the step that computes it, in any role (a producer's
+    preempted requests need no recompute)."""
+    assert seen["kv_delivery"] is False

@@ -131,6 +131,15 @@ def piecewise_graphs() -> dict:
         {"use_layerwise": layerwise}) for layerwise in (False, True)}
 
 
+def kv_delivery() -> bool:
+    """What vLLM's scheduler reads to recompute requests preempted with a hand-off pending
+    (its default: True for a producer)."""
+    conn = LMKVConnector.__new__(LMKVConnector)
+    conn._kv_transfer_config = SimpleNamespace(is_kv_producer=True)
+    return conn.requires_kv_delivery
+
+
 if __name__ == "__main__":
     print(json.dumps({"deferred": deferred_finalize(), "saves": saves_after_a_failed_load(),
-                      "other_rank": another_ranks_failed_load(), "piecewise": piecewise_graphs()}))
+                      "other_rank": another_ranks_failed_load(), "piecewise": piecewise_graphs(),
+                      "kv_delivery": kv_delivery()}))
