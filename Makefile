@@ -13,8 +13,10 @@ peers:
 	./scripts/setup_lmcache_venv.sh
 	./scripts/setup_vllm_venv.sh
 
-# Set up, then serve SmolLM2-135M-Instruct (the default model) with lmkv (CPU + disk tiers) on 127.0.0.1:8000.
-serve: setup
+# Set up (lmkv alone: no test extras), then serve SmolLM2-135M-Instruct (the default model)
+# with lmkv (CPU + disk tiers) on 127.0.0.1:8000; ARGS="--port 8001" passes flags to serve.
+serve:
+	LMKV_EXTRAS=$${LMKV_EXTRAS-} ./scripts/setup.sh
 	LMKV_CONFIG_FILE=$${LMKV_CONFIG_FILE:-examples/local_cpu_disk.yaml} exec .venv/bin/engine serve $(ARGS)
 
 # Set up (lmkv and the peer systems, side by side), lint, and run the whole test suite.

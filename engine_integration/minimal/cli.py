@@ -63,7 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
     g = engine_args.add_argument_group("engine")
     g.add_argument("--model", help="Llama-family Hugging Face directory or .gguf file; "
                    "'demo' is the random-weight demo model (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name", help="model name of the API (default: --model)")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weights and KV memory (default auto: bfloat16 on a GPU, float32 on the CPU)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
@@ -90,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", parents=[engine_args], epilog=LMKV_HELP,
                                 help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--served-model-name", help="model name of the API (default: --model)")
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     serve.add_argument("--port", type=port_number, default=8000, help="default 8000")
     serve.add_argument("--max-pending", type=int, default=ServerConfig.max_pending,
@@ -109,14 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", parents=[engine_args], epilog=LMKV_HELP,
                               help="generate from one prompt and print the text")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="text the model continues (with --chat: a user's message)")
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user's message through the model's chat template "
+                          "(as /v1/chat/completions does): what an instruct model answers")
     gen.add_argument("--max-tokens", type=int, help="default 16")
     gen.add_argument("--temperature", type=float, help="default 1.0; 0 is greedy")
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of tokens "
+                     "with this much probability (default 1.0: all)")
+    gen.add_argument("--top-k", type=int, help="sample among the k likeliest tokens "
+                     "(default: all)")
+    gen.add_argument("--seed", type=int, help="seed of this request's sampling (default: random)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="go on past the model's end-of-text token, up to --max-tokens")
     gen.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
 
     pre = commands.add_parser("precompute", parents=[engine_args], epilog=LMKV_HELP
@@ -125,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("files", nargs="+", help="text files; each is one chunk unless --split-on")
     pre.add_argument("--split-on", help="split each file into chunks at this string "
                      "(e.g. a blank line: $'\\n\\n')")
-    pre.add_argument("--batch-size", type=int, default=8)
+    pre.add_argument("--batch-size", type=int, default=8,
+                     help="chunks computed together in one engine run (default 8)")
     pre.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
 
     exp = commands.add_parser("export", help="write a GGUF model (default: SmolLM2) as a Hugging "
@@ -167,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
-        served_model_name=args.served_model_name,
+        served_model_name=getattr(args, "served_model_name", None),
         dtype=args.dtype,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
@@ -237,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                                 **{k: v for k, v in given.items() if v is not None})
     except ValueError as e:
         parser.error(str(e))
-    return _generate(config, args.prompt, params)
+    return _generate(config, args.prompt, params, args.chat)
 
 
 def _serve(config: ServerConfig) -> int:
@@ -264,16 +271,24 @@ def _lmkv_config():
     return load_config(path)
 
 
-def _generate(config: EngineConfig, prompt: str, params: SamplingParams) -> int:
+def _generate(config: EngineConfig, prompt: str, params: SamplingParams, chat: bool) -> int:
     from .llm import LLM
 
     try:
         with LLM(lmkv_config=_lmkv_config(), **asdict(config)) as llm:
-            out = llm.generate(prompt, params)[0]
+            if chat:  # the template places BOS and the turn markers
+                text = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                out = llm.generate([llm.engine.tokenize(text, add_special_tokens=False)], params)[0]
+            else:
+                out = llm.generate(prompt, params)[0]
     except (OSError, ValueError) as e:
         print(f"engine generate: error: {e}", file=sys.stderr)
         return 1
     print(out.text)
+    if not out.text.strip() and out.finish_reason == "stop":  # a bare empty line says nothing
+        hint = "" if chat else "; an instruct model answers a question given with --chat"
+        print(f"engine generate: the model ended the text at once ({len(out.output_token_ids)} "
+              f"tokens){hint}", file=sys.stderr)
     return 0
 
 

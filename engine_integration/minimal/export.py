@@ -6,6 +6,7 @@ weights and tokenizer: what lmkv's cross-engine benchmarks and tests compare."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -30,9 +31,12 @@ def export_hf(model: str | None, out: str | Path, dtype: str = "float32") -> Pat
         weights.pop("lm_head.weight", None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(_hf_config(mc, dtype), indent=2))
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(_hf_config(mc, dtype), indent=2))
+    # safetensors writes its file owner-only; readable as the other files (the umask's mode),
+    # for an engine that runs as another user
+    os.chmod(out / "model.safetensors", (out / "config.json").stat().st_mode & 0o777)
     tok._tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tok.chat_template,

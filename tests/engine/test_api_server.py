@@ -464,6 +464,28 @@ def test_generate_command_prints_the_offline_text(tiny_model_dir):
     want = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     assert out.stdout == want[0].text + "\n"
     assert want[0].text
+    # --chat: the prompt as a user's message through the chat template, as the chat API does
+    out = subprocess.run(
+        engine_command("generate", prompt, "--chat", "--model", str(tiny_model_dir), "--max-tokens",
+                       "10", "--temperature", "0", "--ignore-eos", "--kv-cache-memory", "8MiB"),
+        capture_output=True, text=True, timeout=120,
+    )
+    tok = llm.engine.tokenizer
+    ids = llm.engine.tokenize(tok.apply_chat_template([{"role": "user", "content": prompt}]),
+                              add_special_tokens=False)
+    want = llm.generate([ids], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert out.returncode == 0 and out.stdout == want[0].text + "\n", out.stderr
+
+
+def test_generate_says_so_when_the_model_ends_at_once():
+    """SmolLM2-Instruct given a question as plain text ends it at once (its end-of-text
+    first): not a bare blank line but a word on stderr that --chat is what answers it."""
+    out = subprocess.run(
+        engine_command("generate", "What is the capital of France?", "--max-tokens", "8",
+                       "--temperature", "0", "--kv-cache-memory", "64MiB"),
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "\n", out.stdout
+    assert "the model ended the text at once" in out.stderr and "--chat" in out.stderr
 
 
 @pytest.mark.parametrize("content,message", [

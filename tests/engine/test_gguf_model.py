@@ -262,6 +262,8 @@ def test_the_exported_directory_is_the_same_model(llm, hf, tmp_path):
     from lmkv_engines.minimal.cli import main
 
     assert main(["export", "--out", str(tmp_path / "hf")]) == 0
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "hf").iterdir()}
+    assert len(set(modes.values())) == 1, modes  # the weights as readable as the rest
     prompt = llm.tokenizer.apply_chat_template(CHATS[0])
     params = SamplingParams(max_tokens=12, temperature=0)
     want = llm.generate(prompt, params)[0].output_token_ids
