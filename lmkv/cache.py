@@ -16,6 +16,7 @@ from .codec.gate import QualityGate
 from .config import ConfigError, LMKVConfig
 from .keys import KeyScope, content_hashes, prefix_hashes, tail_hash
 from .layout import KVLayout
+from .logs import LogThrottle
 from .memory import NO_POSITION, ChunkBuffer, MemoryPool
 from .metrics import LMKVMetrics
 from .storage.manager import StorageManager
@@ -24,7 +25,8 @@ from .storage.tier import Tier
 
 log = logging.getLogger(__name__)
 
-DRAIN_TIMEOUT = 60.0  # seconds drain waits for the writes queued below the hot cache
+DRAIN_TIMEOUT = 30.0  # seconds drain waits for the writes queued below the hot cache (below
+# the lookup socket's call timeout: vLLM's scheduler asks a worker to drain through it)
 
 
 class LMKVCache:
@@ -34,6 +36,7 @@ class LMKVCache:
             raise ValueError(f"layout chunk size {layout.chunk_size} != config {config.chunk_size}")
         self.config = config
         self.layout = layout
+        self._quiet = LogThrottle()
         self.scope = KeyScope(model, layout, config.cache_salt)
         self.metrics = metrics or LMKVMetrics()
         if config.enable_blending and config.blend_check_layer >= layout.num_layers:
@@ -173,10 +176,10 @@ class LMKVCache:
     def drain(self, timeout: float = DRAIN_TIMEOUT) -> bool:
         """Wait until every queued write below the hot cache has finished; False (logged)
         if they have not within ``timeout`` seconds (a tier call is stuck)."""
-        if self.storage.io.drain(timeout):
+        if not self.storage.io_stuck() and self.storage.io.drain(timeout):
             return True
-        log.error("lmkv: %d background writes still queued after %.0f s (a tier call is "
-                  "stuck?); going on without them", self.storage.io.pending(), timeout)
+        self._quiet.log(log, logging.ERROR, "drain", "lmkv: %d background writes still queued "
+                        "(a tier call is stuck?); going on without them", self.storage.io.pending())
         return False
 
     def allocate(self) -> ChunkBuffer | None:

@@ -224,7 +224,7 @@ class StorageManager:
                 self._write_again(key, buf)
             out.append(buf)
         rest = keys[len(out):]
-        if rest and self.tiers and not self._io_stuck():
+        if rest and self.tiers and not self.io_stuck():
             parent = keys[len(out) - 1] if out else parent
             deadline = time.monotonic() + FETCH_TIMEOUT / 2  # no batch starts after it
             try:
@@ -236,7 +236,9 @@ class StorageManager:
                 raise
         return out
 
-    def _io_stuck(self) -> bool:
+    def io_stuck(self) -> bool:
+        """Whether a load timed out waiting for the I/O worker, which has not been free
+        since (a tier call is stuck)."""
         with self._lock:
             if self._stuck is not None and self._stuck.done():
                 self._stuck = None

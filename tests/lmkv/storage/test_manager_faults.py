@@ -345,6 +345,55 @@ def test_close_and_loads_return_while_a_tier_call_is_stuck(monkeypatch, caplog):
     assert pool.num_free == pool.num_slots  # nothing held by the abandoned jobs
 
 
+def test_drains_behind_a_stuck_tier_call_wait_once_and_queue_nothing(monkeypatch):
+    """A producer drains after each finished request. With a tier write hung: the first
+    drain waits its timeout, later ones only STUCK_GRACE (before, each waited the whole
+    timeout again, each behind one more queued no-op filling the queue), and lmkv's drain
+    none once a load found the worker stuck; after the write ends drains wait again."""
+    from lmkv.storage import io as io_module
+    from lmkv.storage import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "FETCH_TIMEOUT", 0.2)
+    monkeypatch.setattr(io_module, "STUCK_GRACE", 0.01)
+    pool = MemoryPool(LAYOUT, 8 * SLOT, pin=False)
+    backend = Stuck()
+    m = StorageManager(pool, [Tier("t", backend, "raw")], LMKVMetrics(), 16, policy="lru")
+    put_one(pool, m, "a")
+    assert backend.started.wait(5)
+    start = time.monotonic()
+    assert not m.io.drain(0.3)
+    assert time.monotonic() - start >= 0.3
+    queued = m.io.pending()
+    start = time.monotonic()
+    for _ in range(5):
+        assert not m.io.drain(0.3)
+    assert time.monotonic() - start < 0.1 and m.io.pending() == queued
+    backend.release.set()
+    assert m.io.drain(5)
+    # a load that timed out marks the worker stuck: lmkv's drain does not wait for it either
+    from lmkv.cache import LMKVCache
+    from lmkv.logs import LogThrottle
+
+    cache = object.__new__(LMKVCache)
+    cache.storage, cache._quiet = m, LogThrottle()
+    backend.release.clear()
+    backend.started.clear()
+    put_one(pool, m, "b")
+    assert backend.started.wait(5)
+    backend.values["x"] = b"x"  # held by the tier only: its read waits for the worker
+    assert m.fetch(["x"]) == [] and m.io_stuck()  # waited FETCH_TIMEOUT for the worker
+    start = time.monotonic()
+    assert not cache.drain(10)
+    assert time.monotonic() - start < 0.1
+    backend.release.set()
+    deadline = time.monotonic() + 5
+    while m.io_stuck():  # free again once the stuck write has ended
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert cache.drain(5)
+    m.close()
+
+
 def test_failed_tier_calls_are_timed_and_so_are_contains():
     class Failing(Memory):
         def put(self, items):
