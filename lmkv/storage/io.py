@@ -1,8 +1,9 @@
 """The one background I/O worker of a process: lower-tier reads and writes run here.
 
 Two queues: urgent work (a load the scheduler is waiting for) runs before background work
-(saves, prefetches). Background work is bounded: when the queue is full it is dropped
-(a lost save or prefetch costs a recompute later, never a stall of the engine).
+(saves, prefetches), and between the batches of a long prefetch. Background work is
+bounded: when the queue is full it is dropped (a lost save or prefetch costs a recompute
+later, never a stall of the engine).
 """
 
 from __future__ import annotations
@@ -105,21 +106,41 @@ class IOWorker:
             return False
         return True
 
+    def run_urgent(self) -> None:
+        """Inside a long background job (on the worker's thread): run the urgent jobs queued
+        now, so a load the engine waits for goes ahead of the rest of a prefetch."""
+        if threading.current_thread() is not self._thread:
+            return
+        while True:
+            try:
+                item = self._urgent.get_nowait()
+            except queue.Empty:
+                return
+            self._wake.acquire(blocking=False)  # its wake-up (if already given; _run copes)
+            self._execute(item, urgent=True)
+
     def _run(self) -> None:
         while True:
             self._wake.acquire()
             try:
                 item, urgent = self._urgent.get_nowait(), True
             except queue.Empty:
-                item, urgent = self._background.get_nowait(), False
+                try:
+                    item, urgent = self._background.get_nowait(), False
+                except queue.Empty:
+                    continue  # the wake-up of an urgent job that run_urgent ran
             if item is None:
                 return
-            fn, fut = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # reported through the future
-                fut.set_exception(e)
-                if not urgent:  # nobody waits for a background job's future
-                    log.error("lmkv: a background I/O job failed: %r", e, exc_info=e)
+            self._execute(item, urgent)
+
+    @staticmethod
+    def _execute(item: tuple[Callable[[], Any], Future], urgent: bool) -> None:
+        fn, fut = item
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # reported through the future
+            fut.set_exception(e)
+            if not urgent:  # nobody waits for a background job's future
+                log.error("lmkv: a background I/O job failed: %r", e, exc_info=e)

@@ -281,6 +281,8 @@ class StorageManager:
             for start in range(0, len(keys), LOAD_BATCH):
                 if start and time.monotonic() > deadline:
                     break
+                if start and prefetch:  # a load the engine waits for goes first
+                    self.io.run_urgent()
                 batch = keys[start : start + LOAD_BATCH]
                 loaded = self._load_batch(batch, prefetch, parents)
                 for key in batch:
@@ -303,7 +305,8 @@ class StorageManager:
 
     def prefetch(self, keys: list[str]) -> None:
         """Pull the leading stored chunks of ``keys`` into the hot cache, in one background
-        job (dropped, and counted, when the background queue is full)."""
+        job (dropped, and counted, when the background queue is full); loads queued meanwhile
+        run between its batches."""
         if not self.keep_hot:
             return
         prefix: list[ChunkBuffer] = []  # held until the job ends: its slots never evict them

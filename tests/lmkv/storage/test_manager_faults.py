@@ -612,3 +612,34 @@ def test_a_chunk_evicted_while_its_lost_write_is_noted_is_not_remembered():
     evictor.join()
     assert not m.hot.contains("a") and "a" not in m._unwritten
     m.close()
+
+
+def test_a_load_goes_ahead_of_the_rest_of_a_long_prefetch(monkeypatch):
+    """A prefetch of a long prompt from a slow tier is one background job; a load the
+    engine waits for (urgent) runs between its batches instead of behind all of it (before:
+    it waited FETCH_TIMEOUT, counted an I/O timeout, and took the healthy tier for stuck)."""
+    from lmkv.storage import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "FETCH_TIMEOUT", 2.0)
+
+    class Slow(Memory):
+        def get_into_many(self, keys, outs, arrived=None):  # 0.1 s a batch
+            time.sleep(0.1)
+            return super().get_into_many(keys, outs, arrived)
+
+    pool = MemoryPool(LAYOUT, 64 * SLOT, pin=False)
+    tier = Tier("slow", Slow(), "raw")
+    long_prompt = [f"p{i}" for i in range(48)]  # 6 batches of 8: 0.6 s
+    seed(pool, tier, [*long_prompt, "other"])
+    m = StorageManager(pool, [tier], LMKVMetrics(), 16, policy="lru")
+    m.prefetch(long_prompt)
+    time.sleep(0.05)  # its first batch is being read
+    start = time.monotonic()
+    got = m.fetch(["other"])
+    took = time.monotonic() - start
+    assert len(got) == 1 and took < 0.4, took
+    assert metric(m, "lmkv_errors_total", tier="io", kind="timeout") == 0
+    got[0].release()
+    assert m.io.drain(5)
+    assert m.lookup(long_prompt) == 48 and all(m.hot.contains(k) for k in long_prompt)
+    m.close()
