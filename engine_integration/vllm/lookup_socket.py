@@ -39,6 +39,7 @@ from lmkv.keys import chunk_ids, tail_id
 log = logging.getLogger(__name__)
 
 MAX_LINE = 64 << 20  # a prompt's token ids, or its keys, fit many times over
+MAX_OWED = 1 << 16  # unpins kept to send again (more: left to the pin TTL)
 CALL_TIMEOUT = 60.0  # seconds for one answer (a fetch may read lower tiers)
 BACKOFF = 5.0  # seconds after a call timed out during which calls fail at once
 
@@ -219,21 +220,21 @@ class LookupClient:
                 pinned.append([bool(f) for f in r.call("pin", keys=keys, parent=parent)["lossy"]])
         except BaseException:
             for r, flags in zip(self.ranks, pinned, strict=False):
-                r.best_effort("unpin", keys=keys[: len(flags)])
+                r.unpin(keys[: len(flags)])
             raise
         n = min(len(flags) for flags in pinned)
         for r, flags in zip(self.ranks, pinned, strict=True):
             if len(flags) > n:  # held by this rank, not by every rank: give it back
-                r.best_effort("unpin", keys=keys[n : len(flags)])
+                r.unpin(keys[n : len(flags)])
         return [any(flags[i] for flags in pinned) for i in range(n)]
 
     # the calls below are best effort: a failure is logged, never raised into vLLM's
-    # scheduler (a pin never given back expires in the worker; a lost drain only means a
-    # consumer may miss chunks still being written)
+    # scheduler (an unpin that fails is sent again before the rank's next call; a lost
+    # drain only means a consumer may miss chunks still being written)
     def unpin(self, keys: list[str]) -> None:
         if keys:
             for r in self.ranks:
-                r.best_effort("unpin", keys=keys)
+                r.unpin(keys)
 
     def touch(self, keys: list[str]) -> None:
         for r in self.ranks:
@@ -272,46 +273,69 @@ class RankConnection:
         self._next_id = 0
         self._quiet_until = 0.0  # after a timeout: calls fail at once until then
         self._down = False  # the last call failed: told once, and again when one succeeds
+        # keys whose unpin failed (the worker did not answer): sent before the next call,
+        # else their slots stay pinned until the worker's pin TTL (10 minutes)
+        self._owed: list[str] = []
 
     def best_effort(self, op: str, **args: Any) -> None:
         with contextlib.suppress(Exception):  # (call logs the worker going away and back)
             self.call(op, **args)
 
+    def unpin(self, keys: list[str]) -> None:
+        try:
+            self.call("unpin", keys=keys)
+        except (OSError, ValueError):  # no answer (logged by call): owed, sent with the next call
+            with self._lock:
+                self._owed = (self._owed + list(keys))[-MAX_OWED:]  # older ones: the TTL
+
     def call(self, op: str, **args: Any) -> dict[str, Any]:
-        """One request and its reply. Any failure closes the connection (the next call
-        opens a new one), so no late reply is ever read as another call's."""
+        """One request and its reply (after any owed unpin). Any failure closes the
+        connection (the next call opens a new one), so no late reply is ever read as
+        another call's."""
         with self._lock:
-            if time.monotonic() < self._quiet_until:
-                raise ConnectionError(f"lmkv: the worker process on {self.path} did not answer in "
-                                      f"{CALL_TIMEOUT:.0f} s; asking again in at most {BACKOFF:.0f} s")
-            self._next_id += 1
-            line = json.dumps({"op": op, "id": self._next_id, **args}).encode() + b"\n"
-            if len(line) > MAX_LINE:
-                raise ValueError(f"lmkv: {op} message of {len(line)} bytes exceeds {MAX_LINE}")
-            try:
-                sock = self._connect()
-                sock.sendall(line)
-                reply = self._rfile.readline(MAX_LINE + 1)
-                if not reply:
-                    raise ConnectionError(f"lmkv worker process closed {self.path}")
-                out = json.loads(reply)
-                if not isinstance(out, dict) or out.get("id") != self._next_id:
-                    raise ConnectionError(f"lmkv: reply out of step on {self.path}")
-            except BaseException as e:
-                self.close()
-                if isinstance(e, TimeoutError):  # a wedged worker: do not hold vLLM's scheduler
-                    self._quiet_until = time.monotonic() + BACKOFF  # not CALL_TIMEOUT at every call
-                if not self._down and isinstance(e, OSError | ValueError):
-                    self._down = True
-                    log.warning("lmkv: the worker process on %s does not answer (%s: %s); "
-                                "requests are computed without lmkv until it does", self.path,
-                                op, e)
-                raise
-            if self._down:
-                self._down = False
-                log.warning("lmkv: the worker process on %s answers again", self.path)
+            if self._owed:
+                owed, self._owed = self._owed, []
+                try:
+                    self._exchange("unpin", {"keys": owed})
+                except BaseException:
+                    self._owed = (owed + self._owed)[-MAX_OWED:]
+                    raise
+            out = self._exchange(op, args)
         if not out.get("ok"):
             raise RuntimeError(f"lmkv worker process: {out.get('error')}")
+        return out
+
+    def _exchange(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """One request and its reply, under the lock."""
+        if time.monotonic() < self._quiet_until:
+            raise ConnectionError(f"lmkv: the worker process on {self.path} did not answer in "
+                                  f"{CALL_TIMEOUT:.0f} s; asking again in at most {BACKOFF:.0f} s")
+        self._next_id += 1
+        line = json.dumps({"op": op, "id": self._next_id, **args}).encode() + b"\n"
+        if len(line) > MAX_LINE:
+            raise ValueError(f"lmkv: {op} message of {len(line)} bytes exceeds {MAX_LINE}")
+        try:
+            sock = self._connect()
+            sock.sendall(line)
+            reply = self._rfile.readline(MAX_LINE + 1)
+            if not reply:
+                raise ConnectionError(f"lmkv worker process closed {self.path}")
+            out = json.loads(reply)
+            if not isinstance(out, dict) or out.get("id") != self._next_id:
+                raise ConnectionError(f"lmkv: reply out of step on {self.path}")
+        except BaseException as e:
+            self.close()
+            if isinstance(e, TimeoutError):  # a wedged worker: do not hold vLLM's scheduler
+                self._quiet_until = time.monotonic() + BACKOFF  # not CALL_TIMEOUT at every call
+            if not self._down and isinstance(e, OSError | ValueError):
+                self._down = True
+                log.warning("lmkv: the worker process on %s does not answer (%s: %s); "
+                            "requests are computed without lmkv until it does", self.path,
+                            op, e)
+            raise
+        if self._down:
+            self._down = False
+            log.warning("lmkv: the worker process on %s answers again", self.path)
         return out
 
     def close(self) -> None:

@@ -280,3 +280,32 @@ def test_a_worker_that_does_not_answer_is_told_once_and_again_when_it_does(serve
     finally:
         lonely.close()
         again.close()
+
+
+def test_an_unpin_the_worker_did_not_answer_is_sent_with_the_next_call(served, monkeypatch):
+    """A pin taken, then any call times out (calls fail at once for a while after): the
+    scheduler's unpin fails too. It is sent again before the next call once the worker
+    answers (before: dropped, the slots pinned for the pin TTL, 10 minutes)."""
+    engine, server, remote = served
+    monkeypatch.setattr(lookup_socket, "CALL_TIMEOUT", 0.5)
+    monkeypatch.setattr(lookup_socket, "BACKOFF", 0.3)
+    prompt = list(range(300, 300 + 2 * CHUNK))
+    _store(engine, prompt)
+    keys = remote.keys(prompt)
+    assert remote.pin(keys) == [False, False] and len(engine.pins) == 2
+    real = engine.storage.lookup
+
+    def slow(keys):
+        time.sleep(1.0)
+        return real(keys)
+
+    engine.storage.lookup = slow
+    with pytest.raises(TimeoutError):
+        remote.lookup(keys)
+    remote.unpin(keys)  # fails at once (the back-off): owed
+    assert len(engine.pins) == 2
+    engine.storage.lookup = real
+    time.sleep(0.5)  # the back-off ends
+    assert remote.lookup(keys) == 2  # the owed unpin goes first
+    assert len(engine.pins) == 0
+    engine.pool.check_integrity()
