@@ -61,6 +61,8 @@ class Tier:
     def available(self) -> bool:
         """Whether reads may go to the backend now: not after a failed read until the
         breaker's interval is over and a probe, started here then, has answered."""
+        if self._closed:  # (a lookup still in flight as lmkv shuts down)
+            return False
         b = self.breaker
         if b.failures == 0 or b.trial:
             return True
@@ -108,6 +110,8 @@ class Tier:
             return False
         start = time.perf_counter()
         with self._lock:
+            if self._closed:
+                return False
             before, declined = self.backend.num_evictions, self.backend.num_not_stored
             try:
                 self.backend.put([(key, frame)])
@@ -175,6 +179,8 @@ class Tier:
         checked: dict[int, Exception | None] = {}  # frames checked as they landed: error
         raw = self.codec.name == "raw"
         with self._lock:
+            if self._closed:
+                return [False] * len(keys)
             unreadable = self.backend.num_unreadable
             try:
                 if raw:  # frames straight into the slots, each checked

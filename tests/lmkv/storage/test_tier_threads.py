@@ -326,3 +326,28 @@ def test_a_breaker_stays_at_its_ceiling_however_long_the_store_is_down():
     for _ in range(5000):
         interval = breaker.failure()
     assert interval == 30.0 and not breaker.closed
+
+
+def test_calls_in_flight_as_the_tier_closes_never_reach_the_closed_backend():
+    """A lookup still in flight as lmkv shuts down (a vLLM lookup-socket thread) waits for
+    the call in progress, then finds the tier closed: a miss, not a call into a closed
+    backend (an lm:// client reconnected, leaking its socket; a native client may crash)."""
+
+    class Recording(OneAtATime):
+        closed = False
+        after_close = 0
+
+        def _enter(self):
+            self.after_close += self.closed
+            super()._enter()
+
+        def close(self):
+            self.closed = True
+
+    backend = Recording()
+    tier = Tier("remote", backend, "zstd")
+    frame = memoryview(bytearray(64))
+    tier.close()
+    assert tier.contains(["a"]) is None and tier.read(["a"], [None]) == [False]
+    assert tier.write("a", frame) is False
+    assert backend.after_close == 0
