@@ -145,10 +145,11 @@ class LMKVConfig:
 
     @property
     def quality_check_every(self) -> int:
-        """1 in how many greedy requests served lossy KV the quality gate re-runs (0: off)."""
-        if self.codec_check_every is None:
-            return DEFAULT_CHECK_EVERY if self.uses_cachegen else 0
-        return self.codec_check_every
+        """1 in how many greedy requests served lossy KV the quality gate re-runs (0: off,
+        as it is without a lossy codec: no request is served lossy KV)."""
+        if not self.uses_cachegen:
+            return 0
+        return DEFAULT_CHECK_EVERY if self.codec_check_every is None else self.codec_check_every
 
     @property
     def disk_bytes(self) -> int:

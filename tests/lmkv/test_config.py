@@ -129,6 +129,8 @@ def test_local_cpu_false_is_accepted_with_a_tier_below(tmp_path):
 def test_a_lossy_codec_ships_with_the_quality_gate_on(tmp_path):
     disk = {"local_disk": str(tmp_path), "max_local_disk_size": 1.0}
     assert load_config(env={}, **disk).quality_check_every == 0  # lossless: nothing to check
+    # (a rate given without a lossy codec checks nothing either: vLLM refused such a config)
+    assert load_config(env={}, codec_check_every=16, **disk).quality_check_every == 0
     lossy = load_config(env={}, local_disk_codec="cachegen", **disk)
     assert lossy.codec_check_every is None and lossy.quality_check_every == 16
     remote = load_config(env={}, remote_url="redis://127.0.0.1:1", remote_serde="cachegen")
