@@ -164,12 +164,12 @@ def load_config(
     env = dict(os.environ) if env is None else env
     values: dict[str, Any] = {}
     path = path or env.get(CONFIG_FILE_ENV)
-    if path:
-        values.update(read_yaml(Path(path)))
+    if path:  # (LMCache's spellings are read per source, so that precedence holds for them)
+        values.update(_lmcache_blend_keys(read_yaml(Path(path))))
     for name in keys_in_env(env):
         key = name[len(ENV_PREFIX):].lower()
         values[key] = _parse_env(key, env[name])
-    values.update(overrides)
+    values.update(_lmcache_blend_keys(overrides))
     return from_dict(values)
 
 

@@ -85,7 +85,7 @@ class APIServer:
         app.add_exception_handler(RequestValidationError, _validation_error)
         app.add_exception_handler(HTTPException, _http_error)
         app.add_exception_handler(Exception, _unexpected_error)
-        app.add_middleware(BodyLimit, limit=config.max_request_body, budget=config.max_request_bodies)
+        app.add_middleware(BodyLimit, limit=config.max_request_body, budget=config.request_bodies_budget)
         app.add_middleware(MetricsMiddleware, metrics=self.metrics, endpoints=ENDPOINTS)
         self.app = app
 

@@ -98,9 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-body", type=parse_size, default=ServerConfig.max_request_body,
                        help="largest request body accepted; larger ones get HTTP 413 (default 8MiB)")
     serve.add_argument("--max-request-bodies", type=parse_size,
-                       default=ServerConfig.max_request_bodies,
                        help="total size of the bodies of the requests handled at once; a request "
-                       "past it gets HTTP 503 (default 256MiB)")
+                       "past it gets HTTP 503 (default 256MiB, or --max-request-body if larger)")
     serve.add_argument("--graceful-shutdown-timeout", type=float,
                        default=ServerConfig.graceful_shutdown_timeout, metavar="SECONDS",
                        help="on SIGTERM or SIGINT, how long requests in flight may run on "

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .config import EngineConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+DEFAULT_REQUEST_BODIES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,8 @@ class ServerConfig:
     log_level: str = "info"
     max_request_body: int = 8 << 20  # bytes; a larger request body gets HTTP 413
     # bytes of the bodies of all requests being handled at once; a request past it gets 503
-    max_request_bodies: int = 256 << 20
+    # (None: 256 MiB, or max_request_body if that is larger)
+    max_request_bodies: int | None = None
     # seconds a stopping server (SIGTERM, SIGINT) gives the requests in flight to finish
     graceful_shutdown_timeout: float = 5.0
     lmkv_config_file: str | None = None  # LMKV_CONFIG_FILE, read at startup
@@ -29,10 +31,17 @@ class ServerConfig:
         _check(0 <= self.port <= 65535, "port", "in [0, 65535]")
         _check(self.max_pending >= 0, "max_pending", ">= 0")
         _check(self.max_request_body >= 1024, "max_request_body", ">= 1KiB")
-        _check(self.max_request_bodies >= self.max_request_body, "max_request_bodies",
-               f">= max_request_body ({self.max_request_body} bytes)")
+        _check(self.max_request_bodies is None or self.max_request_bodies >= self.max_request_body,
+               "max_request_bodies", f">= max_request_body ({self.max_request_body} bytes)")
         _check(self.graceful_shutdown_timeout >= 1, "graceful_shutdown_timeout", ">= 1 second")
         _check(self.log_level in LOG_LEVELS, "log_level", f"one of {', '.join(LOG_LEVELS)}")
+
+    @property
+    def request_bodies_budget(self) -> int:
+        """Bytes of request bodies handled at once."""
+        if self.max_request_bodies is None:
+            return max(DEFAULT_REQUEST_BODIES, self.max_request_body)
+        return self.max_request_bodies
 
     @property
     def max_in_flight(self) -> int:

@@ -261,6 +261,11 @@ class LookupClient:
             r.close()
 
 
+class NotSent(ConnectionError):
+    """A call that never reached the worker (no connection, or the back-off after a
+    timeout): nothing of it was done there."""
+
+
 class RankConnection:
     """One rank's worker process, over its socket: one request, one reply, matched by id."""
 
@@ -282,11 +287,16 @@ class RankConnection:
             self.call(op, **args)
 
     def unpin(self, keys: list[str]) -> None:
+        """Give back pins; one that certainly did not reach the worker is sent again with the
+        next call (one that may have reached it is not: pins are counted per key, and a
+        second unpin would give back another request's pin; the worker's TTL ends it)."""
         try:
             self.call("unpin", keys=keys)
-        except (OSError, ValueError):  # no answer (logged by call): owed, sent with the next call
+        except NotSent:  # (logged by call)
             with self._lock:
                 self._owed = (self._owed + list(keys))[-MAX_OWED:]  # older ones: the TTL
+        except Exception:
+            pass  # (logged by call)
 
     def call(self, op: str, **args: Any) -> dict[str, Any]:
         """One request and its reply (after any owed unpin). Any failure closes the
@@ -297,7 +307,7 @@ class RankConnection:
                 owed, self._owed = self._owed, []
                 try:
                     self._exchange("unpin", {"keys": owed})
-                except BaseException:
+                except NotSent:
                     self._owed = (owed + self._owed)[-MAX_OWED:]
                     raise
             out = self._exchange(op, args)
@@ -308,14 +318,16 @@ class RankConnection:
     def _exchange(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """One request and its reply, under the lock."""
         if time.monotonic() < self._quiet_until:
-            raise ConnectionError(f"lmkv: the worker process on {self.path} did not answer in "
-                                  f"{CALL_TIMEOUT:.0f} s; asking again in at most {BACKOFF:.0f} s")
+            raise NotSent(f"lmkv: the worker process on {self.path} did not answer in "
+                          f"{CALL_TIMEOUT:.0f} s; asking again in at most {BACKOFF:.0f} s")
         self._next_id += 1
         line = json.dumps({"op": op, "id": self._next_id, **args}).encode() + b"\n"
         if len(line) > MAX_LINE:
             raise ValueError(f"lmkv: {op} message of {len(line)} bytes exceeds {MAX_LINE}")
+        sent = False  # from the first byte on, the worker may have the request
         try:
             sock = self._connect()
+            sent = True
             sock.sendall(line)
             reply = self._rfile.readline(MAX_LINE + 1)
             if not reply:
@@ -332,6 +344,8 @@ class RankConnection:
                 log.warning("lmkv: the worker process on %s does not answer (%s: %s); "
                             "requests are computed without lmkv until it does", self.path,
                             op, e)
+            if not sent and isinstance(e, OSError):
+                raise NotSent(str(e)) from e
             raise
         if self._down:
             self._down = False

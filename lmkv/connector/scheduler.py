@@ -95,6 +95,8 @@ class SchedulerConnector:
         self.blend_separator = blend_separator or []
         self.states: dict[str, _RequestState] = {}
         self.lossy_keys: OrderedDict[str, None] = OrderedDict()
+        # partial last chunks loaded lossy: the chunk before each ("" for none) -> lengths
+        self.lossy_tails: OrderedDict[str, set[int]] = OrderedDict()
         # requests holding pins that build_connector_meta has not planned yet
         self.pinning: set[str] = set()
 
@@ -129,7 +131,9 @@ class SchedulerConnector:
             self.cache.touch(st.keys[:below])  # are kept behind them
             st.touched = True
         if self.lossy_keys and not st.lossy:  # the engine's hit holds KV another request loaded lossy
-            st.lossy = self._engine_hit_lossy(st.keys[: min(-(-num_computed_tokens // c), full)])
+            st.lossy = (self._engine_hit_lossy(st.keys[: min(-(-num_computed_tokens // c), full)])
+                        or self._engine_hit_lossy_tail(request.prompt_token_ids, st.keys,
+                                                       num_computed_tokens))
         # pins taken from here on are given back at the step's plan unless the engine
         # allocates the request
         self.pinning.add(request.request_id)
@@ -149,6 +153,10 @@ class SchedulerConnector:
                 st.pinned.append(st.tail)
                 lossy = lossy + tail
                 st.tail_done = True
+                if tail[0]:
+                    self._note_lossy([st.tail])
+                    self._note_lossy_tail(st.keys[full - 1] if full else "",
+                                          len(request.prompt_token_ids) - full * c)
         st.saved_chunks = max(st.saved_chunks, found)  # not saved again
         if any(lossy):
             st.lossy = True
@@ -194,17 +202,22 @@ class SchedulerConnector:
         ``num_computed_tokens`` as it stands before the step (loaded tokens included).
         Pins of requests looked up but not scheduled (waiting for blocks, preempted) are
         given back: their next lookup pins again."""
+        meta = ConnectorMetadata()
         try:
-            return self._build_meta(scheduled)
+            self._build_meta(scheduled, meta)
+        except BaseException:  # the loads planned so far never run: their pins go back
+            for load in meta.loads:
+                self.cache.unpin(load.keys)
+            raise
         finally:
             for rid in self.pinning:
                 st = self.states.get(rid)
                 if st is not None:
                     self._unpin(st)
             self.pinning.clear()
+        return meta
 
-    def _build_meta(self, scheduled: Iterable[tuple[Any, int]]) -> ConnectorMetadata:
-        meta = ConnectorMetadata()
+    def _build_meta(self, scheduled: Iterable[tuple[Any, int]], meta: ConnectorMetadata) -> None:
         c = self.cache.chunk_size
         for request, num_new in scheduled:
             st = self._state(request)
@@ -265,7 +278,6 @@ class SchedulerConnector:
                     request.request_id, [st.tail], [self._slots(request.block_ids, whole, n)],
                     st.keys[n // c - 1] if n >= c else None, whole, lossy=st.lossy))
                 st.tail_done = True
-        return meta
 
     def _note_lossy(self, keys: list[str]) -> None:
         for key in keys:
@@ -273,6 +285,25 @@ class SchedulerConnector:
             self.lossy_keys.move_to_end(key)
         while len(self.lossy_keys) > LOSSY_KEYS_KEPT:
             self.lossy_keys.popitem(last=False)
+
+    def _note_lossy_tail(self, parent: str, length: int) -> None:
+        self.lossy_tails.setdefault(parent, set()).add(length)
+        self.lossy_tails.move_to_end(parent)
+        while len(self.lossy_tails) > LOSSY_KEYS_KEPT:
+            self.lossy_tails.popitem(last=False)
+
+    def _engine_hit_lossy_tail(self, prompt: list[int], keys: list[str], computed: int) -> bool:
+        """Whether the engine's hit (``computed`` tokens) reaches into a partial last chunk
+        that another request with the same tokens loaded lossy."""
+        if not self.lossy_tails:
+            return False
+        c = self.cache.chunk_size
+        for i in range(min(-(-computed // c), len(keys) + 1)):  # chunk i starting a tail
+            for length in self.lossy_tails.get(keys[i - 1] if i else "", ()):
+                end = i * c + length
+                if end <= len(prompt) and self.cache.tail_key(prompt[:end]) in self.lossy_keys:
+                    return True
+        return False
 
     def _engine_hit_lossy(self, keys: list[str]) -> bool:
         """Whether any of ``keys`` (chunks the engine's own prefix cache serves) was loaded

@@ -20,9 +20,6 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-STUCK_GRACE = 1.0  # seconds a drain waits for an earlier drain's wait that timed out
-
-
 class IOWorker:
     def __init__(self, max_background: int, name: str = "lmkv-io"):
         self._urgent: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
@@ -30,7 +27,7 @@ class IOWorker:
         self._wake = threading.Semaphore(0)
         self._lock = threading.Lock()  # submit vs close: nothing is queued after the stop
         self._closed = False
-        self._barrier: Future | None = None  # the last drain's no-op job
+        self._stalled: Future | None = None  # the no-op of the last drain that timed out
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -56,31 +53,27 @@ class IOWorker:
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has run (at once once closed: close runs it);
-        False if that took longer than ``timeout`` seconds. While an earlier drain's wait
-        that timed out has not run yet (the worker is stuck on a job, or far behind), this
-        one waits at most STUCK_GRACE seconds for it and queues nothing: each caller would
-        wait the whole timeout again, each behind one more queued no-op."""
+        False if that took longer than ``timeout`` seconds. Until the no-op of a drain that
+        timed out has run (the worker is stuck on a job, or far behind), False at once and
+        nothing queued: each caller would wait the whole timeout again, each behind one
+        more queued no-op."""
         deadline = None if timeout is None else time.monotonic() + timeout
         left = lambda: None if deadline is None else max(0.0, deadline - time.monotonic())  # noqa: E731
         if self._closed:
             return True
-        earlier = self._barrier
-        if earlier is not None and not earlier.done():
-            grace = STUCK_GRACE if timeout is None else min(STUCK_GRACE, timeout)
-            try:
-                earlier.result(grace)
-            except FuturesTimeout:
-                return False
+        stalled = self._stalled
+        if stalled is not None and not stalled.done():
+            return False
         fut = self.submit(lambda: None, urgent=False)
         while fut is None:  # queue full: wait for room
             if left() == 0.0:
                 return False
             threading.Event().wait(0.01)
             fut = self.submit(lambda: None, urgent=False)
-        self._barrier = fut
         try:
             fut.result(left())
         except FuturesTimeout:
+            self._stalled = fut
             return False
         return True
 

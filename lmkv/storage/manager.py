@@ -268,8 +268,11 @@ class StorageManager:
         """On the I/O thread: the leading ``keys`` that some tier has, each retained (in the
         hot cache as the chunks after ``parent`` in their prompt). Each tier is asked for a
         batch of chunks at once (one pipelined round trip); no batch starts after
-        ``deadline`` (a slow tier: the chunks loaded so far are the prefix)."""
+        ``deadline`` (a slow tier: the chunks loaded so far are the prefix). A prefetch
+        keeps only the last chunk loaded (the next batch's parent; the others are in the
+        hot cache), so that the loads it lets run between its batches can take their slots."""
         out: list[ChunkBuffer] = []
+        done = 0  # chunks loaded (a prefetch has released all but the last)
         parents = dict(zip(keys, [parent, *keys[:-1]], strict=True))
         # the chunk these continue stays while their slots are taken (a prefix policy
         # refuses chunks whose parent is gone)
@@ -290,9 +293,14 @@ class StorageManager:
                     if buf is None:
                         break
                     out.append(buf)
+                    done += 1
                 for buf in loaded.values():  # loaded beyond a missing chunk
                     buf.release()
-                if len(out) < start + len(batch):
+                if prefetch:
+                    for buf in out[:-1]:
+                        buf.release()
+                    del out[:-1]
+                if done < start + len(batch):
                     break
         except BaseException:  # (a decoder's bug: failed and corrupt reads are misses)
             for buf in out:

@@ -249,7 +249,8 @@ class Tier:
             self.metrics.errors.labels(self.name, "corrupt").inc()
             try:
                 with self._lock:
-                    self.backend.remove([key])
+                    if not self._closed:  # (a closed lazy backend would connect again)
+                        self.backend.remove([key])
             except BackendError as e:
                 self._quiet.log(log, logging.WARNING, "remove", "lmkv: cannot remove the corrupt "
                                 "chunk from %s (%s)", self.name, e)

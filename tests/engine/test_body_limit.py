@@ -85,3 +85,6 @@ def test_bodies_past_the_budget_get_503_until_the_ones_held_are_answered(declare
 def test_the_budget_must_hold_one_largest_body():
     with pytest.raises(ValueError, match="max_request_bodies"):
         ServerConfig(max_request_body=8 << 20, max_request_bodies=1 << 20)
+    # by default it grows with a larger single-body limit (which alone was valid before)
+    assert ServerConfig(max_request_body=512 << 20).request_bodies_budget == 512 << 20
+    assert ServerConfig().request_bodies_budget == 256 << 20

@@ -104,6 +104,11 @@ def test_lmcaches_blend_keys_are_read(tmp_path):
                     "blend_thresholds: null\nblend_min_tokens: 256\nblend_special_str: ' # # '\n")
     cfg = load_config(path, env={})
     assert (cfg.blend_recompute_ratio, cfg.blend_check_layer) == (0.3, 2)
+    # the environment and overrides win over the file, whichever spelling each uses
+    env = {"LMKV_BLEND_RECOMPUTE_RATIO": "0.5"}
+    assert load_config(path, env=env).blend_recompute_ratio == 0.5
+    assert load_config(path, env=env, blend_recompute_ratios=[0.7]).blend_recompute_ratio == 0.7
+    assert load_config(path, env={}, blend_check_layer=3).blend_check_layer == 3
 
 
 def test_lmcache_spellings_and_the_projects_own_variables():

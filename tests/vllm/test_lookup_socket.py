@@ -309,3 +309,33 @@ def test_an_unpin_the_worker_did_not_answer_is_sent_with_the_next_call(served, m
     assert remote.lookup(keys) == 2  # the owed unpin goes first
     assert len(engine.pins) == 0
     engine.pool.check_integrity()
+
+
+def test_an_unpin_that_may_have_reached_the_worker_is_not_sent_again(served, monkeypatch):
+    """An unpin whose reply is late (the worker was busy) may have been done there: sending
+    it again would give back another request's pin of the same chunk (pins count per key),
+    whose load then fails. It is left to the worker (or its pin TTL)."""
+    engine, server, remote = served
+    monkeypatch.setattr(lookup_socket, "CALL_TIMEOUT", 0.3)
+    monkeypatch.setattr(lookup_socket, "BACKOFF", 0.0)
+    prompt = list(range(100, 100 + CHUNK))
+    _store(engine, prompt)
+    keys = remote.keys(prompt)
+    remote.pin(keys)
+    remote.pin(keys)  # a second request's pin of the same chunk
+    real = engine.unpin
+    slow = [True]
+
+    def late(keys):
+        if slow.pop() if slow else False:
+            time.sleep(0.6)
+        real(keys)
+
+    engine.unpin = late
+    remote.unpin(keys)  # done by the worker, its reply too late
+    time.sleep(0.5)
+    assert len(engine.pins) == 1
+    remote.lookup(keys)
+    assert len(engine.pins) == 1  # the second request's pin is still there
+    remote.unpin(keys)
+    assert len(engine.pins) == 0

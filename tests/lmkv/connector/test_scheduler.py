@@ -360,6 +360,17 @@ def test_pins_of_a_request_that_was_not_scheduled_are_given_back_at_once():
         sched.build_connector_meta([(Request("broken", list(range(CHUNK + 1)), [], 0), CHUNK + 1),
                                     (other, 1)])
     assert len(engine.pins) == 0
+    # ... also when a request planned before the failing one was to load pinned chunks
+    sched.request_finished(other)
+    loading = Request("y", prompt)
+    assert sched.get_num_new_matched_tokens(loading, 0)[0] == 2 * CHUNK
+    loading.block_ids = list(range(100, 100 + -(-len(prompt) // BLOCK)))
+    sched.update_state_after_alloc(loading, loading.block_ids, 2 * CHUNK)
+    loading.num_computed_tokens = 2 * CHUNK
+    with pytest.raises(ValueError):
+        sched.build_connector_meta([(loading, 1), (Request("broken2", list(range(CHUNK + 1)), [], 0),
+                                                   CHUNK + 1)])
+    assert len(engine.pins) == 0
     engine.close()
 
 
@@ -421,4 +432,34 @@ def test_a_pinned_tail_of_a_request_not_scheduled_is_given_back_too():
         sched.build_connector_meta([])
         assert len(engine.pins) == 0
         sched.request_finished(req)
+    engine.close()
+
+
+def test_a_request_over_a_tail_loaded_lossy_in_the_engines_prefix_cache_is_lossy():
+    """save_unfull_chunk: request A loads its prompt's partial last chunk lossy; B continues
+    A's prompt and the engine's prefix cache serves blocks that tail filled: B computes
+    over lossy KV, so it is marked lossy (the tail's key is not one of B's chunk keys)."""
+    engine = _engine(save_unfull_chunk=True)
+    a_prompt = list(range(100, 100 + 2 * CHUNK + 10))
+    keys = engine.keys(a_prompt)
+    _store(engine, a_prompt)
+    buf = engine.allocate()
+    buf.num_tokens = 10
+    engine.store(engine.tail_key(a_prompt), buf, keys[-1])
+    buf.release()
+    sched = SchedulerConnector(_LossyCache(engine), BLOCK)
+    a = Request("a", a_prompt)
+    _, meta = _schedule(sched, a, computed=2 * CHUNK)  # the engine holds chunks 0-1: the tail
+    assert sched.served_lossy(a)
+    for key in meta.loads[0].keys:
+        engine.take(key).release()
+    sched.request_finished(a)
+    b = Request("b", a_prompt + list(range(7000, 7000 + CHUNK)))
+    _, meta = _schedule(sched, b, computed=2 * CHUNK + 8)
+    assert sched.served_lossy(b) and all(s.lossy for s in meta.saves)
+    c = Request("c", a_prompt[: 2 * CHUNK] + list(range(8000, 8000 + CHUNK)))  # another tail
+    _schedule(sched, c, computed=2 * CHUNK + 8)
+    assert not sched.served_lossy(c)
+    for r in (b, c):
+        sched.request_finished(r)
     engine.close()

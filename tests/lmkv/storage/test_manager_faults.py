@@ -347,14 +347,13 @@ def test_close_and_loads_return_while_a_tier_call_is_stuck(monkeypatch, caplog):
 
 def test_drains_behind_a_stuck_tier_call_wait_once_and_queue_nothing(monkeypatch):
     """A producer drains after each finished request. With a tier write hung: the first
-    drain waits its timeout, later ones only STUCK_GRACE (before, each waited the whole
-    timeout again, each behind one more queued no-op filling the queue), and lmkv's drain
-    none once a load found the worker stuck; after the write ends drains wait again."""
-    from lmkv.storage import io as io_module
+    drain waits its timeout, later ones return at once (before, each waited the whole
+    timeout again, each behind one more queued no-op filling the queue), as lmkv's drain
+    does once a load found the worker stuck; after the write ends drains wait again. A
+    drain beside another that has not timed out waits as usual."""
     from lmkv.storage import manager as manager_module
 
     monkeypatch.setattr(manager_module, "FETCH_TIMEOUT", 0.2)
-    monkeypatch.setattr(io_module, "STUCK_GRACE", 0.01)
     pool = MemoryPool(LAYOUT, 8 * SLOT, pin=False)
     backend = Stuck()
     m = StorageManager(pool, [Tier("t", backend, "raw")], LMKVMetrics(), 16, policy="lru")
@@ -369,7 +368,19 @@ def test_drains_behind_a_stuck_tier_call_wait_once_and_queue_nothing(monkeypatch
         assert not m.io.drain(0.3)
     assert time.monotonic() - start < 0.1 and m.io.pending() == queued
     backend.release.set()
-    assert m.io.drain(5)
+    deadline = time.monotonic() + 5
+    while not m.io.drain(5):  # (once the stalled no-op has run)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # two drains side by side behind a job that takes a while: both wait for it
+    slow = m.io.submit(lambda: time.sleep(0.5))
+    results = []
+    drains = [threading.Thread(target=lambda: results.append(m.io.drain(5))) for _ in range(2)]
+    for t in drains:
+        t.start()
+    for t in drains:
+        t.join()
+    assert slow.done() and results == [True, True]
     # a load that timed out marks the worker stuck: lmkv's drain does not wait for it either
     from lmkv.cache import LMKVCache
     from lmkv.logs import LogThrottle
@@ -643,3 +654,30 @@ def test_a_load_goes_ahead_of_the_rest_of_a_long_prefetch(monkeypatch):
     assert m.io.drain(5)
     assert m.lookup(long_prompt) == 48 and all(m.hot.contains(k) for k in long_prompt)
     m.close()
+
+
+def test_a_load_between_prefetch_batches_can_take_the_slots_of_chunks_prefetched():
+    """The prefetch holds only its last chunk (the next batch's parent) between batches: a
+    load run there may evict the chunks it already put in the hot cache, as it could when
+    it ran after the whole prefetch (before, the prefetch held them all and the load got a
+    shorter prefix)."""
+
+    class Slow(Memory):
+        def get_into_many(self, keys, outs, arrived=None):
+            time.sleep(0.2)
+            return super().get_into_many(keys, outs, arrived)
+
+    pool = MemoryPool(LAYOUT, 12 * SLOT, pin=False)
+    tier = Tier("slow", Slow(), "raw")
+    prefetched, other = [f"p{i}" for i in range(16)], [f"o{i}" for i in range(8)]
+    seed(pool, tier, prefetched + other)
+    m = StorageManager(pool, [tier], LMKVMetrics(), 16, policy="lru")
+    m.prefetch(prefetched)
+    time.sleep(0.05)
+    got = m.fetch(other)
+    assert len(got) == 8
+    for buf in got:
+        buf.release()
+    assert m.io.drain(5)
+    m.close()
+    assert pool.num_free == pool.num_slots

@@ -350,4 +350,11 @@ def test_calls_in_flight_as_the_tier_closes_never_reach_the_closed_backend():
     tier.close()
     assert tier.contains(["a"]) is None and tier.read(["a"], [None]) == [False]
     assert tier.write("a", frame) is False
+    # a corrupt frame read just before the close is not removed after it (a closed lazy
+    # backend would connect again to do it)
+    from lmkv.codec.frame import FrameError
+
+    removed = []
+    backend.remove = removed.append
+    assert tier._settle("a", b"", FrameError("corrupt")) is False and removed == []
     assert backend.after_close == 0
