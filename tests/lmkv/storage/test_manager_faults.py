@@ -253,6 +253,16 @@ class Stuck(Memory):
         super().put(items)
 
 
+def hung_write(pool) -> tuple[Stuck, StorageManager]:
+    """A manager over one tier whose backend's first write (of chunk "a", made here) hangs
+    until ``release`` is set, holding the I/O worker."""
+    backend = Stuck()
+    m = StorageManager(pool, [Tier("t", backend, "raw")], LMKVMetrics(), 16, policy="lru")
+    put_one(pool, m, "a")
+    assert backend.started.wait(5)
+    return backend, m
+
+
 def hold_worker(m) -> threading.Event:
     """Keep ``m``'s I/O worker busy and its queue (of one) full until the event is set."""
     gate = threading.Event()
@@ -355,10 +365,7 @@ def test_drains_behind_a_stuck_tier_call_wait_once_and_queue_nothing(monkeypatch
 
     monkeypatch.setattr(manager_module, "FETCH_TIMEOUT", 0.2)
     pool = MemoryPool(LAYOUT, 8 * SLOT, pin=False)
-    backend = Stuck()
-    m = StorageManager(pool, [Tier("t", backend, "raw")], LMKVMetrics(), 16, policy="lru")
-    put_one(pool, m, "a")
-    assert backend.started.wait(5)
+    backend, m = hung_write(pool)
     start = time.monotonic()
     assert not m.io.drain(0.3)
     assert time.monotonic() - start >= 0.3
@@ -524,10 +531,7 @@ def test_a_lookup_returns_while_a_write_to_the_tier_hangs(monkeypatch):
 
     monkeypatch.setattr(tier_module, "LOCK_WAIT", 0.2)
     pool = MemoryPool(LAYOUT, 8 * SLOT, pin=False)
-    backend = Stuck()
-    m = StorageManager(pool, [Tier("t", backend, "raw")], LMKVMetrics(), 16, policy="lru")
-    put_one(pool, m, "a")
-    assert backend.started.wait(5)
+    backend, m = hung_write(pool)
     start = time.monotonic()
     assert m.lookup(["x"]) == 0 and time.monotonic() - start < 2
     assert m.metrics.registry.get_sample_value("lmkv_errors_total",
