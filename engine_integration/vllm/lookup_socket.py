@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -53,17 +54,30 @@ def socket_path(engine_id: str, dp_rank: int = 0, tp_rank: int = 0) -> Path:
 
 
 def _unlink_if_dead(path: Path) -> None:
-    """Remove a socket file left by a process that is gone; one that still answers is
-    another live server's, and binding over it fails loudly instead."""
+    """Remove a socket file left by a process that is gone (nothing listens: connection
+    refused); one that still answers, or is too busy to within a second, is another live
+    server's, and binding over it fails loudly instead."""
     if not path.exists():
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
     try:
         probe.connect(str(path))
+    except ConnectionRefusedError:
+        with contextlib.suppress(OSError):  # (another user's file in a shared /tmp)
+            path.unlink(missing_ok=True)
     except OSError:
-        path.unlink(missing_ok=True)
+        pass
     finally:
         probe.close()
+
+
+def _sweep_dead_sockets(directory: Path) -> None:
+    """Remove the socket files of lookup servers whose process is gone: a vLLM stopped by a
+    signal exits without closing them, and each instance's engine id names a new one."""
+    for path in directory.glob("lmkv-*.sock"):
+        if re.fullmatch(r"lmkv-[0-9a-f]{20}\.sock", path.name):
+            _unlink_if_dead(path)
 
 
 class LookupServer:
@@ -74,6 +88,7 @@ class LookupServer:
         self.path = path
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        _sweep_dead_sockets(path.parent)
         _unlink_if_dead(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)

@@ -339,3 +339,25 @@ def test_an_unpin_that_may_have_reached_the_worker_is_not_sent_again(served, mon
     assert len(engine.pins) == 1  # the second request's pin is still there
     remote.unpin(keys)
     assert len(engine.pins) == 0
+
+
+def test_socket_files_of_dead_servers_are_swept_at_start(tmp_path):
+    """A vLLM stopped by a signal leaves its socket file (each instance's engine id names a
+    new one): a starting server removes those nobody listens on, and no other file."""
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
+    engine = LMKVCache(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
+    dead = tmp_path / "lmkv-0123456789abcdef0123.sock"
+    gone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    gone.bind(str(dead))
+    gone.close()  # the file stays, nobody listens
+    other = tmp_path / "lmkv-notours.sock"
+    other.write_text("")
+    alive = LookupServer(engine, tmp_path / "lmkv-aaaaaaaaaaaaaaaaaaaa.sock")
+    try:
+        assert not dead.exists() and other.exists() and alive.path.exists()
+        second = LookupServer(engine, tmp_path / "lmkv-bbbbbbbbbbbbbbbbbbbb.sock")
+        assert alive.path.exists()  # a live server's file stays
+        second.close()
+    finally:
+        alive.close()
+        engine.close()
