@@ -141,6 +141,7 @@ class SchedulerConnector:
         # behind its parent, and the engine's own hit may hold that parent)
         lossy = (self.cache.pin(st.keys[first:full], st.keys[first - 1] if first else None)
                  if full > first else [])
+        self._note_lossy([k for k, flag in zip(st.keys[first:], lossy, strict=False) if flag])
         # at once: whatever follows, these pins are given back or loaded
         st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
         found = first + len(lossy) if lossy else below
@@ -158,9 +159,7 @@ class SchedulerConnector:
                     self._note_lossy_tail(st.keys[full - 1] if full else "",
                                           len(request.prompt_token_ids) - full * c)
         st.saved_chunks = max(st.saved_chunks, found)  # not saved again
-        if any(lossy):
-            st.lossy = True
-            self._note_lossy(st.keys[first : first + len(lossy)])
+        st.lossy = st.lossy or any(lossy)
         hit = min((first + len(lossy)) * c, len(request.prompt_token_ids) - 1)
         st.looked_up = (len(request.prompt_token_ids), num_computed_tokens)
         if hit <= num_computed_tokens:
