@@ -248,7 +248,8 @@ class StorageManager:
         try:
             return fut.result(FETCH_TIMEOUT)
         except FuturesTimeout:
-            pass
+            if fut.done():  # the job's own TimeoutError (the same class), not the wait's
+                raise
         if not fut.cancel():  # it runs: what it loads goes back when it ends
             def give_back(f: Future) -> None:
                 if f.exception() is None:

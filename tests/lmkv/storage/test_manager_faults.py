@@ -685,3 +685,23 @@ def test_a_load_between_prefetch_batches_can_take_the_slots_of_chunks_prefetched
     assert m.io.drain(5)
     m.close()
     assert pool.num_free == pool.num_slots
+
+
+def test_a_load_that_raises_timeout_error_is_not_taken_for_a_stuck_worker():
+    """TimeoutError raised by the load itself (the class futures' wait timeout is on Python
+    3.11) is its failure, raised to the caller: not a wait that timed out, which would mark
+    the worker stuck and serve hot chunks only for a while."""
+
+    class Raising(Memory):
+        def get_into_many(self, keys, outs, arrived=None):
+            raise TimeoutError("a client library's own timeout")
+
+    pool = MemoryPool(LAYOUT, 8 * SLOT, pin=False)
+    tier = Tier("t", Raising(), "raw")
+    seed(pool, tier, ["x"])
+    m = StorageManager(pool, [tier], LMKVMetrics(), 16, policy="lru")
+    with pytest.raises(TimeoutError, match="own timeout"):
+        m.fetch(["x"])
+    assert not m.io_stuck() and metric(m, "lmkv_errors_total", tier="io", kind="timeout") == 0
+    m.close()
+    assert pool.num_free == pool.num_slots
