@@ -271,7 +271,12 @@ class Tier:
             threading.Thread(target=self._run_probe, name=f"lmkv-probe-{self.name}",
                              daemon=True).start()
         except RuntimeError as e:  # no thread to be had: reads stay off for another interval
-            self._probing = False
+            with self._probe_lock:
+                self._probing = False
+                closing = self._closed  # close took this for a probe in the backend
+            if closing:
+                self._close_backend()
+                return
             self.breaker.failure()
             log.warning("lmkv: cannot probe %s (%s)", self.name, e)
 

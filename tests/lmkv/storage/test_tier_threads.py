@@ -271,6 +271,33 @@ def test_closing_does_not_wait_for_a_hung_probe():
     assert not tier.available and len(backend.calls) == 2 and closed == [1]
 
 
+def test_a_probe_thread_that_cannot_start_as_the_tier_closes_still_closes_it(monkeypatch):
+    """close() took the probe being started for one in the backend and left the closing to
+    it; when its thread cannot start, closing falls to the starter (before: never closed)."""
+    import lmkv.storage.tier as tier_module
+
+    backend = Hangs()
+    closed = []
+    backend.close = lambda: closed.append(1)
+    tier = Tier("remote", backend, "zstd", breaker=CircuitBreaker(base_interval=0.05))
+    assert tier.contains(["a"]) is None
+    time.sleep(0.1)
+
+    class NoThread:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def start(self):
+            tier.close()  # close runs between the probe's start and its failure
+            raise RuntimeError("can't start new thread")
+
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(tier_module, "threading", SimpleNamespace(Thread=NoThread))  # (here only)
+    assert not tier.available
+    assert closed == [1]
+
+
 def test_disk_lookups_do_not_undo_the_breaker_of_failing_reads(tmp_path, monkeypatch):
     """A disk tier's lookups read an index in memory: they answer while its reads fail, so
     they must not reset the breaker the reads opened (else a failing disk would be read at
