@@ -337,7 +337,12 @@ class StorageManager:
             if run:
                 self._inflight.update(run)
         parent = keys[n - 1] if n else None
-        if not run or self.io.submit(lambda: self._prefetch_run(run, parent, prefix)) is None:
+        try:
+            queued = bool(run) and self.io.submit(
+                lambda: self._prefetch_run(run, parent, prefix)) is not None
+        except RuntimeError:  # the worker is closed (lmkv shutting down)
+            queued = False
+        if not queued:
             for buf in prefix:
                 buf.release()
             if run:

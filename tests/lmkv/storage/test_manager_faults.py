@@ -705,3 +705,17 @@ def test_a_load_that_raises_timeout_error_is_not_taken_for_a_stuck_worker():
     assert not m.io_stuck() and metric(m, "lmkv_errors_total", tier="io", kind="timeout") == 0
     m.close()
     assert pool.num_free == pool.num_slots
+
+
+def test_a_prefetch_after_close_leaks_nothing():
+    """A prefetch arriving as lmkv shuts down (its I/O worker closed) holds nothing."""
+    pool, (tier,), m = manager(slots=8, policy="lru")
+    seed(pool, tier, ["b"])
+    put_one(pool, m, "a")
+    assert m.io.drain(5)
+    m.io.close()
+    m.prefetch(["a", "b"])  # "a" hot (held while the job would run), "b" to fetch
+    assert m._inflight == set() and m.hot.contains("a")
+    m.hot.clear()
+    assert pool.num_free == pool.num_slots
+    m.close()
