@@ -186,9 +186,10 @@ class LMKVCache:
         self.pins.sweep()  # stale pins hold slots that saves need
         return self.storage.allocate()
 
-    def store(self, key: str, buf: ChunkBuffer, parent: str | None = None) -> None:
-        """Store one chunk; ``parent`` is the key of the chunk before it in its prompt."""
-        self.storage.put(key, buf, parent)
+    def store(self, key: str, buf: ChunkBuffer, parent: str | None = None) -> bool:
+        """Store one chunk; ``parent`` is the key of the chunk before it in its prompt.
+        False if it went nowhere (the hot cache's policy refused it, no tier write queued)."""
+        return self.storage.put(key, buf, parent)
 
     # ---- RAG chunks (CacheBlend): keyed by content, reusable anywhere in a prompt ----------
     def content_keys(self, tokens: list[int]) -> list[str]:
@@ -201,22 +202,31 @@ class LMKVCache:
 
     def store_chunk(self, tokens: list[int], kv: torch.Tensor) -> bool:
         """Store a RAG chunk's KV, kv: [2, L, len(tokens), Hkv, D] computed at positions
-        [0, len(tokens)), keys before RoPE with blend_store_pre_rope. Returns False if the
-        hot cache had no room."""
+        [0, len(tokens)), keys before RoPE with blend_store_pre_rope (another shape is a
+        ValueError, before anything is stored). False if a piece of it went nowhere: no
+        room in the hot cache, or its policy refused the piece and no tier below took it."""
+        lay = self.layout
+        want = (2, lay.num_layers, len(tokens), lay.num_kv_heads, lay.head_dim)
+        if not tokens or tuple(kv.shape) != want:
+            raise ValueError(f"a RAG chunk of {len(tokens)} tokens needs KV of shape {list(want)} "
+                             f"[K/V, layers, tokens, KV heads, head dim], got {list(kv.shape)}")
         c = self.chunk_size
         keys = self.content_keys(tokens)
         for i, key in enumerate(keys):
             buf = self.allocate()
             if buf is None:
                 return False
-            part = kv[:, :, i * c : (i + 1) * c]
-            buf.kv[:, :, : part.shape[2]].copy_(part)
-            buf.kv[:, :, part.shape[2] :].zero_()
-            buf.num_tokens = part.shape[2]  # a tail is stored at its own size below the hot cache
-            buf.position = NO_POSITION if self.config.blend_store_pre_rope else i * c
-            # a piece after the first is useful only with those before it (as fetched)
-            self.store(key, buf, keys[i - 1] if i else None)
-            buf.release()
+            try:
+                part = kv[:, :, i * c : (i + 1) * c]
+                buf.kv[:, :, : part.shape[2]].copy_(part)
+                buf.kv[:, :, part.shape[2] :].zero_()
+                buf.num_tokens = part.shape[2]  # a tail is stored at its own size below the hot cache
+                buf.position = NO_POSITION if self.config.blend_store_pre_rope else i * c
+                # a piece after the first is useful only with those before it (as fetched)
+                if not self.store(key, buf, keys[i - 1] if i else None):
+                    return False
+            finally:
+                buf.release()
         return True
 
     def blend_plan(self, tokens: list[int], separator: list[int]) -> BlendPlan | None:

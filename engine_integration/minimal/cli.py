@@ -340,10 +340,16 @@ def _precompute(config: EngineConfig, files: list[str], split_on: str | None,
         if not (lmkv_config.local_disk or lmkv_config.remote_url):
             print("engine precompute: warning: no disk or remote tier configured; the chunks "
                   "live only as long as this process", file=sys.stderr)
+        if not lmkv_config.enable_blending:
+            print("engine precompute: warning: enable_blending is off in this config; an engine "
+                  "serving with it does not reuse these chunks", file=sys.stderr)
         chunks = []
         for name in files:
-            with open(name, encoding="utf-8") as f:
-                text = f.read().removesuffix("\n")  # the file's last line end, not its text
+            try:
+                with open(name, encoding="utf-8") as f:
+                    text = f.read().removesuffix("\n")  # the file's last line end, not its text
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
             parts = text.split(split_on) if split_on else [text]
             chunks += [p for p in parts if p.strip()]
         with LLM(lmkv_config=lmkv_config, **asdict(config)) as llm:

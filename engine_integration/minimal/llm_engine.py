@@ -235,6 +235,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions
+        forward_before = self.runner.num_forward_tokens
         if self.kv_connector is not None:  # lookups of requests admitted now must find them
             sch = self.scheduler
             admits = bool(sch.waiting) and len(sch.running) < sch.config.max_num_seqs
@@ -269,7 +270,8 @@ class LLMEngine:
         outputs = self._postprocess(sched, sampled)
         if self.kv_connector is not None and not self.scheduler.has_unfinished():
             self.kv_connector.complete_saves(wait=True)  # idle next: nothing would poll them
-        self.metrics.computed_tokens.inc(sched.num_tokens)
+        # (a blended prompt's reused tokens not recomputed are not: the runner counts)
+        self.metrics.computed_tokens.inc(self.runner.num_forward_tokens - forward_before)
         self._update_gauges()
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         return outputs

@@ -43,7 +43,8 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Sequence[str | li
     for tokens in token_lists:
         if tokens and tuple(tokens) not in seen:
             seen.add(tuple(tokens))
-            if not lmkv.has_chunk(tokens):
+            # stored means below the hot cache too, where tiers are (as counted below)
+            if not lmkv.has_chunk(tokens) or _not_persisted(lmkv, [tokens]):
                 todo.append(tokens)
     report = PrecomputeReport(0, len(token_lists) - empty - len(todo), 0, 0, 0.0)
     stored: list[list[int]] = []
@@ -62,7 +63,8 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Sequence[str | li
     lost = _not_persisted(lmkv, stored)
     if lost:
         log.warning("precompute: %d chunks did not reach every tier below the hot cache "
-                    "(writes dropped or failed: see lmkv_errors_total)", lost)
+                    "(writes dropped or failed, or evicted at once by a tier's size cap: see "
+                    "lmkv_dropped_total, lmkv_errors_total, lmkv_evictions_total)", lost)
     report.stored, report.failed = len(stored) - lost, report.failed + lost
     report.seconds = time.perf_counter() - start
     log.info("precompute: %d stored, %d already stored, %d failed, %.1fs", report.stored,

@@ -68,12 +68,13 @@ class StorageManager:
             self.metrics.dropped.labels("no_memory").inc()
         return buf
 
-    def put(self, key: str, buf: ChunkBuffer, parent: str | None = None) -> None:
+    def put(self, key: str, buf: ChunkBuffer, parent: str | None = None) -> bool:
         """Store ``buf`` under ``key`` (the chunk after ``parent`` in its prompt; None for a
         first or content-keyed chunk): hot now if the policy keeps it, lower tiers in the
         background. The caller keeps its own reference and releases it as usual. A chunk
         marked lossy (computed over KV decoded lossy) goes only where it is read back as
-        lossy: the hot cache until the quality gate trips, whole chunks to lossy tiers."""
+        lossy: the hot cache until the quality gate trips, whole chunks to lossy tiers.
+        False when it went nowhere (the policy refused it and no write was queued)."""
         hot = self.keep_hot and self.hot.put(key, buf, parent)
         self.metrics.hot_chunks.set(len(self.hot))
         tiers = self.tiers
@@ -83,6 +84,7 @@ class StorageManager:
         queued = bool(tiers) and self._submit_write(key, buf, tiers)
         if hot or queued:
             self.metrics.stored_chunks.inc()
+        return hot or queued
 
     def _submit_write(self, key: str, buf: ChunkBuffer, tiers: list[Tier] | None = None) -> bool:
         """Queue ``buf``'s write to ``tiers`` (default: all below); False (counted) if the

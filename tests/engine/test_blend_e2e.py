@@ -448,3 +448,53 @@ def test_precompute_counts_what_it_could_not_store_and_leaves_nothing_behind(tin
     with _blend_llm(tiny_model_dir, 0.15, remote_url="lm://127.0.0.1:9") as llm:  # nobody there
         report = llm.precompute(docs, progress=False)
         assert (report.stored, report.failed) == (0, 3)
+
+
+def test_precompute_again_stores_what_a_tier_below_lost(tiny_model_dir, tmp_path):
+    """A chunk the hot cache holds but the disk tier lost (evicted for its size cap) is not
+    "already stored": a process started later would not find it. Running precompute again
+    stores it (before, it was skipped as stored and lost with the process)."""
+    docs, _ = _docs(9)
+    with _blend_llm(tiny_model_dir, 0.15, local_disk=str(tmp_path), max_local_disk_size=0.1) as llm:
+        assert llm.precompute(docs, progress=False).stored == 3
+        cache = llm.engine.kv_connector.cache
+        cache.storage.tiers[0].backend.remove(cache.content_keys(docs[0]))
+        report = llm.precompute(docs, progress=False)
+        assert (report.stored, report.skipped, report.failed) == (1, 2, 0)
+        assert all(cache.storage.tiers[0].contains(cache.content_keys(d)) == [True] * len(
+            cache.content_keys(d)) for d in docs)
+
+
+def test_computed_tokens_of_a_blended_prompt_are_those_the_model_ran(tiny_model_dir):
+    """engine_computed_tokens_total counts what the model computed: for a blended prompt
+    its uncached and recomputed tokens, not the reused ones too."""
+    docs, query = _docs(11)
+    with _blend_llm(tiny_model_dir, 0.15) as llm:
+        llm.precompute(docs, progress=False)
+        prompt = join_segments([docs[0], docs[1], query], llm.engine.blend_separator)
+        reg = llm.engine.metrics.registry
+        before = reg.get_sample_value("engine_computed_tokens_total")
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0]
+        counted = reg.get_sample_value("engine_computed_tokens_total") - before
+        reused = out.num_external_tokens
+        recomputed = reg.get_sample_value("lmkv_blend_recomputed_tokens_total")
+        assert reused == len(docs[0]) + len(docs[1]) and recomputed > 0
+        assert counted == len(prompt) - reused + recomputed
+
+
+def test_precompute_names_a_file_that_is_not_text_and_warns_when_blending_is_off(tiny_model_dir,
+                                                                                  tmp_path):
+    import os
+    import subprocess
+
+    from .test_api_server import engine_command
+
+    config = tmp_path / "lmkv.yaml"
+    config.write_text(f"chunk_size: 32\nlocal_disk: {tmp_path / 'disk'}\nmax_local_disk_size: 0.1\n")
+    env = {**os.environ, "LMKV_CONFIG_FILE": str(config)}
+    (tmp_path / "bad.txt").write_bytes(b"caf\xff\n")
+    out = subprocess.run(engine_command("precompute", "--model", str(tiny_model_dir),
+                                        str(tmp_path / "bad.txt")),
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and f"{tmp_path / 'bad.txt'} is not UTF-8 text" in out.stderr
+    assert "enable_blending is off" in out.stderr

@@ -11,7 +11,7 @@ from lmkv.cache import LMKVCache
 from lmkv.config import load_config
 from lmkv.keys import content_hashes, prefix_hashes
 from lmkv.layout import KVLayout
-from lmkv.memory import NO_POSITION
+from lmkv.memory import HEADER_BYTES, NO_POSITION
 from lmkv.ops import rerotate_keys
 from lmkv_engines.minimal.model_config import RopeScaling
 from lmkv_engines.minimal.rope import RotaryEmbedding
@@ -157,4 +157,31 @@ def test_the_pieces_of_a_long_rag_chunk_are_kept_in_order():
     nodes = cache.storage.hot.policy.nodes
     assert [None if nodes[k].parent is None else nodes[k].parent.key for k in keys] == [
         None, keys[0], keys[1]]
+    cache.close()
+
+
+def test_store_chunk_refuses_kv_of_another_shape_and_says_when_a_piece_went_nowhere():
+    """KV of a shape that does not fit the tokens and the model is a ValueError before any
+    slot is taken (a short one raised half-way, holding a slot for good; one layer for two
+    was broadcast and stored). A piece the hot cache's policy refuses with no tier below
+    makes store_chunk False (it said True for chunks no lookup could find)."""
+    cfg = load_config(env={}, chunk_size=16, max_local_cpu_size=0.01, enable_blending=True)
+    cache = LMKVCache(cfg, KVLayout(2, 1, 4, torch.float32, 16), "m")
+    tokens = list(range(100, 140))
+    free = cache.pool.num_free
+    for bad in ((2, 2, 30, 1, 4), (2, 1, 40, 1, 4), (2, 2, 40, 4, 1), (2, 2, 41, 1, 4)):
+        with pytest.raises(ValueError, match=r"needs KV of shape \[2, 2, 40, 1, 4\]"):
+            cache.store_chunk(tokens, torch.randn(bad))
+    assert cache.pool.num_free == free and len(cache.storage.hot) == 0
+    cache.pool.check_integrity()
+    cache.close()
+
+    small = load_config(env={}, chunk_size=16, enable_blending=True,
+                        max_local_cpu_size=6 * (HEADER_BYTES + 2 * 2 * 16 * 4 * 4) / 1e9 + 1e-12)
+    cache = LMKVCache(small, KVLayout(2, 1, 4, torch.float32, 16), "m")
+    assert cache.pool.num_slots == 6
+    long = list(range(200, 200 + 10 * 16))  # 10 pieces, 6 slots, nothing below
+    assert cache.store_chunk(long, torch.randn(2, 2, len(long), 1, 4)) is False
+    assert not cache.has_chunk(long)
+    cache.pool.check_integrity()
     cache.close()
