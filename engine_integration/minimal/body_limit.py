@@ -49,6 +49,7 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         body = bytearray()  # chunked: read it all here, at most limit bytes, then hand it on
+        taken = 0
         try:
             while True:
                 message = await receive()
@@ -61,12 +62,15 @@ class BodyLimit:
                 if not self._take(len(piece)):
                     await self._busy(send)
                     return
+                taken += len(piece)
                 body += piece
                 if not message.get("more_body", False):
                     break
-            await self.app(scope, self._replay(bytes(body), receive), send)
+            whole = bytes(body)
+            del body  # (one copy held while the app runs)
+            await self.app(scope, self._replay(whole, receive), send)
         finally:
-            self.held -= len(body)
+            self.held -= taken
 
     def _take(self, n: int) -> bool:
         if n and self.held + n > self.budget:
