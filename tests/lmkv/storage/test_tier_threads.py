@@ -245,15 +245,22 @@ def test_a_probe_that_fails_holds_reads_off_for_a_longer_interval():
     assert tier.metrics.errors.labels("remote", "contains")._value.get() == 1
 
 
-def test_closing_does_not_wait_for_a_hung_probe():
-    """close returns at once while a probe hangs in the backend; the probe closes the
-    backend when its call returns, and no probe starts after close."""
+def failed_once() -> tuple[Hangs, list[int], Tier]:
+    """A tier whose first lookup failed, its breaker's interval over: the next check of
+    ``available`` starts a probe. ``closed`` records the backend's close."""
     backend = Hangs()
-    closed = []
+    closed: list[int] = []
     backend.close = lambda: closed.append(1)
     tier = Tier("remote", backend, "zstd", breaker=CircuitBreaker(base_interval=0.05))
     assert tier.contains(["a"]) is None
     time.sleep(0.1)
+    return backend, closed, tier
+
+
+def test_closing_does_not_wait_for_a_hung_probe():
+    """close returns at once while a probe hangs in the backend; the probe closes the
+    backend when its call returns, and no probe starts after close."""
+    backend, closed, tier = failed_once()
     backend.mode = "hang"
     assert not tier.available  # starts the probe, which hangs
     deadline = time.monotonic() + 5
@@ -276,12 +283,7 @@ def test_a_probe_thread_that_cannot_start_as_the_tier_closes_still_closes_it(mon
     it; when its thread cannot start, closing falls to the starter (before: never closed)."""
     import lmkv.storage.tier as tier_module
 
-    backend = Hangs()
-    closed = []
-    backend.close = lambda: closed.append(1)
-    tier = Tier("remote", backend, "zstd", breaker=CircuitBreaker(base_interval=0.05))
-    assert tier.contains(["a"]) is None
-    time.sleep(0.1)
+    backend, closed, tier = failed_once()
 
     class NoThread:
         def __init__(self, *args, **kwargs):
