@@ -215,7 +215,6 @@ _HINTS = typing.get_type_hints(LMKVConfig)
 
 
 def from_dict(values: dict[str, Any]) -> LMKVConfig:
-    values = _lmcache_blend_keys(values)
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise ConfigError(

@@ -198,8 +198,8 @@ def plain(value: Any) -> Any:
     """A metadata value with its numpy arrays (arrays of numbers) as lists."""
     if isinstance(value, np.ndarray):
         return value.tolist()
-    if isinstance(value, list):
-        return [plain(v) for v in value]
+    if isinstance(value, list) and value and isinstance(value[0], list | np.ndarray):
+        return [plain(v) for v in value]  # (a GGUF array's items are all of one type)
     return value
 
 

@@ -323,7 +323,7 @@ class RankConnection:
                 try:
                     self._exchange("unpin", {"keys": owed})
                 except NotSent:
-                    self._owed = (owed + self._owed)[-MAX_OWED:]
+                    self._owed = owed  # (nothing joins it while the lock is held)
                     raise
             out = self._exchange(op, args)
         if not out.get("ok"):

@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Sequence
 from urllib.parse import parse_qs, urlparse
 
+from ..logs import LogThrottle
 from .base import Arrived, BackendError, StorageBackend, report
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class MooncakeBackend(StorageBackend):
         self._regions: list[tuple[int, int]] = []  # registered [start, end) addresses
         self.copy_limit = s["local_buffer_size"]
         self.num_not_stored = 0
-        self._warned: set[str] = set()
+        self._quiet = LogThrottle()
 
     def register_memory(self, region: memoryview) -> None:
         start = _address(region)
@@ -189,11 +190,9 @@ class MooncakeBackend(StorageBackend):
                 raise BackendError(f"Mooncake put of {len(view)} bytes failed (code {rc})")
 
     def _not_stored(self, why: str, message: str) -> None:
-        self.num_not_stored += 1
-        if why not in self._warned:  # once per reason: a full store declines puts until it evicts
-            self._warned.add(why)
-            log.warning("lmkv: Mooncake did not store a chunk: %s (further ones counted in "
-                        "lmkv_dropped_total)", message)
+        self.num_not_stored += 1  # (a full store declines puts until it evicts: throttled)
+        self._quiet.log(log, logging.WARNING, why, "lmkv: Mooncake did not store a chunk: %s "
+                        "(each counted in lmkv_dropped_total)", message)
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -208,11 +207,9 @@ class MooncakeBackend(StorageBackend):
                 out.append(None)
                 continue
             if size > self.copy_limit:  # cannot pass the local buffer: a miss, not a failure
-                if "read_local_buffer" not in self._warned:
-                    self._warned.add("read_local_buffer")
-                    log.warning("lmkv: Mooncake holds a %d-byte value that cannot be read "
-                                "through local_buffer_size (%d bytes): served as a miss; "
-                                "raise it", size, self.copy_limit)
+                self._quiet.log(log, logging.WARNING, "read_local_buffer", "lmkv: Mooncake holds "
+                                "a %d-byte value that cannot be read through local_buffer_size "
+                                "(%d bytes): served as a miss; raise it", size, self.copy_limit)
                 out.append(None)
                 continue
             value = self.store.get(key)

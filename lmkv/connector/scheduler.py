@@ -74,6 +74,16 @@ class _RequestState:
 LOSSY_KEYS_KEPT = 1 << 16
 
 
+def _remember(table: OrderedDict[str, Any], key: str, default: Any) -> Any:
+    """``table[key]`` (set to ``default`` if absent), now the newest; the oldest entry goes
+    past LOSSY_KEYS_KEPT."""
+    value = table.setdefault(key, default)
+    table.move_to_end(key)
+    if len(table) > LOSSY_KEYS_KEPT:
+        table.popitem(last=False)
+    return value
+
+
 class SchedulerConnector:
     def __init__(self, cache: ChunkIndex, block_size: int, blend_separator: list[int] | None = None):
         if cache.chunk_size % block_size:
@@ -280,16 +290,10 @@ class SchedulerConnector:
 
     def _note_lossy(self, keys: list[str]) -> None:
         for key in keys:
-            self.lossy_keys[key] = None
-            self.lossy_keys.move_to_end(key)
-        while len(self.lossy_keys) > LOSSY_KEYS_KEPT:
-            self.lossy_keys.popitem(last=False)
+            _remember(self.lossy_keys, key, None)
 
     def _note_lossy_tail(self, parent: str, length: int) -> None:
-        self.lossy_tails.setdefault(parent, set()).add(length)
-        self.lossy_tails.move_to_end(parent)
-        while len(self.lossy_tails) > LOSSY_KEYS_KEPT:
-            self.lossy_tails.popitem(last=False)
+        _remember(self.lossy_tails, parent, set()).add(length)
 
     def _engine_hit_lossy_tail(self, prompt: list[int], keys: list[str], computed: int) -> bool:
         """Whether the engine's hit (``computed`` tokens) reaches into a partial last chunk

@@ -201,6 +201,7 @@ def test_a_declined_put_is_not_stored_and_the_tier_keeps_writing():
     or a key another client writes): the chunk is not stored (a dropped save), the store
     has not failed, and the tier's write breaker stays closed. Other codes are failures."""
     from lmkv.backends.mooncake import MooncakeBackend
+    from lmkv.logs import LogThrottle
     from lmkv.storage.tier import Tier
 
     class Store:
@@ -211,7 +212,7 @@ def test_a_declined_put_is_not_stored_and_the_tier_keeps_writing():
 
     backend = object.__new__(MooncakeBackend)  # no client library needed: only put() runs
     backend.store, backend._regions, backend.copy_limit = Store(), [], 1 << 20
-    backend.num_not_stored, backend._warned = 0, set()
+    backend.num_not_stored, backend._quiet = 0, LogThrottle()
     tier = Tier("remote", backend, "raw")
     stored = [tier.write(f"k{i}", memoryview(b"x" * 100)) for i in range(5)]
     assert stored == [False, True, False, False, True] and tier.writable
