@@ -124,7 +124,7 @@ def _launch(
             p(tile_starts if tile_starts is not None else dummy), np.int32(tile_starts is not None),
             np.int32(seq_lens.shape[0]), np.int32(hq), np.int32(hkv), np.int32(heads_per_block),
             np.int32(tile_tokens), np.int32(partition_size), np.int32(num_partitions),
-            np.float32(scale),
+            np.int32(MAX_PARTITIONS), np.float32(scale),
         ),
     )  # fmt: skip
     if num_partitions > 1:
@@ -132,7 +132,7 @@ def _launch(
         merge(
             (hq, seq_lens.shape[0]), (d,),
             (p(out), p(part_o), p(part_ml), p(seq_lens), np.int32(hq), np.int32(partition_size),
-             np.int32(num_partitions)),
+             np.int32(num_partitions), np.int32(MAX_PARTITIONS)),
         )  # fmt: skip
 
 
@@ -144,7 +144,8 @@ def paged_attention_decode(
     """query [B, Hq, D] at positions seq_len - 1; block_tables [B, max_blocks]; seq_lens [B].
     Returns [B, Hq, D]. Contexts longer than partition_size keys are split (flash-decoding),
     into MAX_PARTITIONS at most (longer partitions beyond): the split's workspace
-    [B, Hq, partitions, D + 2] fp32 stays bounded at any context length.
+    [B, Hq, partitions, D + 2] fp32 stays bounded at any context length. A sequence's split
+    follows its own length only, so its result is the same in any batch and table width.
     ``kernel``: one of DECODE_KERNELS (benchmarks/kernels.py times each)."""
     out, block_tables, seq_lens = _common(launcher, query, kv_layer, block_tables, seq_lens, out)
     _, nb, bs, hkv, _ = kv_layer.shape
@@ -168,8 +169,7 @@ def paged_attention_decode(
             f"than {LEAN_MAX_SLOTS} slots")
     name = {"warps": "paged_decode_warps<{}, {}, {}>", "tiles": None,
             "warps_lean": "paged_decode_warps<{}, {}, {}, true>"}[kernel]
-    partition_size = max(partition_size, -(-max_len // MAX_PARTITIONS))
-    num_partitions = -(-max_len // partition_size)
+    num_partitions = min(MAX_PARTITIONS, -(-max_len // partition_size))
     _launch(
         launcher, query, kv_layer, out, block_tables, seq_lens, None, None, batch, rows,
         min(group, rows), 1, partition_size if num_partitions > 1 else _NO_SPLIT,

@@ -26,6 +26,8 @@
 // (0-based within its sequence) sees keys [0, seq_len - q_len + j].
 // With num_partitions > 1, results go to part_o [num_q, Hq, P, D] and part_ml [num_q, Hq, P, 2]
 // (running max, sum) instead of out. grid (seqs or tiles, Hkv * head_chunks, P); block 128.
+// A sequence's partitions are partition_size keys, longer where it would need more than
+// max_partitions (seq_partition); P covers the batch's longest.
 #include "common.cuh"
 
 constexpr int kWarps = 4;
@@ -49,6 +51,17 @@ __device__ __forceinline__ void write_row(T* out, float* part_o, float* part_ml,
   }
 }
 
+// Keys per partition of a sequence of seq_len keys: partition_size, or the least multiple of
+// it that splits the sequence into max_partitions at most. It follows the sequence's own
+// length only, so its summation order (and every bit of its result) is the same in any batch
+// and under any block-table width. One partition (no split): the launch's partition_size.
+__device__ __forceinline__ int seq_partition(int partition_size, int num_partitions,
+                                             int max_partitions, int seq_len) {
+  if (num_partitions == 1) return partition_size;
+  const i64 span = (i64)partition_size * max_partitions;
+  return partition_size * (int)((seq_len + span - 1) / span);
+}
+
 template <class T, int D, int R>
 __global__ void __launch_bounds__(kThreads, 1)
     paged_attention(T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
@@ -58,7 +71,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
                     const int* __restrict__ tile_starts, int prefill, int num_seqs, int num_q_heads,
                     int num_kv_heads, int heads_per_block, int tile_tokens, int partition_size,
-                    int num_partitions, float scale) {
+                    int num_partitions, int max_partitions, float scale) {
   constexpr int VEC = 16 / sizeof(T);            // elements per 16-byte load
   constexpr int NV = D / (VEC * kLanesPerKey);    // 16-byte loads per lane per key (score phase)
   constexpr int KEYS_PER_WARP = 32 / kLanesPerKey;
@@ -104,9 +117,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int nrows = nq * row_heads;
   const int max_limit = limit0 + nq - 1;
   const int part = blockIdx.z;
-  const int k_begin = part * partition_size;
+  // decode: the sequence's own partitions (prefill runs unsplit)
+  const int part_keys = seq_partition(partition_size, num_partitions, max_partitions, max_limit);
+  const int k_begin = part * part_keys;
   if (k_begin >= max_limit) return;  // never read by the merge (decode) or never launched
-  const int k_end = min(max_limit, k_begin + partition_size);
+  const int k_end = min(max_limit, k_begin + part_keys);
   const int* table = block_tables + (i64)seq * max_blocks;
 
   for (int i = tid; i < R * D; i += kThreads) {
@@ -240,15 +255,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Merges the partitions of a split decode: out = sum_p o_p * exp(m_p - M) / sum_p l_p * exp(m_p - M).
-// grid (Hq, num_seqs); block D threads. Partitions [0, ceil(seq_len / partition_size)) are read.
+// grid (Hq, num_seqs); block D threads. The sequence's partitions (seq_partition) are read.
 template <class T, int D>
 __global__ void __launch_bounds__(D)
     paged_attention_merge(T* __restrict__ out, const float* __restrict__ part_o,
                           const float* __restrict__ part_ml, const int* __restrict__ seq_lens,
-                          int num_q_heads, int partition_size, int num_partitions) {
+                          int num_q_heads, int partition_size, int num_partitions,
+                          int max_partitions) {
   const int hq = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
   const i64 row = (i64)seq * num_q_heads + hq;
-  const int np = (seq_lens[seq] + partition_size - 1) / partition_size;
+  const int seq_len = seq_lens[seq];
+  const int part_keys = seq_partition(partition_size, num_partitions, max_partitions, seq_len);
+  const int np = (seq_len + part_keys - 1) / part_keys;
   const float* ml = part_ml + row * num_partitions * 2;
   float m = lmkv::neg_inf();
   for (int p = 0; p < np; ++p) m = fmaxf(m, ml[2 * p]);
@@ -283,7 +301,8 @@ __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 regi
                        const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
                        const int* __restrict__ tile_starts, int prefill, int num_seqs,
                        int num_q_heads, int num_kv_heads, int heads_per_block, int tile_tokens,
-                       int partition_size, int num_partitions, float scale) {
+                       int partition_size, int num_partitions, int max_partitions,
+                       float scale) {
   constexpr int VEC = 16 / sizeof(T);
   constexpr int NV = D / (VEC * kLanesPerKey);  // K loads per lane per key
   constexpr int KPP = 32 / kLanesPerKey;        // keys per score pass of a warp (8)
@@ -311,9 +330,10 @@ __global__ void __launch_bounds__(kThreads, R <= 4 ? 3 : 2)  // R 4: <= 168 regi
   const int seq = blockIdx.x;
   const int seq_len = seq_lens[seq];
   const int part = blockIdx.z;
-  const int k_begin = part * partition_size;
+  const int part_keys = seq_partition(partition_size, num_partitions, max_partitions, seq_len);
+  const int k_begin = part * part_keys;
   if (k_begin >= seq_len) return;  // never read by the merge
-  const int k_end = min(seq_len, k_begin + partition_size);
+  const int k_end = min(seq_len, k_begin + part_keys);
   const int* table = block_tables + (i64)seq * max_blocks;
 
   for (int i = tid; i < R * D; i += kThreads) {

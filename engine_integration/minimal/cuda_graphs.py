@@ -6,12 +6,11 @@ kernels).
 
 The graph reads its inputs from static device buffers that each step overwrites: token ids,
 positions, cache slots, context lengths and block tables. A block table's width fixes the
-attention kernel's partitions (512 keys each, longer above 32K keys so that there are at
-most MAX_PARTITIONS), so graphs are captured per width bucket (8K tokens, then x4, up to
-max_model_len): a step replays the narrowest bucket that holds its longest sequence, and
-partitions past a sequence's length exit at once. Above 32K keys the partition length, and
-with it the split's summation order, follows the bucket (eager: the batch's widest table),
-so bf16 outputs may round differently between batches there. Rows
+attention kernel's partition count (512 keys each; a sequence above 32K keys has longer
+ones, at most MAX_PARTITIONS), so graphs are captured per width bucket (8K tokens, then x4,
+up to max_model_len): a step replays the narrowest bucket that holds its longest sequence,
+and partitions past a sequence's own exit at once (a sequence's split follows its length
+only, so its output does not depend on the bucket or the batch). Rows
 beyond the batch are padding: slot -1 (nothing written), context length 1 over whatever
 block id their row's first column holds (a valid block: read only). Steps that are not pure
 decodes, that run lmkv's per-layer hooks, or that are larger than the largest graph run
