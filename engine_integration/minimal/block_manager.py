@@ -60,15 +60,17 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def compute_block_hashes(self, request: Request, salt: bytes = b"") -> list[bytes]:
-        """Hashes of all full blocks of the request's known tokens (memoised on the request:
-        only blocks completed since the last call are hashed)."""
+    def compute_block_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of all full blocks of the request's known tokens, salted with its
+        ``prefix_cache_salt`` (memoised on the request: only blocks completed since the last call
+        are hashed)."""
         hashes = request.block_hashes
         bs = self.block_size
         while (len(hashes) + 1) * bs <= request.num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash_block(parent, request.token_ids(i * bs, (i + 1) * bs), salt))
+            hashes.append(hash_block(parent, request.token_ids(i * bs, (i + 1) * bs),
+                                     request.prefix_cache_salt))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:

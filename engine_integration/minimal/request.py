@@ -56,8 +56,11 @@ class Request:
     detok_read: int = 0
     detok_sent: int = 0  # characters past decode(tokens [detok_prefix, detok_read)) given out
     held_text: str = ""  # what the output tokens past the text given out decode to for now
-    # False: never register this request's blocks in the prefix cache (blended KV is approximate)
+    # False: never register this request's blocks in the prefix cache (precompute's runs)
     cacheable: bool = True
+    # mixed into its blocks' prefix-cache hashes: a RAG prompt's blocks live apart, since
+    # they may hold blended (approximate) KV (lmkv's SchedulerConnector.prefix_cache_salt)
+    prefix_cache_salt: bytes = b""
     # False: use no cached KV (engine prefix cache, lmkv) and save none (quality-gate re-runs)
     use_cache: bool = True
     internal: bool = False  # run for the engine itself (a quality-gate re-run): no output

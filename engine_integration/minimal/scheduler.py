@@ -60,6 +60,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
         if self.connector is not None:
+            if request.use_cache:  # before its blocks are first hashed
+                request.prefix_cache_salt = self.connector.prefix_cache_salt(request)
             self.connector.on_new_request(request)
 
     def has_unfinished(self) -> bool:
@@ -93,17 +95,16 @@ class Scheduler:
             req = self.waiting[0]
             blend = None
             connector = self.connector if req.use_cache else None
+            computed = (self.blocks.get_computed_blocks(req) if req.use_cache
+                        else ComputedBlocks([], 0))
             if connector is not None and not req.output_token_ids:
-                blend = _blend_plan(connector, req)
-            cacheable = req.cacheable
+                # (none where the engine's hit leaves less to compute than a blend would)
+                blend = _blend_plan(connector, req, computed.num_tokens)
             if blend is not None:
                 # a blended prefill runs the whole prompt in one step, whatever the budget;
-                # its approximate KV is never offered to the prefix cache
-                req.cacheable = False
+                # its pages go to the prefix cache under the prompt's blend salt
                 computed, external, num_new = ComputedBlocks([], 0), 0, req.num_tokens
             else:
-                computed = (self.blocks.get_computed_blocks(req) if req.use_cache
-                            else ComputedBlocks([], 0))
                 external = 0  # tokens after the local hit that lmkv loads
                 if connector is not None:
                     external = _matched(connector, req, computed.num_tokens)
@@ -112,7 +113,6 @@ class Scheduler:
                     break
                 num_new = min(num_new, budget)
             if not self.blocks.allocate_slots(req, external + num_new, computed):
-                req.cacheable = cacheable  # it may take the exact path when tried again
                 break
             self.waiting.popleft()
             req.blend = blend
@@ -168,11 +168,11 @@ def _drop_blend(req: Request) -> None:
         req.blend = None
 
 
-def _blend_plan(connector, req):
+def _blend_plan(connector, req, num_computed: int):
     """The request's blend plan, or None (it takes the prefix path) if there is none or
     finding it raises: one request's lookup never fails the step."""
     try:
-        return connector.get_blend_plan(req)
+        return connector.get_blend_plan(req, num_computed)
     except Exception:
         log.exception("lmkv: RAG chunk lookup for request %s failed; computing it", req.request_id)
         connector.cache.count_error("connector", "blend")

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from ..blend.plan import BlendPlan
+from ..blend.segments import split_segments
 from ..config import LMKVConfig
 from .metadata import ConnectorMetadata, LoadSpec, SaveSpec
 
@@ -66,6 +67,7 @@ class _RequestState:
     looked_up: tuple[int, int] | None = None
     no_loads: bool = False  # a load into its pages failed: it is recomputed without lmkv
     touched: bool = False  # its engine prefix hit was counted as a use (once per request)
+    salted: bool = False  # the engine files its blocks under prefix_cache_salt's blend namespace
 
 
 # Keys of chunks loaded lossy that the engine's prefix cache may still hold: a later request
@@ -126,6 +128,9 @@ class SchedulerConnector:
         token, not a chunk."""
         st = self._state(request)
         self._unpin(st)
+        if st.salted and num_computed_tokens:
+            # the engine's hit may hold blended KV: what is computed over it is not exact
+            st.blended = True
         if not self.loads or st.no_loads:
             return 0, False
         c = self.cache.chunk_size
@@ -180,17 +185,53 @@ class SchedulerConnector:
         del st.pinned[holding:]
         return hit - num_computed_tokens, False
 
-    def get_blend_plan(self, request: Any) -> BlendPlan | None:
+    def prefix_cache_salt(self, request: Any) -> bytes:
+        """What the engine mixes into the prefix-cache hashes of ``request``'s blocks: for a
+        prompt that blending may serve (blending on, more than one segment), a namespace of
+        its own, so that blended (approximate) KV is found again only by prompts that would
+        be blended too, never by an exact request; b"" otherwise. An engine that salts its
+        blocks so asks before its first lookup of the request."""
+        if not self.blending:
+            return b""
+        prompt = request.prompt_token_ids
+        if len(split_segments(prompt, self.blend_separator)) < 2:
+            return b""
+        self._state(request).salted = True
+        cfg = self.cache.config
+        return (f"lmkv-blend:{cfg.blend_recompute_ratio}:{cfg.blend_check_layer}:"
+                f"{int(cfg.blend_store_pre_rope)}").encode()
+
+    def get_blend_plan(self, request: Any, num_computed_tokens: int = 0) -> BlendPlan | None:
         """With blending on: the stored RAG chunks among the prompt's segments, fetched and
         pinned, or None (then the request takes the prefix path). The engine owns the plan
-        once update_state_after_alloc is called; until then lmkv keeps it."""
+        once update_state_after_alloc is called; until then lmkv keeps it.
+
+        ``num_computed_tokens``: the engine's own prefix hit (in a salted namespace, see
+        prefix_cache_salt: the KV of an earlier blended or computed prompt with these tokens). When
+        computing the rest of the prompt after that hit costs no more tokens than a blend
+        would recompute, there is no plan: a RAG prompt sent again (or continued, as a chat's
+        next turn) reuses the engine's pages instead of blending again."""
         if not self.blending:
             return None
         st = self._state(request)
         self._drop_plan(st)
-        st.plan = self.cache.blend_plan(request.prompt_token_ids, self.blend_separator)
-        st.blended = st.plan is not None
-        return st.plan
+        prompt = request.prompt_token_ids
+        rest = len(prompt) - num_computed_tokens  # tokens the prefix path computes
+        ratio = self.cache.config.blend_recompute_ratio
+        if num_computed_tokens:  # even with every segment but the query stored?
+            query = split_segments(prompt, self.blend_separator)[-1].length
+            if rest <= query + ratio * (len(prompt) - query):
+                st.blended = False
+                return None
+        plan = self.cache.blend_plan(prompt, self.blend_separator)
+        if plan is not None and num_computed_tokens:
+            cached = plan.num_cached_tokens
+            if rest <= len(prompt) - cached + ratio * cached:
+                plan.release()
+                plan = None
+        st.plan = plan
+        st.blended = plan is not None
+        return plan
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:

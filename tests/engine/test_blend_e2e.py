@@ -498,3 +498,38 @@ def test_precompute_names_a_file_that_is_not_text_and_warns_when_blending_is_off
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and f"{tmp_path / 'bad.txt'} is not UTF-8 text" in out.stderr
     assert "enable_blending is off" in out.stderr
+
+
+def test_a_rag_prompt_sent_again_or_continued_reuses_its_blended_pages(tiny_model_dir, plain):
+    """The engine files a RAG prompt's pages under a blend namespace: the same prompt again,
+    or a chat's next turn over the same documents, is served from them (as a blend again
+    would, not recomputed nor blended again), saves nothing to lmkv as exact prefix chunks,
+    and an exact request with the same leading tokens never reads them."""
+    docs, query = _docs(7)
+    cfg = load_config(env={}, chunk_size=32, max_local_cpu_size=0.05, enable_blending=True,
+                      blend_recompute_ratio=0.15)
+    with LLM(str(tiny_model_dir), lmkv_config=cfg, kv_cache_memory=64 << 20) as llm:
+        eng, sep = llm.engine, llm.engine.blend_separator
+        llm.precompute(docs, progress=False)
+        header = list(range(300, 340))  # a system prompt: not precomputed
+        prompt = join_segments([header, docs[2], docs[0], docs[1], query], sep)
+        first = llm.generate([prompt], GREEDY)[0]
+        reg = eng.metrics.registry
+        assert reg.get_sample_value("lmkv_blend_requests_total") == 1
+        before = eng.runner.num_forward_tokens
+        again = llm.generate([prompt], GREEDY)[0]
+        assert again.output_token_ids == first.output_token_ids
+        assert again.num_cached_tokens == len(prompt) // 16 * 16  # the engine's blocks of 16
+        assert eng.runner.num_forward_tokens - before == len(prompt) - again.num_cached_tokens + 7
+        turn = prompt + first.output_token_ids + query[:5]  # the next turn of the chat
+        nxt = llm.generate([turn], GREEDY)[0]
+        assert nxt.num_cached_tokens >= len(prompt) // 16 * 16
+        assert reg.get_sample_value("lmkv_blend_requests_total") == 1  # never blended again
+        cache = eng.kv_connector.cache
+        cache.drain()
+        assert cache.lookup(cache.keys(turn)) == 0  # no chunk computed over blended KV saved
+        # an exact prompt that starts as the RAG prompt does: none of its pages
+        exact = header + query
+        out = llm.generate([exact], GREEDY)[0]
+        assert out.num_cached_tokens == 0
+        assert out.output_token_ids == plain.generate([exact], GREEDY)[0].output_token_ids

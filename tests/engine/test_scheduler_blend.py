@@ -19,7 +19,10 @@ def test_a_blend_that_gets_no_blocks_leaves_the_request_cacheable():
         def on_new_request(self, req):
             pass
 
-        def get_blend_plan(self, req):
+        def prefix_cache_salt(self, req):
+            return b"blend"
+
+        def get_blend_plan(self, req, num_computed):
             return self.plans.pop() if self.plans else None
 
     blocks = BlockManager(num_blocks=4, block_size=16)

@@ -463,3 +463,34 @@ def test_a_request_over_a_tail_loaded_lossy_in_the_engines_prefix_cache_is_lossy
     for r in (b, c):
         sched.request_finished(r)
     engine.close()
+
+
+def test_an_engine_hit_in_the_blend_namespace_stands_in_for_a_blend_only_where_it_costs_less():
+    """A RAG prompt is salted apart in the engine's prefix cache; a hit there that leaves no
+    more to compute than a blend would (the prompt sent again) means no plan and no fetch;
+    a shorter hit (only the header) still gets the plan. Prompts without a second segment,
+    and engines without blending, are not salted."""
+    docs = [list(range(100, 100 + 2 * CHUNK)), list(range(200, 200 + 2 * CHUNK))]
+    header, query = list(range(400, 400 + CHUNK)), list(range(300, 306))
+    prompt = header + [7] + docs[0] + [7] + docs[1] + [7] + query
+    engine = _engine(enable_blending=True, blend_recompute_ratio=0.15)
+    for doc in docs:
+        assert engine.store_chunk(doc, torch.randn(2, 2, len(doc), 1, 4))
+    sched = SchedulerConnector(engine, BLOCK, blend_separator=[7])
+    assert sched.prefix_cache_salt(Request("q", header + query)) == b""
+    req = Request("p", prompt)
+    assert sched.prefix_cache_salt(req).startswith(b"lmkv-blend:0.15:")
+    fetched = []
+    real = engine.blend_plan
+    engine.blend_plan = lambda *a: fetched.append(1) or real(*a)
+    plan = sched.get_blend_plan(req, CHUNK)  # the header only: blending costs less
+    assert plan is not None and plan.num_cached_tokens == 4 * CHUNK
+    plan = sched.get_blend_plan(req, len(prompt) - 1)  # the prompt again: no plan, no fetch
+    assert plan is None and fetched == [1]
+    assert sched.get_num_new_matched_tokens(req, len(prompt) - 1)[0] == 0
+    assert sched.states["p"].blended  # what it computes over the hit is never saved
+    sched.request_finished(req)
+    engine.close()
+    off = _engine()
+    assert SchedulerConnector(off, BLOCK).prefix_cache_salt(req) == b""
+    off.close()
