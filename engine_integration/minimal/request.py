@@ -56,7 +56,7 @@ class Request:
     detok_read: int = 0
     detok_sent: int = 0  # characters past decode(tokens [detok_prefix, detok_read)) given out
     held_text: str = ""  # what the output tokens past the text given out decode to for now
-    # False: never register this request's blocks in the prefix cache (precompute's runs)
+    # False: never register this request's blocks in the prefix cache (quality-gate re-runs)
     cacheable: bool = True
     # mixed into its blocks' prefix-cache hashes: a RAG prompt's blocks live apart, since
     # they may hold blended (approximate) KV (lmkv's SchedulerConnector.prefix_cache_salt)

@@ -374,10 +374,14 @@ class SchedulerConnector:
 
     def recompute_without_loads(self, request: Any) -> None:
         """A load into ``request``'s pages failed and the engine computes it again from its
-        first token: start its state afresh, and load nothing for it from now on."""
+        first token: start its state afresh, and load nothing for it from now on. Its
+        blocks stay salted in the engine (and what was blended stays unsaved)."""
+        old = self.states.get(request.request_id)
         self.request_finished(request)
         st = self._new_state(request)
         st.no_loads = True
+        if old is not None:
+            st.salted, st.blended = old.salted, old.blended
         self.states[request.request_id] = st
 
     def _state(self, request: Any) -> _RequestState:

@@ -489,6 +489,14 @@ def test_an_engine_hit_in_the_blend_namespace_stands_in_for_a_blend_only_where_i
     assert plan is None and fetched == [1]
     assert sched.get_num_new_matched_tokens(req, len(prompt) - 1)[0] == 0
     assert sched.states["p"].blended  # what it computes over the hit is never saved
+    # a failed load: the engine computes it again over the same salted hit, still unsaved
+    sched.recompute_without_loads(req)
+    assert sched.get_blend_plan(req, len(prompt) - 1) is None
+    sched.get_num_new_matched_tokens(req, len(prompt) - 1)
+    req.block_ids = list(range(100, 100 + -(-len(prompt) // BLOCK)))
+    sched.update_state_after_alloc(req, req.block_ids, 0)
+    req.num_computed_tokens = len(prompt) - 1
+    assert sched.build_connector_meta([(req, 1)]).saves == []
     sched.request_finished(req)
     engine.close()
     off = _engine()
