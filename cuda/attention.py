@@ -130,7 +130,7 @@ def _launch(
     if num_partitions > 1:
         merge = launcher.kernel("paged_attention.cu", f"paged_attention_merge<{dtype}, {d}>")
         merge(
-            (hq, seq_lens.shape[0]), (d,),
+            (hq * seq_lens.shape[0],), (d,),
             (p(out), p(part_o), p(part_ml), p(seq_lens), np.int32(hq), np.int32(partition_size),
              np.int32(num_partitions), np.int32(MAX_PARTITIONS)),
         )  # fmt: skip

@@ -255,15 +255,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Merges the partitions of a split decode: out = sum_p o_p * exp(m_p - M) / sum_p l_p * exp(m_p - M).
-// grid (Hq, num_seqs); block D threads. The sequence's partitions (seq_partition) are read.
+// grid (num_seqs * Hq) (one dimension: a y dimension would cap the batch at 65535); block D
+// threads. The sequence's partitions (seq_partition) are read.
 template <class T, int D>
 __global__ void __launch_bounds__(D)
     paged_attention_merge(T* __restrict__ out, const float* __restrict__ part_o,
                           const float* __restrict__ part_ml, const int* __restrict__ seq_lens,
                           int num_q_heads, int partition_size, int num_partitions,
                           int max_partitions) {
-  const int hq = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
-  const i64 row = (i64)seq * num_q_heads + hq;
+  const i64 row = blockIdx.x;  // seq * Hq + hq
+  const int seq = (int)(row / num_q_heads), d = threadIdx.x;
   const int seq_len = seq_lens[seq];
   const int part_keys = seq_partition(partition_size, num_partitions, max_partitions, seq_len);
   const int np = (seq_len + part_keys - 1) / part_keys;
