@@ -142,6 +142,30 @@ def decode(
     return (out.float() - want).abs().max().item()
 
 
+def decode_bits_alone_and_batched(
+    launcher: Launcher, kernel: str, *, partition_size: int, device: str = "cpu"
+) -> bool:  # fmt: skip
+    """Whether a sequence of 40 keys decodes to the same bits alone, next to one of 150 keys,
+    and over a 4x wider block table with checks off (float32, 4 query heads over 2)."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [40 * partition_size // 16, 150 * partition_size // 16]
+    kv, tables = _paged_kv(torch.float32, lens, 2, 64, 16, gen)
+    query = torch.randn(2, 4, 64, generator=gen)
+
+    def run(rows: list[int], width: int, check: bool) -> torch.Tensor:
+        wide = torch.zeros(len(rows), width, dtype=torch.int32)
+        wide[:, : tables.shape[1]] = tables[rows]
+        seq_lens = torch.tensor([lens[r] for r in rows], dtype=torch.int32)
+        return attention.paged_attention_decode(
+            launcher, query[rows].to(device), kv.to(device), wide.to(device), seq_lens.to(device),
+            0.125, partition_size=partition_size, kernel=kernel, check=check,
+        ).cpu()  # fmt: skip
+
+    alone = run([0], tables.shape[1], True)[0]
+    return (torch.equal(run([0, 1], tables.shape[1], True)[0], alone)
+            and torch.equal(run([0], 4 * tables.shape[1], False)[0], alone))
+
+
 def prefill(
     launcher: Launcher, dtype: torch.dtype, dim: int, hq: int, hkv: int, lens: list[int],
     q_lens: list[int], *, block_size: int = 16, seed: int = 0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import emu_cases
 import pytest
 import torch
 from emu_cases import TOLERANCE, decode
@@ -36,6 +37,20 @@ def test_every_decode_kernel_matches_torch_on_cuda(kernel):
             error = decode(launcher, dtype, dim, hq, hkv, lens, partition_size=parts,
                            kernel=kernel, device="cuda")  # fmt: skip
             assert error < TOLERANCE[dtype], (dtype, dim, hq, hkv, lens, error)
+
+
+@pytest.mark.parametrize("kernel", ["warps", "tiles"])
+def test_a_decode_gives_the_same_bits_in_any_batch_on_cuda(kernel):
+    """test_kernel_attention's batch-invariance check on the GPU, at the default partitions:
+    2,560 keys alone, next to 9,600, over a 4x wider table (MAX_PARTITIONS lowered to 2 so
+    that both split past it)."""
+    from lmkv_cuda.launcher import gpu_launcher
+
+    launcher = gpu_launcher(torch.cuda.current_device())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "MAX_PARTITIONS", 2)
+        assert emu_cases.decode_bits_alone_and_batched(launcher, kernel, partition_size=1024,
+                                                       device="cuda")
 
 
 @pytest.mark.parametrize("layerwise", [False, True])

@@ -157,22 +157,7 @@ def test_a_decode_gives_the_same_bits_in_any_batch_and_table_width(emu, monkeypa
     sequence, or over a wider block table (a CUDA graph's bucket, check off), its output is
     bit for bit the one it gets alone (the partitions grew with the batch's longest context)."""
     monkeypatch.setattr(attention, "MAX_PARTITIONS", 2)
-    gen = torch.Generator().manual_seed(3)
-    lens = [40, 150]
-    kv, tables = emu_cases._paged_kv(torch.float32, lens, 2, 64, 16, gen)
-    query = torch.randn(2, 4, 64, generator=gen)
-
-    def run(rows: list[int], width: int, check: bool) -> torch.Tensor:
-        wide = torch.zeros(len(rows), width, dtype=torch.int32)
-        wide[:, : tables.shape[1]] = tables[rows]
-        return attention.paged_attention_decode(
-            emu, query[rows], kv, wide, torch.tensor([lens[r] for r in rows]), 0.125,
-            partition_size=16, kernel=kernel, check=check,
-        )  # fmt: skip
-
-    alone = run([0], tables.shape[1], True)
-    assert torch.equal(run([0, 1], tables.shape[1], True)[0], alone[0])
-    assert torch.equal(run([0], 4 * tables.shape[1], False)[0], alone[0])
+    assert emu_cases.decode_bits_alone_and_batched(emu, kernel, partition_size=16)
 
 
 def test_lean_decode_refuses_slots_past_32_bits(emu, monkeypatch):
