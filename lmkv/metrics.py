@@ -31,7 +31,8 @@ class LMKVMetrics:
         self.tier_seconds = Histogram("lmkv_tier_seconds",
                                       "Latency of one tier call (raw-frame reads: their checks too)",
                                       ["tier", "op"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.tier_hits = Counter("lmkv_tier_hits", "Chunks served per tier", ["tier"], registry=r)
+        self.tier_hits = Counter("lmkv_tier_hits", "Chunks found per tier (reads for loads and prefetches)",
+                                 ["tier"], registry=r)
         self.evictions = Counter("lmkv_evictions", "Chunks evicted per tier", ["tier"],
                                  registry=r)
         self.errors = Counter("lmkv_errors", "Failures, each costing a recompute or a lost save",

@@ -77,6 +77,9 @@ async def serve(config: ServerConfig) -> None:
             result.no_room,
         )
         persister.start()
+    sock.listen(1024)  # ready: connections are answered from now on
+    if admin_sock is not None:
+        admin_sock.listen(1024)  # (uvicorn answers it as soon as the loop runs it, below)
     listener = Listener(sock, store, config)
     listener.start()
     try:  # whatever fails from here on, the listener and the persister are stopped
@@ -199,9 +202,19 @@ class _AdminHTTP(H11Protocol):
 
 
 def _bind(host: str, port: int, what: str) -> socket.socket:
+    """A socket bound to the port but not listening yet: until ``listen()`` a client's connect
+    is refused, rather than accepted by the kernel and left unanswered while the server
+    touches its memory and reloads what it persisted."""
     try:
-        return socket.create_server((host, port), backlog=1024)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     except OSError as e:
+        raise ListenError(f"cannot open a socket for {what}{host}:{port}: {e}") from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        return sock
+    except OSError as e:
+        sock.close()
         hint = " (is another lmkv_server running?)" if e.errno == errno.EADDRINUSE else ""
         why = os.strerror(e.errno) if e.errno else str(e)
         raise ListenError(f"cannot listen on {what}{host}:{port}: {why}{hint}") from e

@@ -147,9 +147,11 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+        *, use_cache: bool = True,
     ) -> Request:
-        """Queue a request. Raises ValueError naming what is wrong with it."""
+        """Queue a request (``use_cache=False``: no cached KV read, none saved). Raises
+        ValueError naming what is wrong with it."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -164,7 +166,7 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
                 "(max_model_len), including at least one generated token"
             )
-        req = Request(request_id, ids, params, arrival=time.monotonic())
+        req = Request(request_id, ids, params, arrival=time.monotonic(), use_cache=use_cache)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.metrics.prompt_tokens.inc(len(ids))
@@ -199,9 +201,10 @@ class LLMEngine:
         reqs = []
         try:  # a rejected list (or a failed step) leaves none of these requests behind
             for i, ids in enumerate(token_lists):
-                req = self.add_request(f"kv-{id(token_lists)}-{i}", ids, SamplingParams(max_tokens=1))
                 # computed alone: no cached KV loaded or blended, none stored as prefix chunks
-                req.capture_kv, req.use_cache = True, False
+                req = self.add_request(f"kv-{id(token_lists)}-{i}", ids, SamplingParams(max_tokens=1),
+                                       use_cache=False)
+                req.capture_kv = True
                 reqs.append(req)
             while any(not r.is_finished for r in reqs):
                 self.step()

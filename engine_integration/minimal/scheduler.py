@@ -59,10 +59,11 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-        if self.connector is not None:
-            if request.use_cache:  # before its blocks are first hashed
-                request.prefix_cache_salt = self.connector.prefix_cache_salt(request)
-            self.connector.on_new_request(request)
+        if self.connector is not None and request.use_cache:
+            # the salt before its blocks are first hashed; no prefetch of what the engine holds
+            request.prefix_cache_salt = self.connector.prefix_cache_salt(request)
+            hit = self.blocks.get_computed_blocks(request).num_tokens
+            self.connector.on_new_request(request, hit)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -112,10 +112,12 @@ class SchedulerConnector:
         # requests holding pins that build_connector_meta has not planned yet
         self.pinning: set[str] = set()
 
-    def on_new_request(self, request: Any) -> None:
-        """A request entered the engine's queue: start pulling its chunks up to the hot cache."""
+    def on_new_request(self, request: Any, num_computed_tokens: int = 0) -> None:
+        """A request entered the engine's queue: start pulling its chunks up to the hot cache,
+        past ``num_computed_tokens`` (the engine's own prefix hit as it stands now, where
+        the engine knows it: lmkv never loads the chunks under that hit)."""
         st = self._state(request)
-        self.cache.prefetch(st.keys)
+        self.cache.prefetch(st.keys[num_computed_tokens // self.cache.chunk_size :])
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (the engine's own prefix cache hit) that lmkv

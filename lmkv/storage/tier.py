@@ -309,9 +309,11 @@ class Tier:
         self.metrics.tier_seconds.labels(self.name, op).observe(time.perf_counter() - start)
 
     def _failed(self, op: str, error: BackendError) -> None:
-        pause = (self.write_breaker if op in ("put", "remove") else self.breaker).failure()
-        log.warning("lmkv: %s %s failed: %s; skipping %s for %.0f s (chunks are recomputed)",
-                    self.name, op, error, self.name, pause)
+        writing = op in ("put", "remove")
+        pause = (self.write_breaker if writing else self.breaker).failure()
+        what = ("not writing to {} for {:.0f} s (chunks not stored there; reads go on)" if writing
+                else "not reading {} for {:.0f} s (chunks it holds are recomputed)")
+        log.warning("lmkv: %s %s failed: %s; %s", self.name, op, error, what.format(self.name, pause))
         self.metrics.errors.labels(self.name, op).inc()
 
     def close(self) -> None:

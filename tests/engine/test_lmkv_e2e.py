@@ -112,8 +112,9 @@ def test_partial_prefix_hits_and_engine_prefix_cache_together(tiny_model_dir, tm
 
 
 def test_chunks_the_engine_has_are_not_fetched_again(tiny_model_dir, tmp_path):
-    """With the engine's prefix cache holding the first chunks, lmkv fetches only the chunks
-    beyond them from its tiers (and still counts the ones below as stored)."""
+    """With the engine's prefix cache holding the first chunks, lmkv fetches (and prefetches)
+    only the chunks beyond them from its tiers (and still counts the ones below as stored);
+    a request that uses no cached KV prefetches nothing."""
     base = prompts(n=1, length=200, seed=7)[0]
     _fill = lmkv_llm(tiny_model_dir, tmp_path / "disk")
     want = _fill.generate([base], GREEDY)[0].output_token_ids
@@ -123,15 +124,23 @@ def test_chunks_the_engine_has_are_not_fetched_again(tiny_model_dir, tmp_path):
         fetched: list[str] = []
         real_fetch = lmkv.fetch
         lmkv.fetch = lambda keys, parent=None: fetched.extend(keys) or real_fetch(keys, parent)
+        prefetched: list[str] = []
+        real_prefetch = lmkv.prefetch
+        lmkv.prefetch = lambda keys: prefetched.extend(keys) or real_prefetch(keys)
         llm.generate([base[: 2 * CHUNK + 1]], GREEDY)  # chunks 0, 1 now in the engine's cache
         lmkv.storage.hot.clear()
         fetched.clear()
+        prefetched.clear()
         out = llm.generate([base], GREEDY)[0]
         assert out.output_token_ids == want
         assert out.num_cached_tokens == 2 * CHUNK
         assert out.num_external_tokens == _full_chunks(base) - 2 * CHUNK
         stored = lmkv.keys(base[: _full_chunks(base)])
         assert fetched == stored[2:], "chunks below the engine's prefix hit were fetched again"
+        assert prefetched == stored[2:], "chunks below the engine's prefix hit were prefetched"
+        prefetched.clear()
+        llm.engine.compute_kv([prompts(n=1, length=100, seed=8)[0]])  # (uses no cached KV)
+        assert prefetched == []
 
 
 @pytest.mark.parametrize("layerwise", [False, True])

@@ -16,7 +16,7 @@ def test_a_blend_that_gets_no_blocks_leaves_the_request_cacheable():
     class Connector:  # offers a plan once, then none (the chunks were evicted)
         plans = [SimpleNamespace(num_cached_tokens=64)]
 
-        def on_new_request(self, req):
+        def on_new_request(self, req, hit):
             pass
 
         def prefix_cache_salt(self, req):

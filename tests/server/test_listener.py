@@ -100,6 +100,49 @@ def test_a_port_in_use_is_a_clear_error_before_the_memory_is_touched(server_env)
     assert "Traceback" not in out.stderr
 
 
+def test_a_connection_is_refused_until_the_server_can_answer_it(server_env, tmp_path):
+    """While the server touches its memory (made to take 3 s here), a client's connect is
+    refused, so it counts the store as down at once; the first connection that goes through
+    is answered at once (before: the kernel accepted it on the bound port and the client
+    waited out its timeout)."""
+    import subprocess
+    import sys
+
+    from lmkv_server.launcher import free_port
+
+    slow = tmp_path / "slow_server.py"
+    slow.write_text(
+        "import sys, time\n"
+        "import lmkv_server.app as app\n"
+        "class Slow(app.PageArena):\n"
+        "    def __init__(self, *a, **k):\n"
+        "        time.sleep(3)\n"
+        "        super().__init__(*a, **k)\n"
+        "app.PageArena = Slow\n"
+        "from lmkv_server.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    port = free_port()
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(slow), "127.0.0.1", str(port),
+                                 "--max-memory", "8MiB"], env=server_env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.01)
+        client = LMBackend(f"lm://127.0.0.1:{port}", timeout=1.0)
+        assert client.contains(["k"]) == [False]
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_an_admin_port_in_use_stops_the_start_instead_of_serving_half(server_env):
     """The admin port is bound with the lm:// port, before anything runs: a port in use
     ends the start with a clear error (before: the lm:// listener ran on without the admin

@@ -387,3 +387,24 @@ def test_calls_in_flight_as_the_tier_closes_never_reach_the_closed_backend():
     backend.remove = removed.append
     assert tier._settle("a", b"", FrameError("corrupt")) is False and removed == []
     assert backend.after_close == 0
+
+
+def test_a_failed_write_and_a_failed_read_say_what_is_paused(caplog):
+    """A store that refuses writes pauses writes only, and the warning says so (it said the
+    tier was skipped and chunks recomputed, while reads went on); a failed read pauses reads."""
+
+    class Failing(OneAtATime):
+        def put(self, items):
+            raise BackendError("disk full")
+
+        def get(self, keys):
+            raise BackendError("connection reset")
+
+    tier = Tier("disk", Failing(), "zstd")
+    with caplog.at_level("WARNING"):
+        assert not tier.write("a", memoryview(bytearray(64)))
+        tier.read(["a"], [None])
+    writes, reads = (r.getMessage() for r in caplog.records[-2:])
+    assert "not writing to disk for 1 s (chunks not stored there; reads go on)" in writes
+    assert "not reading disk for 1 s" in reads
+    tier.close()
