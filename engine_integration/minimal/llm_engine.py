@@ -133,6 +133,22 @@ class LLMEngine:
             mc.num_heads, mc.num_kv_heads, mc.head_dim,
             self.dtype_name, num_blocks, config.block_size, max_len,
         )
+        if self.kv_connector is not None:
+            self._check_hot_cache(max_len)
+
+    def _check_hot_cache(self, max_len: int) -> None:
+        """Warn where lmkv's CPU memory holds fewer chunks than one longest prompt: such a
+        prompt's load stops short, and waiting requests push each other's chunks out before
+        they load (read again from the tiers below at each step)."""
+        cache = self.kv_connector.cache
+        need = -(-max_len // cache.chunk_size)
+        if cache.pool.num_slots < need:
+            log.warning(
+                "lmkv: max_local_cpu_size holds %d chunks of %d tokens, fewer than one "
+                "max_model_len prompt (%d chunks): long prompts load in part and concurrent "
+                "requests evict each other's chunks; give it at least %.2g GB",
+                cache.pool.num_slots, cache.chunk_size, need,
+                need * cache.layout.chunk_bytes / 1e9)
 
     def _capture_graphs(self, config: EngineConfig, max_len: int, launcher) -> DecodeGraphs | None:
         graphs = DecodeGraphs(self.model, self.kv_cache, config.block_size, max_len,

@@ -549,3 +549,15 @@ def test_a_producer_stores_its_chunks_within_the_step(tiny_model_dir):
         cache.drain = drained
         llm.generate([p], SamplingParams(max_tokens=2, temperature=0))
         assert stored == [len(p) // CHUNK]
+
+
+def test_a_hot_cache_smaller_than_one_longest_prompt_is_warned_about(tiny_model_dir, caplog):
+    with caplog.at_level("WARNING"), lmkv_llm(tiny_model_dir) as llm:
+        cache, max_len = llm.engine.kv_connector.cache, llm.engine.max_model_len
+        assert cache.pool.num_slots >= -(-max_len // CHUNK)
+    assert "fewer than one max_model_len prompt" not in caplog.text
+    slots = 3
+    with caplog.at_level("WARNING"), lmkv_llm(
+            tiny_model_dir, cpu_gb=slots * cache.layout.chunk_bytes / 1e9) as llm:
+        assert llm.engine.kv_connector.cache.pool.num_slots <= slots
+    assert "fewer than one max_model_len prompt" in caplog.text
