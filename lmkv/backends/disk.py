@@ -114,8 +114,8 @@ class DiskBackend(StorageBackend):
             return
         room = st.f_bavail * st.f_frsize + self.used
         if self.capacity > room:
-            log.warning("disk tier %s: its cap (%.1f GB, max_local_disk_size) is above what its "
-                        "file system has free for it (%.1f GB); lower the cap, or writes will fail "
+            log.warning("disk tier %s: its cap (%.3g GB, max_local_disk_size) is above what its "
+                        "file system has free for it (%.3g GB); lower the cap, or writes will fail "
                         "with 'no space' before the tier evicts", self.root, self.capacity / 1e9,
                         room / 1e9)
 
@@ -144,7 +144,7 @@ class DiskBackend(StorageBackend):
         try:
             self._evict_to(self.capacity)
         except BackendError as e:  # a read-only directory fuller than this cap: still read
-            log.warning("disk tier %s holds %.1f GB, above its cap (%.1f GB), and cannot shrink "
+            log.warning("disk tier %s holds %.3g GB, above its cap (%.3g GB), and cannot shrink "
                         "(%s): its chunks are read; writes fail until files can be deleted",
                         self.root, self.used / 1e9, self.capacity / 1e9, e)
         if entries:

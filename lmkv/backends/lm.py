@@ -115,8 +115,8 @@ class LMBackend(StorageBackend):
             frames.append((header, payload))
         sock = self._connection()
         try:
-            for header, payload in frames:
-                self._send(sock, [header, payload], None)
+            for header, payload in frames:  # each value within the timeout, as each reply is
+                self._send(sock, [header, payload], time.monotonic() + self.timeout)
         except OSError as exc:
             self._fail("put to", exc)
 

@@ -179,7 +179,7 @@ class Tier:
         checked: dict[int, Exception | None] = {}  # frames checked as they landed: error
         raw = self.codec.name == "raw"
         with self._lock:
-            if self._closed:
+            if not self.available:  # closed, or the call it waited for failed: not again now
                 return [False] * len(keys)
             unreadable = self.backend.num_unreadable
             try:

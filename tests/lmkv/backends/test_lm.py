@@ -154,6 +154,26 @@ def test_unresponsive_server_times_out(timeout, call, bound):
     fake.close()
 
 
+def test_a_put_to_a_store_that_trickles_its_reads_fails_within_the_timeout():
+    """A store that takes a value's bytes but too slowly (64 KiB every 0.2 s, so each send
+    moves some) fails a put within one timeout; before, the put ran on for as long as any
+    byte moved within a timeout (a stopped server's socket buffers: 3 timeouts in a soak)."""
+
+    def trickle(conn: socket.socket) -> None:
+        end = time.monotonic() + 6
+        while time.monotonic() < end and conn.recv(64 << 10):
+            time.sleep(0.2)
+        conn.close()
+
+    fake = FakeServer(trickle)
+    backend = LMBackend(fake.url, timeout=1, max_value_size=32 << 20)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match="timed out"):
+        backend.put([("k@1", bytes(16 << 20))])
+    assert time.monotonic() - t0 < 2.5
+    fake.close()
+
+
 def test_oversized_reply_is_refused():
     huge = wire.pack_response(wire.Code.SUCCESS, 1 << 30, 4, 6, (1 << 30, 0, 0, 0))
     fake = FakeServer(reply_once(huge))

@@ -408,3 +408,30 @@ def test_a_failed_write_and_a_failed_read_say_what_is_paused(caplog):
     assert "not writing to disk for 1 s (chunks not stored there; reads go on)" in writes
     assert "not reading disk for 1 s" in reads
     tier.close()
+
+
+def test_a_read_queued_behind_a_call_that_fails_does_not_call_the_store_again():
+    """A load that waited for the tier while another call hung in the store, and failed,
+    misses at once: the store that just failed is not asked again (before, the read sent
+    its own call and the request paid a second timeout)."""
+
+    class Hanging(OneAtATime):
+        gets = 0
+
+        def contains(self, keys):
+            time.sleep(0.3)
+            raise BackendError("timed out receiving")
+
+        def get(self, keys):
+            self.gets += 1
+            return [None] * len(keys)
+
+    backend = Hanging()
+    tier = Tier("remote", backend, "zstd")
+    lookup = threading.Thread(target=tier.contains, args=(["a"],))
+    lookup.start()
+    time.sleep(0.05)  # the lookup holds the tier, its call hanging
+    assert tier.read(["a"], [None]) == [False]
+    lookup.join()
+    assert backend.gets == 0
+    tier.close()
