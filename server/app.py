@@ -15,6 +15,8 @@ import os
 import resource
 import signal
 import socket
+import struct
+import threading
 from collections.abc import Iterator
 
 import uvicorn
@@ -59,27 +61,33 @@ async def serve(config: ServerConfig) -> None:
             if config.allow
             else "anyone who can reach this port",
         )
+    starting = _Resetter(sock)  # until the listener takes over
     try:
-        arena = PageArena(config.num_pages, config.page_size, config.prefault)
-    except (OSError, OverflowError) as e:  # ENOMEM: more than the machine can map
-        raise ListenError(f"--max-memory {config.num_pages * config.page_size} bytes cannot be "
-                          f"mapped ({e}); give a size this machine has") from e
-    store = Store(arena, policy=config.cache_policy)
-    persister = None
-    if config.persist_dir is not None:
-        persister = Persister(config.persist_dir, store)
-        result = persister.load()
-        log.info(
-            "reloaded %d values from %s (%d corrupt skipped, %d without room)",
-            result.loaded,
-            config.persist_dir,
-            result.corrupt,
-            result.no_room,
-        )
-        persister.start()
-    sock.listen(1024)  # ready: connections are answered from now on
-    if admin_sock is not None:
-        admin_sock.listen(1024)  # (uvicorn answers it as soon as the loop runs it, below)
+        try:
+            arena = PageArena(config.num_pages, config.page_size, config.prefault)
+        except (OSError, OverflowError) as e:  # ENOMEM: more than the machine can map
+            raise ListenError(f"--max-memory {config.num_pages * config.page_size} bytes cannot be "
+                              f"mapped ({e}); give a size this machine has") from e
+        store = Store(arena, policy=config.cache_policy)
+        persister = None
+        if config.persist_dir is not None:
+            persister = Persister(config.persist_dir, store)
+            result = persister.load()
+            log.info(
+                "reloaded %d values from %s (%d corrupt skipped, %d without room)",
+                result.loaded,
+                config.persist_dir,
+                result.corrupt,
+                result.no_room,
+            )
+            persister.start()
+    except BaseException:  # the start failed: nothing listens on
+        starting.stop()
+        sock.close()
+        if admin_sock is not None:
+            admin_sock.close()
+        raise
+    starting.stop()  # ready: connections are answered from now on
     listener = Listener(sock, store, config)
     listener.start()
     try:  # whatever fails from here on, the listener and the persister are stopped
@@ -202,22 +210,41 @@ class _AdminHTTP(H11Protocol):
 
 
 def _bind(host: str, port: int, what: str) -> socket.socket:
-    """A socket bound to the port but not listening yet: until ``listen()`` a client's connect
-    is refused, rather than accepted by the kernel and left unanswered while the server
-    touches its memory and reloads what it persisted."""
     try:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        return socket.create_server((host, port), backlog=1024)
     except OSError as e:
-        raise ListenError(f"cannot open a socket for {what}{host}:{port}: {e}") from e
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        return sock
-    except OSError as e:
-        sock.close()
         hint = " (is another lmkv_server running?)" if e.errno == errno.EADDRINUSE else ""
         why = os.strerror(e.errno) if e.errno else str(e)
         raise ListenError(f"cannot listen on {what}{host}:{port}: {why}{hint}") from e
+
+
+class _Resetter:
+    """While the server starts (its memory touched, what it persisted reloaded), every lm://
+    connection is accepted and reset at once: a client counts the store as down and goes
+    on, rather than waiting out its timeout for a reply that cannot come yet."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._done = threading.Event()
+        sock.settimeout(0.05)
+        self._thread = threading.Thread(target=self._run, name="lmkv-starting", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed under it: the start failed
+                return
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 class _AdminServer(uvicorn.Server):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -143,12 +144,12 @@ class LLMEngine:
         cache = self.kv_connector.cache
         need = -(-max_len // cache.chunk_size)
         if cache.pool.num_slots < need:
+            gb = math.ceil(need * cache.pool.slot_bytes / 1e7) / 100  # rounded up
             log.warning(
                 "lmkv: max_local_cpu_size holds %d chunks of %d tokens, fewer than one "
                 "max_model_len prompt (%d chunks): long prompts load in part and concurrent "
-                "requests evict each other's chunks; give it at least %.2g GB",
-                cache.pool.num_slots, cache.chunk_size, need,
-                need * cache.layout.chunk_bytes / 1e9)
+                "requests evict each other's chunks; give it at least %.2f GB",
+                cache.pool.num_slots, cache.chunk_size, need, gb)
 
     def _capture_graphs(self, config: EngineConfig, max_len: int, launcher) -> DecodeGraphs | None:
         graphs = DecodeGraphs(self.model, self.kv_cache, config.block_size, max_len,

@@ -58,9 +58,9 @@ class LMBackend(StorageBackend):
     Every call is bounded: ``connect_timeout`` for connecting, ``timeout`` for each request
     and its reply, from the first byte sent to the last byte received, within
     lm_socket.DEADLINE_SLACK (in a batch read, each reply from the end of the one before; a
-    batch of EXISTs as a whole).
-    A PUT, which may be large, and a batch of requests must make progress within
-    ``timeout`` at every send. Any failure closes the
+    batch of EXISTs as a whole; in a batch write, each value, so a link must carry a chunk's
+    frame within ``timeout``, as it must for a read). The requests of a batch read must make
+    progress within ``timeout`` at every send. Any failure closes the
     connection and raises BackendError; the next call reconnects. A connection that the
     server closed between calls (restart, idle close) is replaced before anything is sent.
 

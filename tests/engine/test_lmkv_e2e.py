@@ -561,3 +561,8 @@ def test_a_hot_cache_smaller_than_one_longest_prompt_is_warned_about(tiny_model_
             tiny_model_dir, cpu_gb=slots * cache.layout.chunk_bytes / 1e9) as llm:
         assert llm.engine.kv_connector.cache.pool.num_slots <= slots
     assert "fewer than one max_model_len prompt" in caplog.text
+    advice = float(caplog.text.split("give it at least ")[1].split(" GB")[0])
+    caplog.clear()
+    with caplog.at_level("WARNING"), lmkv_llm(tiny_model_dir, cpu_gb=advice):
+        pass
+    assert "fewer than one max_model_len prompt" not in caplog.text  # the advice is enough
