@@ -15,8 +15,6 @@ import os
 import resource
 import signal
 import socket
-import struct
-import threading
 from collections.abc import Iterator
 
 import uvicorn
@@ -61,7 +59,6 @@ async def serve(config: ServerConfig) -> None:
             if config.allow
             else "anyone who can reach this port",
         )
-    starting = _Resetter(sock)  # until the listener takes over
     try:
         try:
             arena = PageArena(config.num_pages, config.page_size, config.prefault)
@@ -80,14 +77,16 @@ async def serve(config: ServerConfig) -> None:
                 result.corrupt,
                 result.no_room,
             )
-            persister.start()
+        _listen(sock, "")  # ready: connections are answered from now on
+        if admin_sock is not None:
+            _listen(admin_sock, "--admin-port ")
     except BaseException:  # the start failed: nothing listens on
-        starting.stop()
         sock.close()
         if admin_sock is not None:
             admin_sock.close()
         raise
-    starting.stop()  # ready: connections are answered from now on
+    if persister is not None:
+        persister.start()
     listener = Listener(sock, store, config)
     listener.start()
     try:  # whatever fails from here on, the listener and the persister are stopped
@@ -210,41 +209,37 @@ class _AdminHTTP(H11Protocol):
 
 
 def _bind(host: str, port: int, what: str) -> socket.socket:
+    """A socket bound to the port, not listening yet (``_listen``): until then a client's
+    connect is refused, so a client, or a TCP readiness probe, sees the store as down
+    rather than accepted and left unanswered while the server touches its memory and
+    reloads what it persisted."""
     try:
-        return socket.create_server((host, port), backlog=1024)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     except OSError as e:
-        hint = " (is another lmkv_server running?)" if e.errno == errno.EADDRINUSE else ""
-        why = os.strerror(e.errno) if e.errno else str(e)
-        raise ListenError(f"cannot listen on {what}{host}:{port}: {why}{hint}") from e
+        raise ListenError(f"cannot open a socket for {what}{host}:{port}: {e}") from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a restart's TIME_WAITs)
+        sock.bind((host, port))
+        return sock
+    except OSError as e:
+        sock.close()
+        raise _in_use(e, host, port, what) from e
 
 
-class _Resetter:
-    """While the server starts (its memory touched, what it persisted reloaded), every lm://
-    connection is accepted and reset at once: a client counts the store as down and goes
-    on, rather than waiting out its timeout for a reply that cannot come yet."""
+def _listen(sock: socket.socket, what: str) -> None:
+    """Start listening. Another server that bound the same port while neither listened
+    (two started at once) is found here: the one that listens second stops, by name."""
+    try:
+        sock.listen(1024)
+    except OSError as e:
+        host, port = sock.getsockname()[:2]
+        raise _in_use(e, host, port, what) from e
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._done = threading.Event()
-        sock.settimeout(0.05)
-        self._thread = threading.Thread(target=self._run, name="lmkv-starting", daemon=True)
-        self._thread.start()
 
-    def _run(self) -> None:
-        while not self._done.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:  # closed under it: the start failed
-                return
-            with contextlib.suppress(OSError):
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            conn.close()
-
-    def stop(self) -> None:
-        self._done.set()
-        self._thread.join()
+def _in_use(e: OSError, host: str, port: int, what: str) -> ListenError:
+    hint = " (is another lmkv_server running?)" if e.errno == errno.EADDRINUSE else ""
+    why = os.strerror(e.errno) if e.errno else str(e)
+    return ListenError(f"cannot listen on {what}{host}:{port}: {why}{hint}")
 
 
 class _AdminServer(uvicorn.Server):

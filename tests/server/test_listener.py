@@ -101,10 +101,11 @@ def test_a_port_in_use_is_a_clear_error_before_the_memory_is_touched(server_env)
 
 
 def test_a_connection_is_refused_until_the_server_can_answer_it(server_env, tmp_path):
-    """While the server touches its memory (made to take 3 s here), a client's call fails at
-    once (its connection is reset), so it counts the store as down and goes on; once the
-    server is up, calls are answered (before: the kernel accepted the connection on the
-    listening port and the client waited out its timeout)."""
+    """While the server touches its memory (made to take 3 s here), a client's connect is
+    refused, so it counts the store as down and goes on; once the server is up, calls are
+    answered (before: the kernel accepted the connection on the listening port and the
+    client waited out its timeout). A second server started on the same port meanwhile
+    listens first; the slow one then stops with the port-in-use error, no traceback."""
     import subprocess
     import sys
 
@@ -141,6 +142,25 @@ def test_a_connection_is_refused_until_the_server_can_answer_it(server_env, tmp_
                 time.sleep(0.05)
         assert failed > 0  # it was asked while starting
         client.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+        with open(tmp_path / "slow.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, str(slow), "127.0.0.1", str(port),
+                                     "--max-memory", "8MiB"], env=server_env, stdout=log,
+                                    stderr=subprocess.STDOUT)
+        time.sleep(0.5)  # (bound, touching its memory)
+        fast = subprocess.Popen([sys.executable, "-m", "lmkv_server", "127.0.0.1", str(port),
+                                 "--max-memory", "8MiB"], env=server_env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert proc.wait(timeout=30) == 1
+            out = (tmp_path / "slow.log").read_text()
+            assert (f"lmkv_server: error: cannot listen on 127.0.0.1:{port}: Address already in "
+                    "use (is another lmkv_server running?)") in out and "Traceback" not in out
+            assert fast.poll() is None  # the one that listened serves on
+        finally:
+            fast.terminate()
+            fast.wait(timeout=30)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
