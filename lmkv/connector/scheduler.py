@@ -218,17 +218,17 @@ class SchedulerConnector:
         st = self._state(request)
         self._drop_plan(st)
         prompt = request.prompt_token_ids
-        rest = len(prompt) - num_computed_tokens  # tokens the prefix path computes
         ratio = self.cache.config.blend_recompute_ratio
-        if num_computed_tokens:  # even with every segment but the query stored?
-            query = split_segments(prompt, self.blend_separator)[-1].length
-            if rest <= query + ratio * (len(prompt) - query):
-                st.blended = False
-                return None
-        plan = self.cache.blend_plan(prompt, self.blend_separator)
-        if plan is not None and num_computed_tokens:
-            cached = plan.num_cached_tokens
-            if rest <= len(prompt) - cached + ratio * cached:
+
+        def hit_costs_less(cached: int) -> bool:  # than a blend reusing ``cached`` tokens
+            rest = len(prompt) - num_computed_tokens  # what the prefix path computes
+            return bool(num_computed_tokens) and rest <= len(prompt) - cached + ratio * cached
+
+        plan = None  # (checked first against every segment but the query stored: no fetch)
+        if not (num_computed_tokens and hit_costs_less(
+                len(prompt) - split_segments(prompt, self.blend_separator)[-1].length)):
+            plan = self.cache.blend_plan(prompt, self.blend_separator)
+            if plan is not None and hit_costs_less(plan.num_cached_tokens):
                 plan.release()
                 plan = None
         st.plan = plan
