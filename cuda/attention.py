@@ -24,19 +24,24 @@ THREADS = 128
 MAX_PARTITIONS = 64  # splits of one decode's keys, at most
 _NO_SPLIT = 1 << 30
 # decode kernels: "warps" (paged_decode_warps: each warp its own online softmax, a step's K
-# and V loads issued together) and "tiles" (paged_attention: the block's warps score a tile of
-# keys, then weigh its values, with barriers between). "auto" takes warps for GQA groups of 2-4
-# heads, the R = 4 instantiation that an H200 measured faster at Llama-3-8B's group of 4 (0.61
-# vs 0.52 of HBM bandwidth; docs/kernels.md; groups of 2 and 3 run the same code with rows
-# unused, not measured apart), and tiles for groups of 1 or > 4 (R = 1 and 8: not measured).
-# "warps_lean": the warps kernel with fewer instructions per step (docs/kernels.md).
+# and V loads issued together), "warps_lean" (the same with fewer instructions per step; slots
+# passed between lanes as 32-bit integers) and "tiles" (paged_attention: the block's warps
+# score a tile of keys, then weigh its values, with barriers between). "auto" takes warps_lean
+# for GQA groups of 2-4 heads (R = 4), which an H200 measured fastest at Llama-3-8B's group of
+# 4 (0.71 of HBM bandwidth vs 0.60 for warps and 0.51 for tiles in one run; docs/kernels.md;
+# groups of 2 and 3 run the same code with rows unused, not measured apart), warps where a
+# cache has more slots than 32 bits hold, and tiles for groups of 1 or > 4 (R = 1 and 8: not
+# measured).
 DECODE_KERNELS = ("auto", "warps", "warps_lean", "tiles")
 LEAN_MAX_SLOTS = 2**31 - 1  # warps_lean passes slots between lanes as 32-bit integers
 
 
-def decode_kernel(group: int) -> str:
-    """The kernel "auto" takes for a GQA group of ``group`` query heads per KV head."""
-    return "warps" if 2 <= group <= SMALL_GROUP_ROWS else "tiles"
+def decode_kernel(group: int, slots: int = 0) -> str:
+    """The kernel "auto" takes for a GQA group of ``group`` query heads per KV head over a
+    cache of ``slots`` token slots."""
+    if not 2 <= group <= SMALL_GROUP_ROWS:
+        return "tiles"
+    return "warps_lean" if slots <= LEAN_MAX_SLOTS else "warps"
 
 
 def _common(
@@ -163,7 +168,7 @@ def paged_attention_decode(
     group = hq // hkv
     rows = 1 if group == 1 else SMALL_GROUP_ROWS if group <= SMALL_GROUP_ROWS else ROWS
     if kernel == "auto":
-        kernel = decode_kernel(group)
+        kernel = decode_kernel(group, nb * bs)
     require(kernel != "warps_lean" or nb * bs <= LEAN_MAX_SLOTS,
             f"decode kernel warps_lean takes 32-bit slots: {nb} blocks of {bs} tokens are more "
             f"than {LEAN_MAX_SLOTS} slots")

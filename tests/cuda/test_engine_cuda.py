@@ -39,7 +39,7 @@ def test_every_decode_kernel_matches_torch_on_cuda(kernel):
             assert error < TOLERANCE[dtype], (dtype, dim, hq, hkv, lens, error)
 
 
-@pytest.mark.parametrize("kernel", ["warps", "tiles"])
+@pytest.mark.parametrize("kernel", ["warps", "warps_lean", "tiles"])
 def test_a_decode_gives_the_same_bits_in_any_batch_on_cuda(kernel):
     """test_kernel_attention's batch-invariance check on the GPU, at the default partitions:
     2,560 keys alone, next to 9,600, over a 4x wider table (MAX_PARTITIONS lowered to 2 so

@@ -51,13 +51,17 @@ def test_decode_step_boundaries(emu, kernel, dtype, dim):
         assert error < TOLERANCE[dtype]
 
 
-def test_auto_takes_the_warps_kernel_for_small_gqa_groups_only(emu, monkeypatch):
+def test_auto_takes_the_lean_warps_kernel_for_small_gqa_groups_only(emu, monkeypatch):
     launched = []
     real = attention._launch
     monkeypatch.setattr(attention, "_launch", lambda *a: launched.append(a[-1]) or real(*a))
     for hq, hkv in ((4, 4), (6, 3), (8, 2), (16, 2)):
         assert decode(emu, torch.float32, 64, hq, hkv, [20]) < TOLERANCE[torch.float32]
-    assert launched == [None, "paged_decode_warps<{}, {}, {}>", "paged_decode_warps<{}, {}, {}>", None]
+    lean = "paged_decode_warps<{}, {}, {}, true>"
+    assert launched == [None, lean, lean, None]
+    # a cache of more slots than warps_lean's 32-bit lanes hold takes the plain warps kernel
+    assert attention.decode_kernel(4, attention.LEAN_MAX_SLOTS) == "warps_lean"
+    assert attention.decode_kernel(4, attention.LEAN_MAX_SLOTS + 1) == "warps"
 
 
 def test_decode_kernel_choice_is_checked(emu):
@@ -151,7 +155,7 @@ def test_decode_splits_into_at_most_max_partitions(emu, monkeypatch):
     assert error < TOLERANCE[torch.float32] and launches == [2]
 
 
-@pytest.mark.parametrize("kernel", ["warps", "tiles"])
+@pytest.mark.parametrize("kernel", ["warps", "warps_lean", "tiles"])
 def test_a_decode_gives_the_same_bits_in_any_batch_and_table_width(emu, monkeypatch, kernel):
     """A sequence's split over partitions follows its own length only: next to a longer
     sequence, or over a wider block table (a CUDA graph's bucket, check off), its output is
