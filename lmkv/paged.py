@@ -94,12 +94,15 @@ def checked_on_host(slots: torch.Tensor, skip: int, num_slots: int) -> bool:
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``: itself, or a staged copy (asynchronous from pinned host memory).
+    """``t`` on ``device``: itself, or a staged copy (asynchronous from pinned host memory;
+    a small pageable host tensor, a slot mapping, is pinned first: see ``pinned``).
     A host view that is not contiguous (one layer of a chunk) goes over as its contiguous
     pieces, each copied asynchronously: torch would stage it whole through pageable memory,
     synchronously."""
     if t.device == device:
         return t
+    if device.type == "cuda":
+        t = pinned(t)
     pieces = contiguous_pieces(t)
     if len(pieces) == 1 or len(pieces) > MAX_PIECES:
         return t.to(device, non_blocking=True)
@@ -124,6 +127,19 @@ def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 MAX_PIECES = 8  # more pieces than this cost more in copies than the pageable temporary
+PIN_MAX_BYTES = 1 << 20  # host tensors up to this size are pinned before a copy to a GPU
+
+
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in pinned host memory when it is a small pageable host tensor and CUDA is
+    there (``t`` itself otherwise). A copy to a GPU from pageable memory first waits for
+    everything queued on its stream: one slot mapping copied that way per chunk made a
+    load a host sync per chunk, the host's work never overlapping the copies. Pinned
+    blocks come from torch's caching host allocator, reused once their copies are done."""
+    if (t.device.type != "cpu" or t.nbytes > PIN_MAX_BYTES or not torch.cuda.is_available()
+            or t.is_pinned()):
+        return t
+    return t.pin_memory()
 
 
 def contiguous_pieces(t: torch.Tensor) -> list[tuple[int, ...]]:

@@ -27,7 +27,7 @@ import torch
 
 from ..cache import LMKVCache
 from ..memory import ChunkBuffer
-from ..paged import PagedMemory
+from ..paged import PagedMemory, pinned
 from ..streams import CopyStream, copy_stream
 from .metadata import ConnectorMetadata, LoadSpec
 
@@ -114,6 +114,7 @@ class WorkerConnector:
             self._load_error = e
             self._release(chunks)
             return
+        slots = [[self._pinned(s) for s in spec.slot_mappings] for spec in loads]
         if not self.layerwise:
             # the copies run on while the host queues the forward pass; their chunks go
             # back to the pool in failed_loads, after the forward pass (a failed load's too)
@@ -122,7 +123,7 @@ class WorkerConnector:
                 with stream.active():
                     stream.waits(ready)
                     try:
-                        self._load(loads, chunks)
+                        self._load(loads, slots, chunks)
                     finally:  # the forward pass waits for what was issued, failed or not
                         stream.engine_waits(stream.mark())
             except Exception as e:
@@ -131,16 +132,17 @@ class WorkerConnector:
         num_layers = self.cache.layout.num_layers
         self._layer_loaded = [threading.Event() for _ in range(num_layers)]
         self._layer_marks = [None] * num_layers
-        self.load_job = self._executor.submit(self._load_layers, loads, chunks, ready,
+        self.load_job = self._executor.submit(self._load_layers, loads, slots, chunks, ready,
                                               self._layer_loaded, self._layer_marks)
 
-    def _load_layers(self, loads, chunks, ready, events: list[threading.Event], marks: list) -> None:
+    def _load_layers(self, loads, slots, chunks, ready, events: list[threading.Event],
+                     marks: list) -> None:
         stream = self._loads
         try:
             with stream.active():
                 stream.waits(ready)
                 for layer, event in enumerate(events):
-                    self._load(loads, chunks, layer)
+                    self._load(loads, slots, chunks, layer)
                     marks[layer] = stream.mark()
                     event.set()
         finally:  # after a failure the forward pass goes on; failed_loads tells the engine
@@ -164,12 +166,17 @@ class WorkerConnector:
         except Exception as e:
             self._load_error = self._load_error or e
 
-    def _load(self, loads, chunks, layer: int | None = None) -> None:
-        for spec, bufs in zip(loads, chunks, strict=True):
-            for buf, slots, skip in zip(bufs, spec.slot_mappings, spec.skips, strict=True):
+    def _load(self, loads, slots, chunks, layer: int | None = None) -> None:
+        for spec, mappings, bufs in zip(loads, slots, chunks, strict=True):
+            for buf, mapping, skip in zip(bufs, mappings, spec.skips, strict=True):
                 # a mapping shorter than the chunk (a load ending before the last prompt
                 # token) loads that many of its tokens
-                self.paged.load(buf.kv[:, :, : slots.shape[0]], slots, skip, layer)
+                self.paged.load(buf.kv[:, :, : mapping.shape[0]], mapping, skip, layer)
+
+    def _pinned(self, slots: torch.Tensor) -> torch.Tensor:
+        """A slot mapping in pinned memory where the pages are on a GPU (paged.pinned), once
+        per step: layer-wise copies reuse it for every layer."""
+        return pinned(slots) if self.paged.device.type == "cuda" else slots
 
     def _release_after(self, stream: CopyStream, chunks: list[list[ChunkBuffer | None]]) -> None:
         """Return ``chunks`` to the pool once ``stream``'s copies reading them are done."""
@@ -333,7 +340,7 @@ class WorkerConnector:
                 buf.position = spec.position + i * self.cache.chunk_size
                 buf.num_tokens = slots.shape[0]  # fewer for a prompt's partial last chunk
                 buf.lossy = spec.lossy
-                out.append((key, buf, slots))
+                out.append((key, buf, self._pinned(slots)))
         return out
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from lmkv import paged
 from lmkv.cache import LMKVCache
 from lmkv.config import load_config
 from lmkv.connector import ConnectorMetadata, WorkerConnector
@@ -445,9 +446,112 @@ def test_after_a_failed_layer_the_layers_not_reached_wait_for_what_it_issued():
     engine.close()
 
 
+class _FakePins:
+    """torch's pinning as the worker sees it on a GPU machine, on the CPU: pin_memory makes
+    a copy that is_pinned then reports pinned; what was pinned is recorded."""
+
+    def __init__(self, monkeypatch):
+        self.made: list[torch.Tensor] = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: self.pin(t))
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: self.is_pinned(t))
+
+    def pin(self, t):
+        self.made.append(t.clone())
+        return self.made[-1]
+
+    def is_pinned(self, t):
+        return any(t.data_ptr() == p.data_ptr() for p in self.made)
+
+
+def test_small_pageable_host_tensors_are_pinned_before_a_copy_to_a_gpu(monkeypatch):
+    pins = _FakePins(monkeypatch)
+    slots = torch.arange(256)
+    assert paged.pinned(slots) is pins.made[0] and torch.equal(pins.made[0], slots)
+    assert paged.pinned(pins.made[0]) is pins.made[0]  # pinned already
+    big = torch.zeros(paged.PIN_MAX_BYTES // 4 + 1)
+    assert paged.pinned(big) is big and len(pins.made) == 1  # a chunk's worth is not copied
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert paged.pinned(slots) is slots
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_slot_mappings_for_gpu_pages_are_pinned_once_per_step(monkeypatch, layerwise):
+    """A copy to a GPU from pageable memory waits for everything queued on its stream: a
+    slot mapping copied that way per chunk made every load a host sync per chunk (per
+    chunk and layer, layer-wise). Each mapping is pinned once per step; every layer's copy
+    reads that one."""
+    engine, _, kv_cache = _setup(layerwise)
+
+    class GpuPages(BlockPagedMemory):  # claims a GPU (the pinning rule), copies on the CPU
+        def __init__(self, kv_cache):
+            super().__init__(kv_cache)
+            self.device = torch.device("cuda")
+
+        def load(self, chunk, slots, skip=0, layer=None):
+            seen.append(slots)
+            super().load(chunk, slots, skip, layer)
+
+        def save(self, slots, chunk, skip=0, layer=None):
+            seen.append(slots)
+            super().save(slots, chunk, skip, layer)
+
+    seen: list[torch.Tensor] = []
+    worker = WorkerConnector(engine)
+    worker.register_kv_caches(GpuPages(kv_cache), streams=lambda device: CopyStream())
+    pins = _FakePins(monkeypatch)
+    kvs = _pinned(engine, ["a", "b"])
+    slots = [torch.arange(8, 16), torch.arange(20, 25)]
+    saves = [SaveSpec("s", ["c"], [torch.arange(32, 40)])]
+    worker.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec("r", ["a", "b"], slots, [0, 0])],
+                                                     saves=saves))
+    worker.start_load_kv()
+    for layer in range(LAYERS):
+        worker.wait_for_layer_load(layer)
+        worker.save_kv_layer(layer)
+    assert worker.failed_loads() == []
+    worker.wait_for_save()
+    assert len(pins.made) == 3  # the two loads' mappings and the save's, whatever the layers
+    assert len(seen) == 3 * (LAYERS if layerwise else 1)
+    assert all(any(s is p for p in pins.made) for s in seen)
+    assert torch.equal(_paged(kv_cache, slots[0]), kvs[0])
+    assert torch.equal(_paged(kv_cache, slots[1]), kvs[1][:, :, :5])
+    worker.close()
+    engine.close()
+
+
 def test_copy_streams_are_cuda_streams_only_for_cuda_pages():
     assert type(copy_stream(torch.device("cpu"))) is CopyStream
     assert type(copy_stream(torch.device("meta"))) is CopyStream
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_load_on_cuda_pages_is_issued_without_waiting_for_the_engines_stream():
+    """The copies wait for the engine's queued work on the device, never on the host: the
+    host returns from start_load_kv while the engine's stream is still busy (a slot mapping
+    copied from pageable memory would wait for it)."""
+    import time
+
+    engine, _, _ = _setup(False)
+    kv_cache = torch.zeros(LAYERS, 2, 16, BLOCK, 2, 4, device="cuda")
+    worker = WorkerConnector(engine)
+    worker.register_kv_caches(BlockPagedMemory(kv_cache))
+    kvs = _pinned(engine, ["a", "b"])
+    slots = [torch.arange(8, 16), torch.arange(20, 28)]
+    worker.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec("r", ["a", "b"], slots, [0, 0])]))
+    torch.arange(8).pin_memory()  # torch's pinned-block cache has its first block
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the engine's stream
+    worker.start_load_kv()
+    issued = time.perf_counter() - start
+    assert worker.failed_loads() == []
+    torch.cuda.synchronize()
+    assert issued < 0.3 < time.perf_counter() - start, issued
+    for kv, s in zip(kvs, slots, strict=True):
+        assert torch.equal(_paged(kv_cache, s.cuda()).cpu(), kv)
+    worker.close()
+    engine.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
