@@ -104,8 +104,16 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         t = pinned(t)
     pieces = contiguous_pieces(t)
-    if len(pieces) == 1 or len(pieces) > MAX_PIECES:
+    if len(pieces) == 1:
         return t.to(device, non_blocking=True)
+    if len(pieces) > MAX_PIECES:
+        # many pieces (a load's last chunk, ending inside it: each layer's K and V): the
+        # stretch of memory under the view goes over in one copy when it is not much more
+        span = storage_span(t)
+        if span > 2 * t.numel():
+            return t.to(device, non_blocking=True)
+        return t.as_strided((span,), (1,)).to(device, non_blocking=True).as_strided(
+            t.shape, t.stride())
     out = torch.empty(t.shape, dtype=t.dtype, device=device)
     for idx in pieces:
         out[idx].copy_(t[idx], non_blocking=True)
@@ -149,6 +157,14 @@ def contiguous_pieces(t: torch.Tensor) -> list[tuple[int, ...]]:
         if t.numel() == 0 or t[(0,) * k].is_contiguous():
             return list(itertools.product(*(range(n) for n in t.shape[:k])))
     raise AssertionError("a 0-dim tensor is contiguous")
+
+
+def storage_span(t: torch.Tensor) -> int:
+    """Elements of ``t``'s storage from its first element to its last (non-negative strides):
+    ``t.as_strided((span,), (1,))`` is that stretch, ``t`` its view with offset 0."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
 
 
 def staging_for(t: torch.Tensor, device: torch.device) -> torch.Tensor:

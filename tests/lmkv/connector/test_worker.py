@@ -475,6 +475,23 @@ def test_small_pageable_host_tensors_are_pinned_before_a_copy_to_a_gpu(monkeypat
     assert paged.pinned(slots) is slots
 
 
+def test_a_view_of_many_pieces_goes_to_a_device_as_the_memory_under_it():
+    """on_device's one copy for a view of more than MAX_PIECES contiguous pieces (a load's
+    last chunk, ending inside it): the stretch of storage under the view, viewed again
+    with the view's strides on the other side, reads as the view."""
+    base = torch.randn(2, 5, 8, 3, 4)
+    for view in (base[:, :, :5], base[:, :, 2:7], base[:, 1:2], base[1], base):
+        span = paged.storage_span(view)
+        assert span >= view.numel()
+        stretch = view.as_strided((span,), (1,)).clone()  # what the copy moves
+        assert torch.equal(stretch.as_strided(view.shape, view.stride()), view)
+    assert paged.storage_span(base[:, :, :0]) == 0
+    moved = paged.on_device(base[:, :, :5], torch.device("meta"))  # 10 pieces: one copy
+    assert moved.shape == (2, 5, 5, 3, 4) and moved.stride() == base.stride()
+    sparse = paged.on_device(base[:, :, :1], torch.device("meta"))  # 8x the memory: as torch does
+    assert sparse.shape == (2, 5, 1, 3, 4) and sparse.is_contiguous()
+
+
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_slot_mappings_for_gpu_pages_are_pinned_once_per_step(monkeypatch, layerwise):
     """A copy to a GPU from pageable memory waits for everything queued on its stream: a
@@ -526,18 +543,20 @@ def test_copy_streams_are_cuda_streams_only_for_cuda_pages():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_load_on_cuda_pages_is_issued_without_waiting_for_the_engines_stream():
+def test_a_load_on_cuda_pages_is_issued_without_waiting_for_the_engines_stream(monkeypatch):
     """The copies wait for the engine's queued work on the device, never on the host: the
     host returns from start_load_kv while the engine's stream is still busy (a slot mapping
-    copied from pageable memory would wait for it)."""
+    copied from pageable memory would wait for it, and so would a chunk of many pieces
+    copied through a pageable temporary: the second chunk ends inside it)."""
     import time
 
+    monkeypatch.setattr(paged, "MAX_PIECES", 2)  # the second chunk's 6 pieces are many
     engine, _, _ = _setup(False)
     kv_cache = torch.zeros(LAYERS, 2, 16, BLOCK, 2, 4, device="cuda")
     worker = WorkerConnector(engine)
     worker.register_kv_caches(BlockPagedMemory(kv_cache))
     kvs = _pinned(engine, ["a", "b"])
-    slots = [torch.arange(8, 16), torch.arange(20, 28)]
+    slots = [torch.arange(8, 16), torch.arange(20, 26)]
     worker.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec("r", ["a", "b"], slots, [0, 0])]))
     torch.arange(8).pin_memory()  # torch's pinned-block cache has its first block
     torch.cuda.synchronize()
@@ -549,7 +568,7 @@ def test_a_load_on_cuda_pages_is_issued_without_waiting_for_the_engines_stream()
     torch.cuda.synchronize()
     assert issued < 0.3 < time.perf_counter() - start, issued
     for kv, s in zip(kvs, slots, strict=True):
-        assert torch.equal(_paged(kv_cache, s.cuda()).cpu(), kv)
+        assert torch.equal(_paged(kv_cache, s.cuda()).cpu(), kv[:, :, : len(s)])
     worker.close()
     engine.close()
 
