@@ -4,7 +4,7 @@
 # on CUDA. Runs with the machine's own python3 (torch, CuPy, transformers) and lmkv from
 # this checkout; Python wheels it lacks travel in .whl/ (see docs/kernels.md, "GPU session").
 # Each step has its own time limit; full logs go to $OUT (or /tmp/gpu-out), tails to stdout.
-#   benchmarks/gpu_session.sh [STEP...]   steps: tests kernels ttft throughput eager profile
+#   benchmarks/gpu_session.sh [STEP...]   steps: tests kernels ttft warm throughput eager profile
 #   (default: all)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -38,7 +38,7 @@ step() {  # name, seconds, command...
     grep -v "^\s*$" "$OUT/$name.log" | tail -n "${TAIL:-14}"
 }
 
-steps=${*:-tests kernels ttft throughput eager profile}
+steps=${*:-tests kernels ttft warm throughput eager profile}
 for s in $steps; do
     case $s in
     tests) step tests 140 $PY -m pytest -q -p no:cacheprovider -x tests/cuda/test_engine_cuda.py \
@@ -46,6 +46,8 @@ for s in $steps; do
     kernels) step kernels 240 $PY benchmarks/kernels.py --iters 20 ;;
     ttft) step ttft 170 $PY benchmarks/lmkv_ttft.py --device cuda --dtype bfloat16 --model smollm2-shape \
         --repeats 9 ;;
+    warm) TAIL=24 step warm 90 $PY benchmarks/profile_warm.py --device cuda --dtype bfloat16 \
+        --model smollm2-shape ;;
     throughput) step throughput 110 $PY benchmarks/engine_throughput.py --device cuda --dtype bfloat16 \
         --model smollm2-shape ;;
     eager) step eager 110 $PY benchmarks/engine_throughput.py --device cuda --dtype bfloat16 \
