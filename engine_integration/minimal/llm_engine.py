@@ -187,6 +187,7 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.metrics.prompt_tokens.inc(len(ids))
+        self._update_gauges()  # waiting now, though the step that admits it may take seconds
         return req
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -262,6 +263,8 @@ class LLMEngine:
             self.kv_connector.complete_saves(wait=admits)
         sched = self.scheduler.schedule()
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preemptions_before)
+        # the gauges show the batch while it runs (a prefill may take seconds), not the last one's
+        self._update_gauges()
         if not sched.scheduled:
             return []
         # sampling advances seeded generators: a request lmkv's failed load sends back to be

@@ -289,3 +289,24 @@ def test_a_prefix_hit_takes_the_copy_a_request_holds():
     assert hit.blocks[0].block_id == b.block_ids[0]
     assert bm.allocate_slots(c, c.num_tokens - hit.num_tokens, hit)
     bm.check_integrity()
+
+
+def test_the_gauges_show_the_requests_of_a_step_while_it_runs(tiny_model_dir):
+    """engine_requests_running/waiting are scraped while a step runs (a prefill or a load
+    may take seconds): they must show the queued requests, and the batch being computed,
+    not what the step before (an idle engine: 0) left."""
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=32 << 20)
+    engine = llm.engine
+    gauges = engine.metrics
+
+    def read():
+        return gauges.running._value.get(), gauges.waiting._value.get()
+
+    for i, prompt in enumerate(_prompts([40, 97, 150])):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=2, temperature=0))
+    assert read() == (0, 3)  # queued, before any step
+    seen = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda *a, **k: (seen.append(read()), execute(*a, **k))[1]
+    engine.step()
+    assert seen == [(3, 0)]  # the prefill of all three, as it ran
