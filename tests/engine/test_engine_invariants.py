@@ -310,3 +310,13 @@ def test_the_gauges_show_the_requests_of_a_step_while_it_runs(tiny_model_dir):
     engine.runner.execute = lambda *a, **k: (seen.append(read()), execute(*a, **k))[1]
     engine.step()
     assert seen == [(3, 0)]  # the prefill of all three, as it ran
+
+
+def test_a_prompt_of_bad_token_ids_is_refused_and_nothing_is_queued(tiny_model_dir):
+    engine = LLM(str(tiny_model_dir), kv_cache_memory=32 << 20).engine
+    vocab = engine.model_config.vocab_size
+    for i, bad in enumerate(([1, -1], [1, vocab], [1, 2.0], ["a"], [1, 2**70], [None])):
+        with pytest.raises(ValueError, match=rf"prompt token ids must be integers in \[0, {vocab}\)"):
+            engine.add_request(f"bad{i}", bad)
+    assert not engine.requests and not engine.scheduler.has_unfinished()
+    assert engine.add_request("ok", [0, 2, vocab - 1]).prompt_token_ids == [0, 2, vocab - 1]
