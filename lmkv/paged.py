@@ -110,10 +110,13 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         # many pieces (a load's last chunk, ending inside it: each layer's K and V): the
         # stretch of memory under the view goes over in one copy when it is not much more
         span = storage_span(t)
-        if span > 2 * t.numel():
-            return t.to(device, non_blocking=True)
-        return t.as_strided((span,), (1,)).to(device, non_blocking=True).as_strided(
-            t.shape, t.stride())
+        if span <= 2 * t.numel() and t.is_pinned():
+            return t.as_strided((span,), (1,)).to(device, non_blocking=True).as_strided(
+                t.shape, t.stride())
+        if device.type == "cuda" and torch.cuda.is_available():  # gathered into pinned memory
+            staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return staged.copy_(t).to(device, non_blocking=True)
+        return t.to(device, non_blocking=True)
     out = torch.empty(t.shape, dtype=t.dtype, device=device)
     for idx in pieces:
         out[idx].copy_(t[idx], non_blocking=True)
@@ -147,7 +150,7 @@ def pinned(t: torch.Tensor) -> torch.Tensor:
     if (t.device.type != "cpu" or t.nbytes > PIN_MAX_BYTES or not torch.cuda.is_available()
             or t.is_pinned()):
         return t
-    return t.pin_memory()
+    return t.contiguous().pin_memory()  # (a view's pin_memory would pin all under it)
 
 
 def contiguous_pieces(t: torch.Tensor) -> list[tuple[int, ...]]:

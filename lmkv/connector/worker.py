@@ -109,12 +109,12 @@ class WorkerConnector:
             return
         stream = self._loads
         try:
+            slots = [[self._pinned(s) for s in spec.slot_mappings] for spec in loads]
             ready = stream.engine_mark()  # the pages' earlier readers and writers are done
         except Exception as e:  # nothing was issued
             self._load_error = e
             self._release(chunks)
             return
-        slots = [[self._pinned(s) for s in spec.slot_mappings] for spec in loads]
         if not self.layerwise:
             # the copies run on while the host queues the forward pass; their chunks go
             # back to the pool in failed_loads, after the forward pass (a failed load's too)
@@ -326,21 +326,28 @@ class WorkerConnector:
                 self.cache.count_error("connector", "save")
 
     def _allocate_saves(self) -> list[tuple[str, ChunkBuffer, torch.Tensor]]:
-        out = []
-        for spec in self.meta.saves:
-            for i, (name, slots) in enumerate(zip(spec.keys, spec.slot_mappings, strict=True)):
-                key = self._key(name)
-                if self.cache.storage.hot.contains(key):  # stored already: skip the gather
-                    self.cache.storage.written_below(key)
-                    continue
-                buf = self.cache.allocate()
-                if buf is None:  # the hot cache is full of pinned chunks: skip this save
-                    log.debug("lmkv: no free chunk slot; not saving %s", key)
-                    return out
-                buf.position = spec.position + i * self.cache.chunk_size
-                buf.num_tokens = slots.shape[0]  # fewer for a prompt's partial last chunk
-                buf.lossy = spec.lossy
-                out.append((key, buf, self._pinned(slots)))
+        """A buffer and a slot mapping (pinned where the pages are on a GPU) per chunk to
+        save; on an error, the buffers taken so far go back before it is raised."""
+        out: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
+        try:
+            for spec in self.meta.saves:
+                for i, (name, slots) in enumerate(zip(spec.keys, spec.slot_mappings, strict=True)):
+                    key = self._key(name)
+                    if self.cache.storage.hot.contains(key):  # stored already: skip the gather
+                        self.cache.storage.written_below(key)
+                        continue
+                    slots = self._pinned(slots)
+                    buf = self.cache.allocate()
+                    if buf is None:  # the hot cache is full of pinned chunks: skip this save
+                        log.debug("lmkv: no free chunk slot; not saving %s", key)
+                        return out
+                    buf.position = spec.position + i * self.cache.chunk_size
+                    buf.num_tokens = slots.shape[0]  # fewer for a prompt's partial last chunk
+                    buf.lossy = spec.lossy
+                    out.append((key, buf, slots))
+        except BaseException:
+            self._release([[buf for _, buf, _ in out]])
+            raise
         return out
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -475,7 +475,7 @@ def test_small_pageable_host_tensors_are_pinned_before_a_copy_to_a_gpu(monkeypat
     assert paged.pinned(slots) is slots
 
 
-def test_a_view_of_many_pieces_goes_to_a_device_as_the_memory_under_it():
+def test_a_view_of_many_pieces_goes_to_a_device_as_the_memory_under_it(monkeypatch):
     """on_device's one copy for a view of more than MAX_PIECES contiguous pieces (a load's
     last chunk, ending inside it): the stretch of storage under the view, viewed again
     with the view's strides on the other side, reads as the view."""
@@ -486,10 +486,68 @@ def test_a_view_of_many_pieces_goes_to_a_device_as_the_memory_under_it():
         stretch = view.as_strided((span,), (1,)).clone()  # what the copy moves
         assert torch.equal(stretch.as_strided(view.shape, view.stride()), view)
     assert paged.storage_span(base[:, :, :0]) == 0
+    pins = _FakePins(monkeypatch)  # the stretch is sent from pinned memory only
+    assert paged.on_device(base[:, :, :5], torch.device("meta")).is_contiguous()
+    pins.made.append(base)
     moved = paged.on_device(base[:, :, :5], torch.device("meta"))  # 10 pieces: one copy
     assert moved.shape == (2, 5, 5, 3, 4) and moved.stride() == base.stride()
     sparse = paged.on_device(base[:, :, :1], torch.device("meta"))  # 8x the memory: as torch does
     assert sparse.shape == (2, 5, 1, 3, 4) and sparse.is_contiguous()
+
+
+class _GpuPages(BlockPagedMemory):
+    """Claims a GPU (what the worker's pinning rule looks at), copies on the CPU; records
+    the slot mappings it is given."""
+
+    def __init__(self, kv_cache, seen: list[torch.Tensor]):
+        super().__init__(kv_cache)
+        self.device = torch.device("cuda")
+        self.seen = seen
+
+    def load(self, chunk, slots, skip=0, layer=None):
+        self.seen.append(slots)
+        super().load(chunk, slots, skip, layer)
+
+    def save(self, slots, chunk, skip=0, layer=None):
+        self.seen.append(slots)
+        super().save(slots, chunk, skip, layer)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_slot_mapping_that_cannot_be_pinned_fails_the_load_or_save_and_leaks_nothing(
+        monkeypatch, layerwise):
+    """Pinning (a pinned allocation) may fail: the load fails (its tokens are recomputed)
+    without raising into the forward pass, the save raises, and every chunk goes back."""
+    from lmkv.connector import worker as worker_module
+
+    engine, _, kv_cache = _setup(layerwise)
+    worker = WorkerConnector(engine)
+    worker.register_kv_caches(_GpuPages(kv_cache, []), streams=lambda device: CopyStream())
+    _pinned(engine, ["a", "b"])
+
+    loads = [LoadSpec("r", ["a", "b"], [torch.arange(8, 16), torch.arange(20, 28)], [0, 0])]
+    saves = [SaveSpec("s", ["c", "d"], [torch.arange(32, 40), torch.arange(40, 48)])]
+
+    def fail(t):  # the load's first mapping, the save's second (after one buffer is taken)
+        if t is loads[0].slot_mappings[0] or t is saves[0].slot_mappings[1]:
+            raise RuntimeError("CUDA error: out of memory (pinned)")
+        return t
+
+    monkeypatch.setattr(worker_module, "pinned", fail)
+    worker.bind_connector_metadata(ConnectorMetadata(loads=loads, saves=saves))
+    worker.start_load_kv()  # never raises
+    for layer in range(LAYERS):
+        worker.wait_for_layer_load(layer)
+    assert len(worker.failed_loads()) == 1
+    with pytest.raises(RuntimeError, match="pinned"):
+        if layerwise:
+            worker.save_kv_layer(0)
+        else:
+            worker.wait_for_save()
+    engine.pool.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_slots - 2  # "a" and "b", stored
+    worker.close()
+    engine.close()
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -499,23 +557,9 @@ def test_slot_mappings_for_gpu_pages_are_pinned_once_per_step(monkeypatch, layer
     chunk and layer, layer-wise). Each mapping is pinned once per step; every layer's copy
     reads that one."""
     engine, _, kv_cache = _setup(layerwise)
-
-    class GpuPages(BlockPagedMemory):  # claims a GPU (the pinning rule), copies on the CPU
-        def __init__(self, kv_cache):
-            super().__init__(kv_cache)
-            self.device = torch.device("cuda")
-
-        def load(self, chunk, slots, skip=0, layer=None):
-            seen.append(slots)
-            super().load(chunk, slots, skip, layer)
-
-        def save(self, slots, chunk, skip=0, layer=None):
-            seen.append(slots)
-            super().save(slots, chunk, skip, layer)
-
     seen: list[torch.Tensor] = []
     worker = WorkerConnector(engine)
-    worker.register_kv_caches(GpuPages(kv_cache), streams=lambda device: CopyStream())
+    worker.register_kv_caches(_GpuPages(kv_cache, seen), streams=lambda device: CopyStream())
     pins = _FakePins(monkeypatch)
     kvs = _pinned(engine, ["a", "b"])
     slots = [torch.arange(8, 16), torch.arange(20, 25)]
@@ -547,28 +591,36 @@ def test_a_load_on_cuda_pages_is_issued_without_waiting_for_the_engines_stream(m
     """The copies wait for the engine's queued work on the device, never on the host: the
     host returns from start_load_kv while the engine's stream is still busy (a slot mapping
     copied from pageable memory would wait for it, and so would a chunk of many pieces
-    copied through a pageable temporary: the second chunk ends inside it)."""
+    copied through a pageable temporary: two chunks end inside them, at 6 and 2 of 8
+    tokens, one sent as the memory under it, one gathered into pinned memory)."""
     import time
 
-    monkeypatch.setattr(paged, "MAX_PIECES", 2)  # the second chunk's 6 pieces are many
+    monkeypatch.setattr(paged, "MAX_PIECES", 2)  # a short chunk's 6 pieces are many
     engine, _, _ = _setup(False)
     kv_cache = torch.zeros(LAYERS, 2, 16, BLOCK, 2, 4, device="cuda")
     worker = WorkerConnector(engine)
     worker.register_kv_caches(BlockPagedMemory(kv_cache))
-    kvs = _pinned(engine, ["a", "b"])
-    slots = [torch.arange(8, 16), torch.arange(20, 26)]
-    worker.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec("r", ["a", "b"], slots, [0, 0])]))
-    torch.arange(8).pin_memory()  # torch's pinned-block cache has its first block
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    torch.cuda._sleep(2_000_000_000)  # about a second of the engine's stream
-    worker.start_load_kv()
-    issued = time.perf_counter() - start
-    assert worker.failed_loads() == []
-    torch.cuda.synchronize()
-    assert issued < 0.3 < time.perf_counter() - start, issued
-    for kv, s in zip(kvs, slots, strict=True):
-        assert torch.equal(_paged(kv_cache, s.cuda()).cpu(), kv[:, :, : len(s)])
+    slots = [torch.arange(8, 16), torch.arange(20, 26), torch.arange(32, 34)]
+
+    def load(keys: list[str], busy: bool) -> tuple[float, float]:
+        kvs = _pinned(engine, keys)
+        worker.bind_connector_metadata(ConnectorMetadata(loads=[
+            LoadSpec("r", keys[:2], slots[:2], [0, 0]), LoadSpec("q", keys[2:], slots[2:], [0])]))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if busy:
+            torch.cuda._sleep(2_000_000_000)  # about a second of the engine's stream
+        worker.start_load_kv()
+        issued = time.perf_counter() - start
+        assert worker.failed_loads() == []
+        torch.cuda.synchronize()
+        for kv, s in zip(kvs, slots, strict=True):
+            assert torch.equal(_paged(kv_cache, s.cuda()).cpu(), kv[:, :, : len(s)])
+        return issued, time.perf_counter() - start
+
+    load(["w1", "w2", "w3"], busy=False)  # first uses: kernels, pinned and device blocks
+    issued, total = load(["a", "b", "c"], busy=True)
+    assert issued < 0.3 < total, (issued, total)
     worker.close()
     engine.close()
 
