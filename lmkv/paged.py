@@ -144,9 +144,9 @@ PIN_MAX_BYTES = 1 << 20  # host tensors up to this size are pinned before a copy
 def pinned(t: torch.Tensor) -> torch.Tensor:
     """``t`` in pinned host memory when it is a small pageable host tensor and CUDA is
     there (``t`` itself otherwise). A copy to a GPU from pageable memory first waits for
-    everything queued on its stream: one slot mapping copied that way per chunk made a
-    load a host sync per chunk, the host's work never overlapping the copies. Pinned
-    blocks come from torch's caching host allocator, reused once their copies are done."""
+    everything queued on its stream (a host sync); from pinned memory it is only queued.
+    Pinned blocks come from torch's caching host allocator, reused once their copies are
+    done."""
     if (t.device.type != "cpu" or t.nbytes > PIN_MAX_BYTES or not torch.cuda.is_available()
             or t.is_pinned()):
         return t
