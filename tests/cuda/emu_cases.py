@@ -227,10 +227,10 @@ def run_all(launcher: Launcher) -> list[str]:
             lambda: decode(launcher, torch.float16, 64, 8, 2, [1, 37], partition_size=32,
                            kernel="tiles") < 2e-3,
         ),  # fmt: skip
-        (
-            "decode_lean",
+        (  # "auto" above took warps_lean (group 4); the plain warps kernel here
+            "decode_warps",
             lambda: decode(launcher, torch.float16, 64, 8, 2, [1, 37, 70], partition_size=36,
-                           kernel="warps_lean") < 2e-3,
+                           kernel="warps") < 2e-3,
         ),  # fmt: skip
         ("decode_mha", lambda: decode(launcher, torch.float32, 128, 2, 2, [20]) < 2e-5),
         (
@@ -267,7 +267,7 @@ RUN_ALL_KERNELS = {
         "paged_attention_merge<__half, 64>", "paged_attention<float, 128, 1>",
         "paged_attention<float, 64, 4>", "paged_attention<float, 64, 8>",
         "paged_attention<__nv_bfloat16, 64, 8>", "paged_decode_warps<__half, 64, 4>",
-        "paged_decode_warps<float, 128, 1>", "paged_decode_warps<float, 64, 4>",
+        "paged_decode_warps<float, 128, 1>", "paged_decode_warps<float, 64, 4, true>",
         "paged_decode_warps<__half, 64, 8>", "paged_decode_warps<__half, 64, 4, true>",
     ],
     "rope.cu": ["rerotate_keys<__half, 8>"],
