@@ -113,7 +113,7 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         if span <= 2 * t.numel() and t.is_pinned():
             return t.as_strided((span,), (1,)).to(device, non_blocking=True).as_strided(
                 t.shape, t.stride())
-        if device.type == "cuda" and torch.cuda.is_available():  # gathered into pinned memory
+        if device.type == "cuda":  # gathered into pinned memory
             staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return staged.copy_(t).to(device, non_blocking=True)
         return t.to(device, non_blocking=True)

@@ -223,7 +223,7 @@ def _bind(host: str, port: int, what: str) -> socket.socket:
         return sock
     except OSError as e:
         sock.close()
-        raise _in_use(e, host, port, what) from e
+        raise _listen_error(e, host, port, what) from e
 
 
 def _listen(sock: socket.socket, what: str) -> None:
@@ -233,10 +233,11 @@ def _listen(sock: socket.socket, what: str) -> None:
         sock.listen(1024)
     except OSError as e:
         host, port = sock.getsockname()[:2]
-        raise _in_use(e, host, port, what) from e
+        raise _listen_error(e, host, port, what) from e
 
 
-def _in_use(e: OSError, host: str, port: int, what: str) -> ListenError:
+def _listen_error(e: OSError, host: str, port: int, what: str) -> ListenError:
+    """The error of a bind or listen that failed, by name (a port in use: with a hint)."""
     hint = " (is another lmkv_server running?)" if e.errno == errno.EADDRINUSE else ""
     why = os.strerror(e.errno) if e.errno else str(e)
     return ListenError(f"cannot listen on {what}{host}:{port}: {why}{hint}")
