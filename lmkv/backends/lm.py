@@ -25,6 +25,7 @@ from lmkv.logs import LogThrottle
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_VALUE_SIZE = 256 << 20  # lmkv_server's default: a larger PUT would be refused
+CONNECT_TIMEOUT = 3.0  # seconds to connect at most (less where a call may take less)
 RECEIVE_STEP = 16 << 20  # a value is received into memory grown by this much as it arrives
 # lmcache_server parses the key of every frame, HEALTH included, and drops the connection
 # if it is not model@world_size@worker_id@chunk_hash_hex@dtype
@@ -55,7 +56,9 @@ def parse_lm_url(url: str) -> LMAddress:
 class LMBackend(StorageBackend):
     """One persistent TCP connection to an lm:// server, used serially.
 
-    Every call is bounded: ``connect_timeout`` for connecting, ``timeout`` for each request
+    Every call is bounded: ``connect_timeout`` for connecting (default the smaller of
+    CONNECT_TIMEOUT and ``timeout``: a link that cannot connect within a call's time would
+    not answer one either), ``timeout`` for each request
     and its reply, from the first byte sent to the last byte received, within
     lm_socket.DEADLINE_SLACK (in a batch read, each reply from the end of the one before; a
     batch of EXISTs as a whole; in a batch write, each value, so a link must carry a chunk's
@@ -78,9 +81,11 @@ class LMBackend(StorageBackend):
         url: str,
         *,
         timeout: float = 10.0,
-        connect_timeout: float = 3.0,
+        connect_timeout: float | None = None,
         max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
     ) -> None:
+        if connect_timeout is None:
+            connect_timeout = min(CONNECT_TIMEOUT, timeout)
         for name, seconds in (("timeout", timeout), ("connect_timeout", connect_timeout)):
             if not MIN_TIMEOUT <= seconds < math.inf:  # NaN fails too
                 raise ValueError(

@@ -46,6 +46,9 @@ class Tier:
     _warned_range: bool = field(default=False, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
     _probing: bool = field(default=False, init=False, repr=False)  # a probe thread runs
+    # the read breaker opened on a failed read: only a read that succeeds closes it (a store
+    # that answers lookups but cannot deliver chunks in time must not have it reset by them)
+    _read_failed: bool = field(default=False, init=False, repr=False)
     _closed: bool = field(default=False, init=False, repr=False)
     _probe_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -159,7 +162,9 @@ class Tier:
             return None
         finally:
             self._timed("contains", start)
-        if not self.backend.concurrent_contains:  # an index in memory answers for no read
+        # an index in memory (a disk tier's), or any answer after a failed read, says
+        # nothing of the reads: the next read decides
+        if not self.backend.concurrent_contains and not self._read_failed:
             self.breaker.success()
         return found
 
@@ -203,6 +208,7 @@ class Tier:
                 if dropped > 0:
                     self.metrics.errors.labels(self.name, "unreadable").inc(dropped)
             self.breaker.success()
+            self._read_failed = False
         if not raw:
             checked = self._check_all(keys, bufs, values)
         ok = []
@@ -310,6 +316,8 @@ class Tier:
 
     def _failed(self, op: str, error: BackendError) -> None:
         writing = op in ("put", "remove")
+        if op == "get":
+            self._read_failed = True
         pause = (self.write_breaker if writing else self.breaker).failure()
         what = ("not writing to {} for {:.0f} s (chunks not stored there; reads go on)" if writing
                 else "not reading {} for {:.0f} s (chunks it holds are recomputed)")

@@ -200,6 +200,37 @@ def test_connect_refused():
         backend.contains(["k@1"])
 
 
+def test_connecting_takes_no_longer_than_a_call_may():
+    """A link that drops the connection's packets: the connect gives up within the call's
+    timeout (remote_timeout), not after the fixed connect bound."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    queued = []
+    try:  # fill the accept queue: the kernel then drops the next connection's SYNs
+        for _ in range(8):
+            c = socket.socket()
+            c.settimeout(0.2)
+            try:
+                c.connect(("127.0.0.1", port))
+            except OSError:
+                c.close()
+                break
+            queued.append(c)
+        backend = LMBackend(f"lm://127.0.0.1:{port}", timeout=0.5)
+        assert backend.connect_timeout == 0.5
+        start = time.monotonic()
+        with pytest.raises(BackendError, match="cannot connect"):
+            backend.contains(["k@1"])
+        assert time.monotonic() - start < 0.5 + 1.0
+    finally:
+        for c in queued:
+            c.close()
+        listener.close()
+    assert LMBackend("lm://127.0.0.1:1", timeout=30).connect_timeout == 3.0
+
+
 def test_get_into_caller_buffer(spawn_server):
     server = spawn_server("--max-memory", "8MiB")
     backend = LMBackend(server.url)

@@ -435,3 +435,48 @@ def test_a_read_queued_behind_a_call_that_fails_does_not_call_the_store_again():
     lookup.join()
     assert backend.gets == 0
     tier.close()
+
+
+class LooksUpButCannotDeliver(StorageBackend):
+    """A store over a slow link: lookups (small replies) answer, reads of chunks time out."""
+
+    def __init__(self) -> None:
+        self.gets = 0
+        self.deliver = False
+
+    def put(self, items):
+        pass
+
+    def get(self, keys):
+        self.gets += 1
+        if not self.deliver:
+            raise BackendError("timed out")
+        return [None] * len(keys)
+
+    def contains(self, keys):
+        return [False] * len(keys)
+
+
+def test_lookups_that_answer_do_not_reset_the_breaker_of_failing_reads(monkeypatch):
+    """After a failed read, the probe and the lookups that follow it answer; the next read
+    fails again, and the interval must double (before, each answered lookup reset the
+    breaker: one failed read of a whole remote_timeout per base interval, for good). A
+    read that succeeds resets it."""
+    clock = [1000.0]
+    monkeypatch.setattr("lmkv.storage.breaker.time.monotonic", lambda: clock[0])
+    backend = LooksUpButCannotDeliver()
+    tier = Tier("remote", backend, "zstd", breaker=CircuitBreaker(base_interval=1.0))
+    intervals = []
+    for _ in range(5):
+        assert tier.read(["a"], [None]) == [False]  # the read fails: the breaker opens
+        intervals.append(tier.breaker.open_until - clock[0])
+        clock[0] = tier.breaker.open_until
+        tier._run_probe()  # the interval is over: the probe answers
+        assert tier.available and tier.contains(["a", "b"]) == [False, False]
+    assert backend.gets == 5 and intervals == [1.0, 2.0, 4.0, 8.0, 16.0]
+    backend.deliver = True
+    assert tier.read(["a"], [None]) == [False]  # answered (a miss): the breaker closes
+    assert tier.breaker.failures == 0 and tier.contains(["a"]) == [False]
+    backend.deliver = False
+    assert tier.read(["a"], [None]) == [False]
+    assert tier.breaker.open_until - clock[0] == 1.0
