@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                    10, 30)  # (a slow link's batch reads take seconds; FETCH_TIMEOUT is 10 s)
 
 
 class LMKVMetrics:
@@ -31,6 +32,10 @@ class LMKVMetrics:
         self.tier_seconds = Histogram("lmkv_tier_seconds",
                                       "Latency of one tier call (raw-frame reads: their checks too)",
                                       ["tier", "op"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.load_wait_seconds = Histogram(
+            "lmkv_load_wait_seconds", "Time a lookup waited for chunks from the tiers below the "
+            "hot cache (the engine's scheduling waits with it)", buckets=_LATENCY_BUCKETS,
+            registry=r)
         self.tier_hits = Counter("lmkv_tier_hits", "Chunks found per tier (reads for loads and prefetches)",
                                  ["tier"], registry=r)
         self.evictions = Counter("lmkv_evictions", "Chunks evicted per tier", ["tier"],

@@ -228,7 +228,8 @@ class StorageManager:
         rest = keys[len(out):]
         if rest and self.tiers and not self.io_stuck():
             parent = keys[len(out) - 1] if out else parent
-            deadline = time.monotonic() + FETCH_TIMEOUT / 2  # no batch starts after it
+            start = time.monotonic()
+            deadline = start + FETCH_TIMEOUT / 2  # no batch starts after it
             try:
                 out += self._wait_load(self.io.submit(
                     lambda: self._load_run(rest, parent=parent, deadline=deadline), urgent=True))
@@ -236,6 +237,8 @@ class StorageManager:
                 for buf in out:
                     buf.release()
                 raise
+            finally:
+                self.metrics.load_wait_seconds.observe(time.monotonic() - start)
         return out
 
     def io_stuck(self) -> bool:

@@ -435,6 +435,32 @@ def test_failed_tier_calls_are_timed_and_so_are_contains():
         "lmkv_tier_seconds_count", {"tier": "t2", "op": "contains"}) == 1
 
 
+def test_the_time_a_load_waits_for_the_tiers_below_is_measured():
+    """lmkv_load_wait_seconds: what a lookup (and the engine's scheduling with it) waited for
+    chunks from below the hot cache, also where the tier's reads took long; a fetch served
+    by the hot cache alone waits for nothing and is not counted."""
+    class Slow(Memory):
+        def get(self, keys):
+            time.sleep(0.3)
+            return super().get(keys)
+
+    pool = MemoryPool(LAYOUT, 8 * SLOT, pin=False)
+    tier = Tier("t", Slow(), "zstd")
+    m = StorageManager(pool, [tier], LMKVMetrics(), 256)
+    seed(pool, tier, ["a", "b"])
+    bufs = m.fetch(["a", "b"])
+    assert len(bufs) == 2
+    assert metric(m, "lmkv_load_wait_seconds_count") == 1
+    assert 0.3 <= metric(m, "lmkv_load_wait_seconds_sum") < 2
+    assert metric(m, "lmkv_load_wait_seconds_bucket", le="0.25") == 0
+    for buf in bufs:
+        buf.release()
+    for buf in m.fetch(["a", "b"]):  # hot now
+        buf.release()
+    assert metric(m, "lmkv_load_wait_seconds_count") == 1
+    m.close()
+
+
 def test_stored_chunks_counts_only_chunks_kept_or_queued_below():
     pool = MemoryPool(LAYOUT, 4 * SLOT, pin=False)
     metrics = LMKVMetrics()
