@@ -164,6 +164,10 @@ class LMKVCache:
         if self.config.enable_prefetch:
             self.storage.prefetch(keys)
 
+    def arriving(self, keys: list[str]) -> bool:
+        """Whether a prefetch is bringing one of ``keys`` up from a lower tier now."""
+        return self.storage.arriving(keys)
+
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:
         self.metrics.record_lookup(prompt_tokens, hit_tokens, engine_tokens)
 

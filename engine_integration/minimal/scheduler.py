@@ -2,14 +2,17 @@
 
 Each step has a token budget. Running requests go first (one token for a decode, the
 next slice of the prompt for a chunked prefill), then waiting requests are admitted in
-arrival order. When the block pool runs dry, the most recently admitted running request
-is preempted: its blocks are freed and it goes back to the front of the queue, to be
-recomputed later (its prefix-cached blocks usually survive, so that is cheap).
+arrival order (one whose lmkv chunks are still coming up from a lower tier waits while
+other requests run: its lookup would stall them). When the block pool runs dry, the most
+recently admitted running request is preempted: its blocks are freed and it goes back to
+the front of the queue, to be recomputed later (its prefix-cached blocks usually survive,
+so that is cheap).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -21,6 +24,10 @@ if TYPE_CHECKING:
     from lmkv.connector import SchedulerConnector
 
 log = logging.getLogger(__name__)
+
+# seconds a waiting request may be left for its chunks to come up from lmkv's lower tiers
+# while other requests run (then looking it up waits for them, as with nothing else to run)
+ARRIVING_WAIT = 10.0
 
 
 @dataclass(slots=True)
@@ -98,6 +105,9 @@ class Scheduler:
             connector = self.connector if req.use_cache else None
             computed = (self.blocks.get_computed_blocks(req) if req.use_cache
                         else ComputedBlocks([], 0))
+            if (connector is not None and out.scheduled
+                    and _arriving(connector, req, computed.num_tokens)):
+                break  # looked up now it would stall the running requests: next step
             if connector is not None and not req.output_token_ids:
                 # (none where the engine's hit leaves less to compute than a blend would)
                 blend = _blend_plan(connector, req, computed.num_tokens)
@@ -116,6 +126,7 @@ class Scheduler:
             if not self.blocks.allocate_slots(req, external + num_new, computed):
                 break
             self.waiting.popleft()
+            req.arriving_since = None
             req.blend = blend
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = computed.num_tokens
@@ -178,6 +189,25 @@ def _blend_plan(connector, req, num_computed: int):
         log.exception("lmkv: RAG chunk lookup for request %s failed; computing it", req.request_id)
         connector.cache.count_error("connector", "blend")
         return None
+
+
+def _arriving(connector, req, num_computed: int) -> bool:
+    """Whether to leave ``req`` waiting this step: the chunks lmkv would load for it are
+    still coming up from a lower tier (a slow remote takes seconds), at most ARRIVING_WAIT
+    seconds in all. False if asking raises."""
+    try:
+        arriving = connector.loads_arriving(req, num_computed)
+    except Exception:
+        log.exception("lmkv: asking whether request %s's chunks are on their way failed; "
+                      "looking it up now", req.request_id)
+        connector.cache.count_error("connector", "lookup")
+        return False
+    if not arriving:
+        return False
+    now = time.monotonic()
+    if req.arriving_since is None:
+        req.arriving_since = now
+    return now - req.arriving_since < ARRIVING_WAIT
 
 
 def _matched(connector, req, num_computed: int) -> int:

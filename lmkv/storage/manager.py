@@ -355,6 +355,12 @@ class StorageManager:
                     self._inflight.difference_update(run)
                 self.metrics.dropped.labels("prefetch").inc()
 
+    def arriving(self, keys: list[str]) -> bool:
+        """Whether a background prefetch is bringing one of ``keys`` up to the hot cache now
+        (a fetch of them would wait for it)."""
+        with self._lock:
+            return not self._inflight.isdisjoint(keys)
+
     def _prefetch_run(self, keys: list[str], parent: str | None, prefix: list[ChunkBuffer]) -> None:
         try:
             for buf in self._load_run(keys, prefetch=True, parent=parent):

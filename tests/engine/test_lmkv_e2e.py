@@ -566,3 +566,45 @@ def test_a_hot_cache_smaller_than_one_longest_prompt_is_warned_about(tiny_model_
     with caplog.at_level("WARNING"), lmkv_llm(tiny_model_dir, cpu_gb=advice):
         pass
     assert "fewer than one max_model_len prompt" not in caplog.text  # the advice is enough
+
+
+def test_a_slow_tier_read_for_a_new_request_does_not_stall_the_running_ones(
+        tiny_model_dir, tmp_path):
+    """A request arrives while another decodes, its chunks on a slow lower tier (a remote
+    over a slow link): their prefetch runs while the other request's steps go on (before,
+    admitting it waited on the scheduling thread for the whole read, every running request
+    with it); it is admitted once they are up, loads them and gives the same tokens."""
+    base = prompts(n=1, length=200, seed=9)[0]
+    other = prompts(n=1, length=60, seed=10)[0]
+    plain = LLM(str(tiny_model_dir), enable_prefix_caching=False, kv_cache_memory=64 << 20)
+    want = plain.generate([base], GREEDY)[0].output_token_ids
+    long = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)  # runs throughout
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk") as llm:
+        llm.generate([base], GREEDY)
+        lmkv = llm.engine.kv_connector.cache
+        lmkv.drain()
+        lmkv.storage.hot.clear()
+        disk = lmkv.storage.tiers[0].backend
+        real = disk.get_into_many
+
+        def slow(*args, **kwargs):
+            time.sleep(1.5)
+            return real(*args, **kwargs)
+
+        disk.get_into_many = slow
+        engine = llm.engine
+        engine.add_request("other", other, long)
+        while not engine.scheduler.running:
+            engine.step()
+        engine.add_request("base", base, GREEDY)  # its prefetch starts now
+        steps = []
+        done = None
+        while done is None:
+            start = time.perf_counter()
+            done = next((o for o in engine.step() if o.finished), None)
+            steps.append(time.perf_counter() - start)
+        engine.abort_request("other")
+        assert done.request_id == "base" and done.output_token_ids == want
+        assert done.num_external_tokens == _full_chunks(base)  # loaded, from the hot cache
+        assert max(steps) < 1.0, f"a step waited {max(steps):.2f} s for the slow tier"
+        assert len(steps) > 100  # other's steps went on meanwhile

@@ -32,3 +32,4 @@ def test_a_blend_that_gets_no_blocks_leaves_the_request_cacheable():
     sched.add(req)
     assert sched.schedule().scheduled == []  # no room for the blended prefill
     assert req.cacheable  # before: False for good, so its blocks never entered the prefix cache
+
