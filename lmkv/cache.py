@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 
 import torch
 
@@ -165,8 +166,13 @@ class LMKVCache:
             self.storage.prefetch(keys)
 
     def arriving(self, keys: list[str]) -> bool:
-        """Whether a prefetch is bringing one of ``keys`` up from a lower tier now."""
+        """Whether a prefetch is bringing one of ``keys`` up from a lower tier."""
         return self.storage.arriving(keys)
+
+    def bring_up(self, keys: list[str], parent: str | None = None) -> Future | None:
+        """Start reading the leading stored chunks of ``keys`` into the hot cache now, ahead
+        of queued background work, without waiting: the job's future (None: not queued)."""
+        return self.storage.bring_up(keys, parent)
 
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:
         self.metrics.record_lookup(prompt_tokens, hit_tokens, engine_tokens)

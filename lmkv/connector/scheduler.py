@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,6 +41,7 @@ class ChunkIndex(Protocol):
     def unpin(self, keys: list[str]) -> None: ...
     def prefetch(self, keys: list[str]) -> None: ...
     def arriving(self, keys: list[str]) -> bool: ...
+    def bring_up(self, keys: list[str], parent: str | None = None) -> Future | None: ...
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None: ...
     def record_blend(self, prompt_tokens: int, hit_tokens: int) -> None: ...
     def drain(self) -> None: ...
@@ -69,6 +71,9 @@ class _RequestState:
     no_loads: bool = False  # a load into its pages failed: it is recomputed without lmkv
     touched: bool = False  # its engine prefix hit was counted as a use (once per request)
     salted: bool = False  # the engine files its blocks under prefix_cache_salt's blend namespace
+    # its chunks being read up from a lower tier, ahead of queued work, before it is looked
+    # up (loads_arriving); done: they are up, or failed
+    bringing: Future | None = None
 
 
 # Keys of chunks loaded lossy that the engine's prefix cache may still hold: a later request
@@ -122,11 +127,20 @@ class SchedulerConnector:
 
     def loads_arriving(self, request: Any, num_computed_tokens: int = 0) -> bool:
         """Whether chunks the request would load past ``num_computed_tokens`` (the engine's
-        own hit) are still coming up from a lower tier (its prefetch at arrival, or another
-        request's): looking it up now would wait for them, and the engine's scheduling with
-        it. An engine with other work may admit the request later instead."""
-        keys = self._state(request).keys[num_computed_tokens // self.cache.chunk_size :]
-        return bool(keys) and self.cache.arriving(keys)
+        own hit) are still coming up from a lower tier: looking it up now would wait for
+        them, and the engine's scheduling with it, so an engine with other work may admit
+        it later instead. Where a prefetch (its own at arrival, or another request's) holds
+        them, they are read up now in an urgent job, ahead of queued saves and prefetches,
+        and are arriving until it is done (once per request)."""
+        st = self._state(request)
+        if st.bringing is not None:
+            return not st.bringing.done()
+        first = num_computed_tokens // self.cache.chunk_size
+        keys = st.keys[first:]
+        if not keys or not self.cache.arriving(keys):
+            return False
+        st.bringing = self.cache.bring_up(keys, st.keys[first - 1] if first else None)
+        return st.bringing is not None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (the engine's own prefix cache hit) that lmkv

@@ -356,10 +356,22 @@ class StorageManager:
                 self.metrics.dropped.labels("prefetch").inc()
 
     def arriving(self, keys: list[str]) -> bool:
-        """Whether a background prefetch is bringing one of ``keys`` up to the hot cache now
-        (a fetch of them would wait for it)."""
+        """Whether a background prefetch (queued or running) is bringing one of ``keys`` up
+        to the hot cache (a fetch of them would wait for it)."""
         with self._lock:
             return not self._inflight.isdisjoint(keys)
+
+    def bring_up(self, keys: list[str], parent: str | None = None) -> Future | None:
+        """Read the leading stored chunks of ``keys`` into the hot cache in an urgent job
+        (ahead of queued saves and prefetches, as a fetch is), not waited for: its future,
+        or None if it could not be queued (lmkv closing). ``parent`` as for fetch."""
+        def run() -> None:
+            for buf in self._load_run(keys, prefetch=True, parent=parent):
+                buf.release()
+        try:
+            return self.io.submit(run, urgent=True)
+        except RuntimeError:  # the worker is closed
+            return None
 
     def _prefetch_run(self, keys: list[str], parent: str | None, prefix: list[ChunkBuffer]) -> None:
         try:

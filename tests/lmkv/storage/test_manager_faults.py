@@ -461,6 +461,33 @@ def test_the_time_a_load_waits_for_the_tiers_below_is_measured():
     m.close()
 
 
+def test_chunks_brought_up_for_a_waiting_request_go_ahead_of_queued_work():
+    """bring_up reads chunks that a queued prefetch holds ahead of the saves and prefetches
+    queued before it (urgent, as a fetch), without the caller waiting: an engine that leaves
+    a request waiting for them never waits behind a backlog of writes."""
+    pool, (tier,), m = manager(slots=16)
+    seed(pool, tier, ["a", "b", "c"])
+    gate = threading.Event()
+    order: list[str] = []
+    m.io.submit(gate.wait)  # a long job runs
+    m.io.submit(lambda: order.append("queued save"))
+    m.prefetch(["a", "b", "c"])  # queued behind the save
+    assert m.arriving(["b"]) and not m.arriving(["x"])
+    fut = m.bring_up(["a", "b", "c"])
+    fut.add_done_callback(lambda f: order.append("brought up"))
+    assert not fut.done()
+    gate.set()
+    fut.result(5)
+    m.io.drain(5)
+    assert order == ["brought up", "queued save"]
+    assert not m.arriving(["a", "b", "c"])  # the prefetch ran, finding them hot
+    for buf in m.fetch(["a", "b", "c"]):
+        buf.release()
+    assert metric(m, "lmkv_load_wait_seconds_count") == 0  # all hot: nothing waited for
+    pool.check_integrity()
+    m.close()
+
+
 def test_stored_chunks_counts_only_chunks_kept_or_queued_below():
     pool = MemoryPool(LAYOUT, 4 * SLOT, pin=False)
     metrics = LMKVMetrics()
