@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Sequence
 from urllib.parse import urlparse
 
+from ..logs import LogThrottle
 from .base import Arrived, BackendError, StorageBackend
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class LazyBackend(StorageBackend):
         self._url = url
         self._backend: StorageBackend | None = None
         self._regions: list[memoryview] = []
+        self._ready = LogThrottle()  # reconnects after failures: one line a minute at most
 
     def _connected(self) -> StorageBackend:
         if self._backend is None:
@@ -80,7 +82,8 @@ class LazyBackend(StorageBackend):
             for region in self._regions:
                 backend.register_memory(region)
             self._backend = backend
-            log.info("lmkv: client for %s ready (a failed request to it is logged apart)", self._url)
+            self._ready.log(log, logging.INFO, "ready", "lmkv: client for %s ready (a failed "
+                            "request to it is logged apart)", self._url)
         return self._backend
 
     def _call(self, fn):

@@ -1,0 +1,45 @@
+"""The lazily connecting backend wrapper that every remote tier goes through."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+
+from lmkv.backends.base import BackendError, StorageBackend
+from lmkv.backends.registry import LazyBackend
+
+
+class Flaky(StorageBackend):
+    """Every other contains fails (a store over a bad link)."""
+
+    calls = 0
+
+    def put(self, items):
+        pass
+
+    def get(self, keys):
+        return [None] * len(keys)
+
+    def contains(self, keys):
+        Flaky.calls += 1
+        if Flaky.calls % 2:
+            raise BackendError("timed out")
+        return [False] * len(keys)
+
+
+def test_reconnects_after_failures_log_one_line_a_minute(caplog):
+    """Each failed call drops the connection and the next makes a new client: the "ready"
+    line goes out for the first and then at most once a minute (a soak over a lossy link
+    logged one per reconnect), while every client is still made."""
+    made = []
+    lazy = LazyBackend(lambda: made.append(1) or Flaky(), "lm://store:1")
+    with caplog.at_level(logging.INFO, logger="lmkv.backends.registry"):
+        for _ in range(10):
+            with contextlib.suppress(BackendError):
+                lazy.contains(["a"])
+    ready = [r for r in caplog.records if "ready" in r.getMessage()]
+    assert len(made) == 6 and len(ready) == 1
+    with pytest.raises(BackendError):  # (the next call fails: Flaky's 11th)
+        lazy.contains(["a"])
