@@ -36,6 +36,9 @@ class LMKVMetrics:
             "lmkv_load_wait_seconds", "Time a lookup waited for chunks from the tiers below the "
             "hot cache (the engine's scheduling waits with it)", buckets=_LATENCY_BUCKETS,
             registry=r)
+        self.tier_skipped = Counter(
+            "lmkv_tier_skipped", "Lookups and reads not sent to a tier while its breaker held it "
+            "off after a failure (each a miss there)", ["tier", "op"], registry=r)
         self.tier_hits = Counter("lmkv_tier_hits", "Chunks found per tier (reads for loads and prefetches)",
                                  ["tier"], registry=r)
         self.evictions = Counter("lmkv_evictions", "Chunks evicted per tier", ["tier"],

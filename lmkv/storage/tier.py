@@ -73,6 +73,14 @@ class Tier:
             self._probe()
         return False
 
+    def _open(self, op: str) -> bool:
+        """``available``, counting a call the breaker holds off (lmkv_tier_skipped_total)."""
+        if self.available:
+            return True
+        if not self._closed:
+            self.metrics.tier_skipped.labels(self.name, op).inc()
+        return False
+
     @property
     def writable(self) -> bool:
         """False while the write breaker holds writes off after a failed write."""
@@ -136,7 +144,7 @@ class Tier:
     def contains(self, keys: list[str]) -> list[bool] | None:
         """Which keys the tier holds; None if it could not be asked (nor within LOCK_WAIT
         seconds, while another call to the backend hangs)."""
-        if not self.available:
+        if not self._open("contains"):
             return None
         if self.backend.concurrent_contains:
             return self._contains(keys)
@@ -178,7 +186,7 @@ class Tier:
         """Read and decode ``keys[i]`` into ``bufs[i]``, one batch (one pipelined round trip
         where the backend can). True where the chunk arrived intact; a miss, a corrupt frame
         (logged, counted, removed from the tier) or a failed tier is False."""
-        if not self.available or not keys:
+        if not keys or not self._open("get"):
             return [False] * len(keys)
         start = time.perf_counter()
         checked: dict[int, Exception | None] = {}  # frames checked as they landed: error

@@ -474,9 +474,17 @@ def test_lookups_that_answer_do_not_reset_the_breaker_of_failing_reads(monkeypat
         tier._run_probe()  # the interval is over: the probe answers
         assert tier.available and tier.contains(["a", "b"]) == [False, False]
     assert backend.gets == 5 and intervals == [1.0, 2.0, 4.0, 8.0, 16.0]
+
     backend.deliver = True
     assert tier.read(["a"], [None]) == [False]  # answered (a miss): the breaker closes
     assert tier.breaker.failures == 0 and tier.contains(["a"]) == [False]
     backend.deliver = False
     assert tier.read(["a"], [None]) == [False]
     assert tier.breaker.open_until - clock[0] == 1.0
+    skipped = tier.metrics.registry.get_sample_value
+    assert skipped("lmkv_tier_skipped_total", {"tier": "remote", "op": "get"}) is None
+    # held off: calls are not sent, and counted (no probe yet: the interval is not over)
+    assert tier.read(["a"], [None]) == [False] and tier.contains(["a"]) is None
+    assert backend.gets == 7
+    assert skipped("lmkv_tier_skipped_total", {"tier": "remote", "op": "get"}) == 1
+    assert skipped("lmkv_tier_skipped_total", {"tier": "remote", "op": "contains"}) == 1
