@@ -366,8 +366,11 @@ class StorageManager:
         (ahead of queued saves and prefetches, as a fetch is), not waited for: its future,
         or None if it could not be queued (lmkv closing). ``parent`` as for fetch."""
         def run() -> None:
-            for buf in self._load_run(keys, prefetch=True, parent=parent):
-                buf.release()
+            try:
+                for buf in self._load_run(keys, prefetch=True, parent=parent):
+                    buf.release()
+            except Exception:  # nobody waits for this job's future: said here
+                log.exception("lmkv: reading chunks up for a waiting request failed")
         try:
             return self.io.submit(run, urgent=True)
         except RuntimeError:  # the worker is closed
