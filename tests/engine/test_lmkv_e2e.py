@@ -607,4 +607,4 @@ def test_a_slow_tier_read_for_a_new_request_does_not_stall_the_running_ones(
         assert done.request_id == "base" and done.output_token_ids == want
         assert done.num_external_tokens == _full_chunks(base)  # loaded, from the hot cache
         assert max(steps) < 1.0, f"a step waited {max(steps):.2f} s for the slow tier"
-        assert len(steps) > 100  # other's steps went on meanwhile
+        assert len(steps) > 20  # other's steps went on meanwhile
