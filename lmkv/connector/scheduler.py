@@ -133,6 +133,8 @@ class SchedulerConnector:
         them, they are read up now in an urgent job, ahead of queued saves and prefetches,
         and are arriving until it is done (once per request)."""
         st = self._state(request)
+        if not self.loads or st.no_loads:  # it will load nothing
+            return False
         if st.bringing is not None:
             return not st.bringing.done()
         first = num_computed_tokens // self.cache.chunk_size

@@ -357,7 +357,10 @@ class StorageManager:
 
     def arriving(self, keys: list[str]) -> bool:
         """Whether a background prefetch (queued or running) is bringing one of ``keys`` up
-        to the hot cache (a fetch of them would wait for it)."""
+        to the hot cache (a fetch of them would wait for it). False while the I/O worker is
+        stuck in a tier call: a fetch then takes hot chunks only, at once."""
+        if self.io_stuck():
+            return False
         with self._lock:
             return not self._inflight.isdisjoint(keys)
 
@@ -365,9 +368,11 @@ class StorageManager:
         """Read the leading stored chunks of ``keys`` into the hot cache in an urgent job
         (ahead of queued saves and prefetches, as a fetch is), not waited for: its future,
         or None if it could not be queued (lmkv closing). ``parent`` as for fetch."""
+        deadline = time.monotonic() + FETCH_TIMEOUT / 2  # as a fetch's: no batch after it
+
         def run() -> None:
             try:
-                for buf in self._load_run(keys, prefetch=True, parent=parent):
+                for buf in self._load_run(keys, prefetch=True, parent=parent, deadline=deadline):
                     buf.release()
             except Exception:  # nobody waits for this job's future: said here
                 log.exception("lmkv: reading chunks up for a waiting request failed")
@@ -403,7 +408,7 @@ class StorageManager:
             for tier in self.tiers:
                 if not missing:
                     break
-                if tier.available:
+                if tier.reachable("get"):
                     missing = self._read_tier(tier, missing, loaded)
         except BaseException:
             for buf in loaded.values():

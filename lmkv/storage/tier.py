@@ -46,9 +46,10 @@ class Tier:
     _warned_range: bool = field(default=False, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
     _probing: bool = field(default=False, init=False, repr=False)  # a probe thread runs
-    # the read breaker opened on a failed read: only a read that succeeds closes it (a store
-    # that answers lookups but cannot deliver chunks in time must not have it reset by them)
-    _read_failed: bool = field(default=False, init=False, repr=False)
+    # when a read last failed (monotonic), until a read succeeds: within twice the breaker's
+    # longest interval of it only a read closes the breaker (a store that answers lookups
+    # but cannot deliver chunks in time must not have it reset by them)
+    _read_failed: float | None = field(default=None, init=False, repr=False)
     _closed: bool = field(default=False, init=False, repr=False)
     _probe_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -73,8 +74,9 @@ class Tier:
             self._probe()
         return False
 
-    def _open(self, op: str) -> bool:
-        """``available``, counting a call the breaker holds off (lmkv_tier_skipped_total)."""
+    def reachable(self, op: str) -> bool:
+        """``available`` for a call of kind ``op`` (get, contains), counting one the breaker
+        holds off (lmkv_tier_skipped_total)."""
         if self.available:
             return True
         if not self._closed:
@@ -144,7 +146,7 @@ class Tier:
     def contains(self, keys: list[str]) -> list[bool] | None:
         """Which keys the tier holds; None if it could not be asked (nor within LOCK_WAIT
         seconds, while another call to the backend hangs)."""
-        if not self._open("contains"):
+        if not self.reachable("contains"):
             return None
         if self.backend.concurrent_contains:
             return self._contains(keys)
@@ -170,10 +172,13 @@ class Tier:
             return None
         finally:
             self._timed("contains", start)
-        # an index in memory (a disk tier's), or any answer after a failed read, says
+        # an index in memory (a disk tier's), or an answer soon after a failed read, says
         # nothing of the reads: the next read decides
-        if not self.backend.concurrent_contains and not self._read_failed:
+        failed = self._read_failed
+        if not self.backend.concurrent_contains and (
+                failed is None or time.monotonic() - failed > 2 * self.breaker.max):
             self.breaker.success()
+            self._read_failed = None
         return found
 
     def will_get(self, keys: list[str]) -> None:
@@ -186,7 +191,7 @@ class Tier:
         """Read and decode ``keys[i]`` into ``bufs[i]``, one batch (one pipelined round trip
         where the backend can). True where the chunk arrived intact; a miss, a corrupt frame
         (logged, counted, removed from the tier) or a failed tier is False."""
-        if not keys or not self._open("get"):
+        if not keys or not self.reachable("get"):
             return [False] * len(keys)
         start = time.perf_counter()
         checked: dict[int, Exception | None] = {}  # frames checked as they landed: error
@@ -216,7 +221,7 @@ class Tier:
                 if dropped > 0:
                     self.metrics.errors.labels(self.name, "unreadable").inc(dropped)
             self.breaker.success()
-            self._read_failed = False
+            self._read_failed = None
         if not raw:
             checked = self._check_all(keys, bufs, values)
         ok = []
@@ -325,7 +330,7 @@ class Tier:
     def _failed(self, op: str, error: BackendError) -> None:
         writing = op in ("put", "remove")
         if op == "get":
-            self._read_failed = True
+            self._read_failed = time.monotonic()
         pause = (self.write_breaker if writing else self.breaker).failure()
         what = ("not writing to {} for {:.0f} s (chunks not stored there; reads go on)" if writing
                 else "not reading {} for {:.0f} s (chunks it holds are recomputed)")

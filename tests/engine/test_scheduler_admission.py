@@ -39,8 +39,10 @@ def test_a_request_whose_chunks_are_still_coming_up_waits_while_others_run(monke
         def update_state_after_alloc(self, req, block_ids, external):
             pass
 
+    from types import SimpleNamespace
+
     clock = [100.0]
-    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     connector = Connector()
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4096,
                                       max_model_len=4096), BlockManager(64, 16), connector)

@@ -502,3 +502,36 @@ def test_an_engine_hit_in_the_blend_namespace_stands_in_for_a_blend_only_where_i
     off = _engine()
     assert SchedulerConnector(off, BLOCK).prefix_cache_salt(req) == b""
     off.close()
+
+
+def test_a_request_that_will_load_nothing_is_never_held_back_for_arriving_chunks():
+    """loads_arriving: the chunks a prefetch holds are read up urgently, once, and arriving
+    until that is done; a producer's request, or one recomputed after a failed load, loads
+    nothing, so it is never held back for them."""
+    prompt = list(range(1000, 1000 + 3 * CHUNK + 5))
+    for role in ("both", "producer"):
+        engine = _engine(kv_role=role)
+        arriving: list[list[str]] = []
+        brought: list[tuple[list[str], str | None]] = []
+
+        class Done:
+            def done(self):
+                return True
+
+        engine.arriving = lambda keys, seen=arriving: seen.append(keys) or True
+        engine.bring_up = lambda keys, parent=None, sent=brought: sent.append((keys, parent)) or Done()
+        sched = SchedulerConnector(engine, BLOCK)
+        req = Request("r", prompt)
+        sched.on_new_request(req)
+        keys = engine.keys(prompt)
+        if role == "producer":
+            assert not sched.loads_arriving(req, 0) and brought == []
+        else:
+            assert sched.loads_arriving(req, CHUNK)  # sent for: arriving
+            assert brought == [(keys[1:], keys[0])] and arriving == [keys[1:]]
+            assert not sched.loads_arriving(req, CHUNK) and len(brought) == 1  # done, once
+            again = Request("again", prompt)
+            sched.on_new_request(again)
+            sched.recompute_without_loads(again)
+            assert not sched.loads_arriving(again, 0) and len(brought) == 1
+        engine.close()

@@ -470,13 +470,15 @@ def test_chunks_brought_up_for_a_waiting_request_go_ahead_of_queued_work():
     gate = threading.Event()
     order: list[str] = []
     m.io.submit(gate.wait)  # a long job runs
-    m.io.submit(lambda: order.append("queued save"))
-    m.prefetch(["a", "b", "c"])  # queued behind the save
-    assert m.arriving(["b"]) and not m.arriving(["x"])
-    fut = m.bring_up(["a", "b", "c"])
-    fut.add_done_callback(lambda f: order.append("brought up"))
-    assert not fut.done()
-    gate.set()
+    try:
+        m.io.submit(lambda: order.append("queued save"))
+        m.prefetch(["a", "b", "c"])  # queued behind the save
+        assert m.arriving(["b"]) and not m.arriving(["x"])
+        fut = m.bring_up(["a", "b", "c"])
+        fut.add_done_callback(lambda f: order.append("brought up"))
+        assert not fut.done()
+    finally:
+        gate.set()
     fut.result(5)
     m.io.drain(5)
     assert order == ["brought up", "queued save"]
@@ -485,6 +487,32 @@ def test_chunks_brought_up_for_a_waiting_request_go_ahead_of_queued_work():
         buf.release()
     assert metric(m, "lmkv_load_wait_seconds_count") == 0  # all hot: nothing waited for
     pool.check_integrity()
+    m.close()
+
+
+def test_reads_a_tier_breaker_holds_off_are_counted_as_skipped():
+    pool, (tier,), m = manager(slots=8)
+    seed(pool, tier, ["a", "b"])
+    tier.breaker.failure()  # held off
+    assert m.fetch(["a", "b"]) == []
+    assert metric(m, "lmkv_tier_skipped_total", tier="t0", op="get") == 1
+    m.close()
+
+
+def test_nothing_is_arriving_while_the_io_worker_is_stuck(monkeypatch):
+    """With a tier call stuck, a fetch takes hot chunks only, at once: a request is not
+    held back for chunks a queued prefetch will not bring while it lasts."""
+    pool, (tier,), m = manager(slots=8)
+    seed(pool, tier, ["a"])
+    gate = threading.Event()
+    m.io.submit(gate.wait)
+    try:
+        m.prefetch(["a"])
+        assert m.arriving(["a"])
+        monkeypatch.setattr(m, "io_stuck", lambda: True)
+        assert not m.arriving(["a"])
+    finally:
+        gate.set()
     m.close()
 
 

@@ -488,3 +488,10 @@ def test_lookups_that_answer_do_not_reset_the_breaker_of_failing_reads(monkeypat
     assert backend.gets == 7
     assert skipped("lmkv_tier_skipped_total", {"tier": "remote", "op": "get"}) == 1
     assert skipped("lmkv_tier_skipped_total", {"tier": "remote", "op": "contains"}) == 1
+    # long after the last failed read, with lookups only since, a lookup that answers
+    # closes the breaker again (a later glitch is not held against the tier for 30 s)
+    clock[0] += 1
+    tier._run_probe()
+    assert tier.contains(["a"]) == [False] and tier.breaker.failures == 1
+    clock[0] += 2 * tier.breaker.max + 1
+    assert tier.contains(["a"]) == [False] and tier.breaker.failures == 0
