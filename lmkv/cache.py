@@ -165,13 +165,10 @@ class LMKVCache:
         if self.config.enable_prefetch:
             self.storage.prefetch(keys)
 
-    def arriving(self, keys: list[str]) -> bool:
-        """Whether a prefetch is bringing one of ``keys`` up from a lower tier."""
-        return self.storage.arriving(keys)
-
     def bring_up(self, keys: list[str], parent: str | None = None) -> Future | None:
-        """Start reading the leading stored chunks of ``keys`` into the hot cache now, ahead
-        of queued background work, without waiting: the job's future (None: not queued)."""
+        """Where a prefetch holds some of ``keys``, start reading them into the hot cache now,
+        ahead of queued background work, without waiting: the job's future (None: none is
+        held, or the job was not queued)."""
         return self.storage.bring_up(keys, parent)
 
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:

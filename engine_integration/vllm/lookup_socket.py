@@ -260,11 +260,8 @@ class LookupClient:
             for r in self.ranks:
                 r.best_effort("prefetch", keys=keys)
 
-    def arriving(self, keys: list[str]) -> bool:
-        return False  # (vLLM's scheduler looks requests up when it admits them, in turn)
-
     def bring_up(self, keys: list[str], parent: str | None = None) -> None:
-        return None
+        return None  # (vLLM's scheduler looks requests up when it admits them, in turn)
 
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:
         self.ranks[0].best_effort("record_lookup", prompt_tokens=prompt_tokens,

@@ -355,19 +355,18 @@ class StorageManager:
                     self._inflight.difference_update(run)
                 self.metrics.dropped.labels("prefetch").inc()
 
-    def arriving(self, keys: list[str]) -> bool:
-        """Whether a background prefetch (queued or running) is bringing one of ``keys`` up
-        to the hot cache (a fetch of them would wait for it). False while the I/O worker is
-        stuck in a tier call: a fetch then takes hot chunks only, at once."""
-        if self.io_stuck():
-            return False
-        with self._lock:
-            return not self._inflight.isdisjoint(keys)
-
     def bring_up(self, keys: list[str], parent: str | None = None) -> Future | None:
-        """Read the leading stored chunks of ``keys`` into the hot cache in an urgent job
-        (ahead of queued saves and prefetches, as a fetch is), not waited for: its future,
-        or None if it could not be queued (lmkv closing). ``parent`` as for fetch."""
+        """Where a background prefetch (queued or running) holds one of ``keys`` (a fetch of
+        them would wait for it), read the leading stored chunks of ``keys`` into the hot
+        cache in an urgent job (ahead of queued saves and prefetches, as a fetch is), not
+        waited for: its future. None where none is held, while the I/O worker is stuck in a
+        tier call (a fetch then takes hot chunks only, at once), or with lmkv closing.
+        ``parent`` as for fetch."""
+        if self.io_stuck():
+            return None
+        with self._lock:
+            if self._inflight.isdisjoint(keys):
+                return None
         deadline = time.monotonic() + FETCH_TIMEOUT / 2  # as a fetch's: no batch after it
 
         def run() -> None:

@@ -473,8 +473,9 @@ def test_chunks_brought_up_for_a_waiting_request_go_ahead_of_queued_work():
     try:
         m.io.submit(lambda: order.append("queued save"))
         m.prefetch(["a", "b", "c"])  # queued behind the save
-        assert m.arriving(["b"]) and not m.arriving(["x"])
+        assert m.bring_up(["x"]) is None  # no prefetch holds it: nothing to bring up
         fut = m.bring_up(["a", "b", "c"])
+        assert fut is not None
         fut.add_done_callback(lambda f: order.append("brought up"))
         assert not fut.done()
     finally:
@@ -482,7 +483,7 @@ def test_chunks_brought_up_for_a_waiting_request_go_ahead_of_queued_work():
     fut.result(5)
     m.io.drain(5)
     assert order == ["brought up", "queued save"]
-    assert not m.arriving(["a", "b", "c"])  # the prefetch ran, finding them hot
+    assert m.bring_up(["a", "b", "c"]) is None  # the prefetch ran, finding them hot
     for buf in m.fetch(["a", "b", "c"]):
         buf.release()
     assert metric(m, "lmkv_load_wait_seconds_count") == 0  # all hot: nothing waited for
@@ -499,7 +500,7 @@ def test_reads_a_tier_breaker_holds_off_are_counted_as_skipped():
     m.close()
 
 
-def test_nothing_is_arriving_while_the_io_worker_is_stuck(monkeypatch):
+def test_nothing_is_brought_up_while_the_io_worker_is_stuck(monkeypatch):
     """With a tier call stuck, a fetch takes hot chunks only, at once: a request is not
     held back for chunks a queued prefetch will not bring while it lasts."""
     pool, (tier,), m = manager(slots=8)
@@ -508,11 +509,14 @@ def test_nothing_is_arriving_while_the_io_worker_is_stuck(monkeypatch):
     m.io.submit(gate.wait)
     try:
         m.prefetch(["a"])
-        assert m.arriving(["a"])
         monkeypatch.setattr(m, "io_stuck", lambda: True)
-        assert not m.arriving(["a"])
+        assert m.bring_up(["a"]) is None
+        monkeypatch.setattr(m, "io_stuck", lambda: False)
+        fut = m.bring_up(["a"])
+        assert fut is not None
     finally:
         gate.set()
+    fut.result(5)
     m.close()
 
 
