@@ -65,9 +65,6 @@ class Request:
     use_cache: bool = True
     internal: bool = False  # run for the engine itself (a quality-gate re-run): no output
     blend: Any = None  # lmkv.blend.plan.BlendPlan while a blended prefill is pending
-    # since when the scheduler has left it waiting for its chunks to come up from lmkv's
-    # lower tiers (monotonic seconds; None: not waiting for them)
-    arriving_since: float | None = None
     num_blend_recomputed: int = 0  # tokens with stored KV that blending recomputed
     capture_kv: bool = False  # keep the prompt's KV when its prefill completes (precompute)
     captured_kv: torch.Tensor | None = None

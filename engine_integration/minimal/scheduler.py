@@ -12,7 +12,6 @@ so that is cheap).
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,10 +23,6 @@ if TYPE_CHECKING:
     from lmkv.connector import SchedulerConnector
 
 log = logging.getLogger(__name__)
-
-# seconds a waiting request may be left for its chunks to come up from lmkv's lower tiers
-# while other requests run (then looking it up waits for them, as with nothing else to run)
-ARRIVING_WAIT = 10.0
 
 
 @dataclass(slots=True)
@@ -126,7 +121,6 @@ class Scheduler:
             if not self.blocks.allocate_slots(req, external + num_new, computed):
                 break
             self.waiting.popleft()
-            req.arriving_since = None
             req.blend = blend
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = computed.num_tokens
@@ -193,21 +187,15 @@ def _blend_plan(connector, req, num_computed: int):
 
 def _arriving(connector, req, num_computed: int) -> bool:
     """Whether to leave ``req`` waiting this step: the chunks lmkv would load for it are
-    still coming up from a lower tier (a slow remote takes seconds), at most ARRIVING_WAIT
-    seconds in all. False if asking raises."""
+    still coming up from a lower tier (a slow remote takes seconds; lmkv says so for
+    ARRIVING_WAIT seconds at most). False if asking raises."""
     try:
-        arriving = connector.loads_arriving(req, num_computed)
+        return connector.loads_arriving(req, num_computed)
     except Exception:
         log.exception("lmkv: asking whether request %s's chunks are on their way failed; "
                       "looking it up now", req.request_id)
         connector.cache.count_error("connector", "lookup")
         return False
-    if not arriving:
-        return False
-    now = time.monotonic()
-    if req.arriving_since is None:
-        req.arriving_since = now
-    return now - req.arriving_since < ARRIVING_WAIT
 
 
 def _matched(connector, req, num_computed: int) -> int:

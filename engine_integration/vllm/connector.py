@@ -13,8 +13,10 @@ memory); the scheduler role asks it by key over a Unix socket (lookup_socket.py)
 vLLM runs the two roles in one process or, as ``vllm serve`` does, in two: one code path.
 
 Loads are synchronous (done before the forward pass, or layer by layer with
-use_layerwise); saves gather the step's new full chunks into lmkv's hot cache at the end
-of the step, and lower tiers are written in the background. Any failure inside lmkv costs
+use_layerwise); a request whose chunks are still coming up from a lower tier is left
+waiting (vLLM admits others meanwhile) until they are in the hot cache. Saves gather the
+step's new full chunks into lmkv's hot cache at the end of the step, and lower tiers are
+written in the background. Any failure inside lmkv costs
 a recompute, never a failed request: lookups that fail report no hit, loads that fail
 report their blocks through get_block_ids_with_load_errors (set vLLM's
 ``kv_load_failure_policy`` to "recompute"), and saves that fail store nothing.
@@ -181,9 +183,22 @@ class LMKVConnector(KVConnectorBase_V1):
             self._quiet.log(log, logging.WARNING, "prefetch", "lmkv: prefetch for request %s "
                             "failed: %r", request.request_id, e)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """None while the request's chunks are still coming up from a lower tier (vLLM then
+        admits others and asks again next step: looking it up now would hold the scheduler,
+        and every running request, for the whole read); else the tokens lmkv loads."""
         view = self.views.get(request)
         view.num_computed_tokens = num_computed_tokens
+        try:
+            if self.scheduler.loads_arriving(view, num_computed_tokens):
+                return None, False
+        except Exception as e:
+            if not isinstance(e, OSError):  # (a worker that does not answer is told once)
+                self._quiet.log(log, logging.ERROR, "arriving", "lmkv: asking whether request "
+                                "%s's chunks are on their way failed; looking it up now: %r",
+                                request.request_id, e)
+                self.cache.count_error("connector", "lookup")
         try:
             n, _ = self.scheduler.get_num_new_matched_tokens(view, num_computed_tokens)
         except Exception as e:

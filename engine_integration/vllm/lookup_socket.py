@@ -7,9 +7,10 @@ each over a Unix socket named after vLLM's engine id and the rank, so every layo
 the same code:
 
 - ``LookupServer`` (a worker process) answers with its LMKVCache: lookups, pins of the
-  chunks a load will take (from the cache's PinTable), pins given back, prefetches, uses
-  of chunks the engine served itself (touch), lookup metrics, draining writes. Chunks are
-  named by rank-free ids; it scopes them to its keys.
+  chunks a load will take (from the cache's PinTable), pins given back, prefetches, chunks
+  read up for a waiting request (bring_up, then whether they arrived), uses of chunks the
+  engine served itself (touch), lookup metrics, draining writes. Chunks are named by
+  rank-free ids; it scopes them to its keys.
 - ``LookupClient`` (the scheduler process) is the ``ChunkIndex`` the scheduler role uses:
   it asks every rank (``RankConnection`` each) and agrees on what all of them hold.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -30,11 +32,13 @@ import socket
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from lmkv.cache import LMKVCache
 from lmkv.config import LMKVConfig
+from lmkv.connector.scheduler import Arrival
 from lmkv.keys import chunk_ids, tail_id
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,8 @@ MAX_LINE = 64 << 20  # a prompt's token ids, or its keys, fit many times over
 MAX_OWED = 1 << 16  # unpins kept to send again (more: left to the pin TTL)
 CALL_TIMEOUT = 60.0  # seconds for one answer (a fetch may read lower tiers)
 BACKOFF = 5.0  # seconds after a call timed out during which calls fail at once
+MAX_ARRIVALS = 4096  # reads for waiting requests a worker tracks (more: the oldest dropped)
+POLL_INTERVAL = 0.005  # seconds between asks whether a waiting request's chunks arrived
 
 
 def socket_path(engine_id: str, dp_rank: int = 0, tp_rank: int = 0) -> Path:
@@ -88,6 +94,9 @@ class LookupServer:
         self.path = path
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        # reads for waiting requests (bring_up) by ticket, until asked after done
+        self._arrivals: OrderedDict[int, Any] = OrderedDict()
+        self._tickets = itertools.count(1)
         _sweep_dead_sockets(path.parent)
         _unlink_if_dead(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -191,6 +200,25 @@ class LookupServer:
         if op == "touch":
             e.touch(keys)
             return {}
+        if op == "bring_up":
+            parent = msg.get("parent")
+            arrival = e.bring_up(keys, None if parent is None else e.key_of(str(parent)))
+            if arrival is None:
+                return {"ticket": None}
+            with self._lock:
+                ticket = next(self._tickets)
+                self._arrivals[ticket] = arrival
+                while len(self._arrivals) > MAX_ARRIVALS:  # (a request gone: never asked)
+                    self._arrivals.popitem(last=False)
+            return {"ticket": ticket}
+        if op == "arrived":
+            ticket = int(msg["ticket"])
+            with self._lock:
+                arrival = self._arrivals.get(ticket)
+                done = arrival is None or arrival.done()  # (dropped: looked up now)
+                if done:
+                    self._arrivals.pop(ticket, None)
+            return {"done": done}
         if op == "record_lookup":
             e.record_lookup(int(msg["prompt_tokens"]), int(msg["hit_tokens"]),
                             int(msg.get("engine_tokens", 0)))
@@ -260,8 +288,13 @@ class LookupClient:
             for r in self.ranks:
                 r.best_effort("prefetch", keys=keys)
 
-    def bring_up(self, keys: list[str], parent: str | None = None) -> None:
-        return None  # (vLLM's scheduler looks requests up when it admits them, in turn)
+    def bring_up(self, keys: list[str], parent: str | None = None) -> Arrival | None:
+        tickets = {}
+        for r in self.ranks:
+            ticket = r.call("bring_up", keys=keys, parent=parent)["ticket"]
+            if ticket is not None:
+                tickets[r] = int(ticket)
+        return RemoteArrival(tickets) if tickets else None
 
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:
         self.ranks[0].best_effort("record_lookup", prompt_tokens=prompt_tokens,
@@ -277,6 +310,29 @@ class LookupClient:
     def close(self) -> None:
         for r in self.ranks:
             r.close()
+
+
+class RemoteArrival:
+    """Chunks read up for a waiting request in the workers' processes: done when every rank
+    that started a read says it is (asked at most every POLL_INTERVAL seconds: vLLM asks at
+    every step), or when asking fails (the request is then looked up, as without it)."""
+
+    def __init__(self, tickets: dict[RankConnection, int]):
+        self._tickets = tickets
+        self._asked = 0.0
+
+    def done(self) -> bool:
+        now = time.monotonic()
+        if self._tickets and now - self._asked >= POLL_INTERVAL:
+            self._asked = now
+            for r, ticket in list(self._tickets.items()):
+                try:
+                    done = r.call("arrived", ticket=ticket)["done"]
+                except Exception:  # (logged by call)
+                    done = True
+                if done:
+                    del self._tickets[r]
+        return not self._tickets
 
 
 class NotSent(ConnectionError):

@@ -9,9 +9,9 @@ Requests are duck-typed: ``request_id``, ``prompt_token_ids``, ``all_token_ids``
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +23,16 @@ from ..config import LMKVConfig
 from .metadata import ConnectorMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
+
+# seconds a request is said to have chunks arriving (loads_arriving): an engine may leave it
+# waiting that long at most, then looks it up (and waits for them) all the same
+ARRIVING_WAIT = 10.0
+
+
+class Arrival(Protocol):
+    """Chunks being read up to the hot cache for a waiting request (bring_up)."""
+
+    def done(self) -> bool: ...
 
 
 class ChunkIndex(Protocol):
@@ -40,7 +50,7 @@ class ChunkIndex(Protocol):
     def pin(self, keys: list[str], parent: str | None = None) -> list[bool]: ...
     def unpin(self, keys: list[str]) -> None: ...
     def prefetch(self, keys: list[str]) -> None: ...
-    def bring_up(self, keys: list[str], parent: str | None = None) -> Future | None: ...
+    def bring_up(self, keys: list[str], parent: str | None = None) -> Arrival | None: ...
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None: ...
     def record_blend(self, prompt_tokens: int, hit_tokens: int) -> None: ...
     def drain(self) -> None: ...
@@ -71,8 +81,9 @@ class _RequestState:
     touched: bool = False  # its engine prefix hit was counted as a use (once per request)
     salted: bool = False  # the engine files its blocks under prefix_cache_salt's blend namespace
     # its chunks being read up from a lower tier, ahead of queued work, before it is looked
-    # up (loads_arriving); done: they are up, or failed
-    bringing: Future | None = None
+    # up (loads_arriving); done: they are up, or failed. Since when (time.monotonic()).
+    bringing: Arrival | None = None
+    bringing_since: float = 0.0
 
 
 # Keys of chunks loaded lossy that the engine's prefix cache may still hold: a later request
@@ -130,17 +141,21 @@ class SchedulerConnector:
         them, and the engine's scheduling with it, so an engine with other work may admit
         it later instead. Where a prefetch (its own at arrival, or another request's) holds
         them, they are read up now in an urgent job, ahead of queued saves and prefetches,
-        and are arriving until it is done (once per request)."""
+        and are arriving until it is done (once per request), ARRIVING_WAIT seconds at most."""
         st = self._state(request)
         if not self.loads or st.no_loads:  # it will load nothing
             return False
-        if st.bringing is not None:
-            return not st.bringing.done()
-        first = num_computed_tokens // self.cache.chunk_size
-        keys = st.keys[first:]
-        if keys:
+        if st.bringing is None:
+            first = num_computed_tokens // self.cache.chunk_size
+            keys = st.keys[first:]
+            if not keys:
+                return False
             st.bringing = self.cache.bring_up(keys, st.keys[first - 1] if first else None)
-        return st.bringing is not None
+            if st.bringing is None:
+                return False
+            st.bringing_since = time.monotonic()
+        return (time.monotonic() - st.bringing_since < ARRIVING_WAIT
+                and not st.bringing.done())
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` (the engine's own prefix cache hit) that lmkv

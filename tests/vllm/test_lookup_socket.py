@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pickle
 import socket
+import threading
 import time
 
 import pytest
@@ -360,4 +361,60 @@ def test_socket_files_of_dead_servers_are_swept_at_start(tmp_path):
         second.close()
     finally:
         alive.close()
+        engine.close()
+
+
+def test_a_request_whose_chunks_are_coming_up_is_left_waiting_until_they_are_hot(tmp_path, monkeypatch):
+    """vLLM's scheduler asks the worker whether a request's chunks are still on their way up
+    from a lower tier (its prefetch at arrival reads them): while they are, the request is
+    left waiting (loads_arriving); once they are hot it is looked up and loads them all.
+    A worker that stopped tracking the read (bounded) says it is done."""
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001,
+                      local_disk=str(tmp_path / "disk"), max_local_disk_size=0.01)
+    engine = LMKVCache(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
+    server = LookupServer(engine, tmp_path / "lookups.sock")
+    remote = LookupClient(cfg, [server.path], connect_timeout=5)
+    try:
+        prompt = list(range(700, 700 + 3 * CHUNK + 3))
+        _store(engine, prompt)
+        engine.drain()
+        engine.storage.hot.clear()
+        disk = engine.storage.tiers[0].backend
+        gate = threading.Event()
+        real = disk.get_into_many
+        monkeypatch.setattr(disk, "get_into_many", lambda *a, **k: gate.wait(10) and real(*a, **k))
+        sched = SchedulerConnector(remote, 4)
+
+        class Req:
+            request_id, prompt_token_ids, all_token_ids = "r", prompt, prompt
+            block_ids, num_computed_tokens = list(range(len(prompt) // 4 + 1)), 0
+
+        ids = remote.keys(prompt)
+        assert remote.bring_up(ids) is None  # no prefetch holds them: nothing on its way
+        sched.on_new_request(Req)  # (vLLM's on_new_request: the prefetch reads from disk)
+        for _ in range(3):
+            assert sched.loads_arriving(Req, 0)
+            time.sleep(2 * lookup_socket.POLL_INTERVAL)
+        gate.set()
+        deadline = time.monotonic() + 10
+        while sched.loads_arriving(Req, 0):
+            assert time.monotonic() < deadline, "the chunks never arrived"
+            time.sleep(lookup_socket.POLL_INTERVAL)
+        assert all(engine.storage.hot.contains(k) for k in engine.keys(prompt))  # hot: no wait
+        assert sched.get_num_new_matched_tokens(Req, 0)[0] == 3 * CHUNK
+        sched.request_finished(Req)
+
+        monkeypatch.setattr(lookup_socket, "MAX_ARRIVALS", 1)
+        gate.clear()
+        engine.storage.hot.clear()
+        engine.prefetch(engine.keys(prompt))
+        first, second = remote.bring_up(ids), remote.bring_up(ids)
+        assert not second.done()
+        assert first.done()  # dropped by the worker for the second: never held back for good
+        assert len(server._arrivals) == 1
+        gate.set()
+    finally:
+        gate.set()
+        remote.close()
+        server.close()
         engine.close()

@@ -188,6 +188,22 @@ def test_failed_saves_and_loads_cost_a_recompute(runs):
     assert warm["tokens"] == want and warm["cached"] == _full(2)
 
 
+def test_a_slow_tier_read_for_a_new_request_does_not_stall_vllms_running_ones(model_dir, tmp_path):
+    """A request arrives while another decodes, its chunks on a slow disk (1.5 s a read):
+    vLLM admits nothing for it while they come up (lmkv answers "not yet") and the other
+    request's steps go on (before, its lookup held vLLM's scheduler for the whole read); it
+    is admitted once they are hot, loads them and gives the tokens it computed before."""
+    spec = {"model": str(model_dir), "disk": str(tmp_path / "disk"), "chunk_size": CHUNK,
+            "read_seconds": 1.5}
+    out = subprocess.run([str(VENV_PY), "-m", "tests.vllm.admission_check", json.dumps(spec)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=480)
+    assert out.returncode == 0, out.stderr[-6000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen["loaded"] == seen["computed"] and seen["cached"] == 2 * CHUNK
+    assert max(seen["steps"]) < 1.0, f"a step waited {max(seen['steps']):.2f} s for the slow tier"
+    assert len(seen["steps"]) > 20  # the other request's steps went on meanwhile
+
+
 def test_lmkv_server_shares_kv_between_vllm_and_the_bundled_engine(runs, model_dir, tmp_path):
     """lm:// (lmkv_server): the bundled engine stores, a vLLM process loads and stores, a new
     bundled engine loads what vLLM stored."""

@@ -504,20 +504,28 @@ def test_an_engine_hit_in_the_blend_namespace_stands_in_for_a_blend_only_where_i
     off.close()
 
 
-def test_a_request_that_will_load_nothing_is_never_held_back_for_arriving_chunks():
+def test_a_request_that_will_load_nothing_is_never_held_back_for_arriving_chunks(monkeypatch):
     """loads_arriving: the chunks a prefetch holds are read up urgently, once, and arriving
-    until that is done; a producer's request, or one recomputed after a failed load, loads
-    nothing, so it is never held back for them."""
+    until that is done, or for ARRIVING_WAIT seconds at most; a producer's request, or one
+    recomputed after a failed load, loads nothing, so it is never held back for them."""
+    import lmkv.connector.scheduler as scheduler_module
+
+    clock = [100.0]
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
     prompt = list(range(1000, 1000 + 3 * CHUNK + 5))
     for role in ("both", "producer"):
         engine = _engine(kv_role=role)
         brought: list[tuple[list[str], str | None]] = []
 
-        class Done:
-            def done(self):
-                return True
+        class Arrival:
+            up = False
 
-        engine.bring_up = lambda keys, parent=None, sent=brought: sent.append((keys, parent)) or Done()
+            def done(self):
+                return self.up
+
+        arrival = Arrival()
+        engine.bring_up = (lambda keys, parent=None, sent=brought, got=arrival:
+                           sent.append((keys, parent)) or got)
         sched = SchedulerConnector(engine, BLOCK)
         req = Request("r", prompt)
         sched.on_new_request(req)
@@ -527,9 +535,17 @@ def test_a_request_that_will_load_nothing_is_never_held_back_for_arriving_chunks
         else:
             assert sched.loads_arriving(req, CHUNK)  # sent for: arriving
             assert brought == [(keys[1:], keys[0])]
-            assert not sched.loads_arriving(req, CHUNK) and len(brought) == 1  # done, once
+            clock[0] += 1
+            assert sched.loads_arriving(req, CHUNK) and len(brought) == 1  # once
+            arrival.up = True
+            assert not sched.loads_arriving(req, CHUNK) and len(brought) == 1  # done
             again = Request("again", prompt)
             sched.on_new_request(again)
             sched.recompute_without_loads(again)
             assert not sched.loads_arriving(again, 0) and len(brought) == 1
+            late = Request("late", prompt)
+            arrival.up = False
+            assert sched.loads_arriving(late, 0) and len(brought) == 2
+            clock[0] += scheduler_module.ARRIVING_WAIT  # waited long enough: looked up now
+            assert not sched.loads_arriving(late, 0) and len(brought) == 2
         engine.close()
