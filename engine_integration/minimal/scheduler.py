@@ -194,7 +194,6 @@ def _arriving(connector, req, num_computed: int) -> bool:
     except Exception:
         log.exception("lmkv: asking whether request %s's chunks are on their way failed; "
                       "looking it up now", req.request_id)
-        connector.cache.count_error("connector", "lookup")
         return False
 
 

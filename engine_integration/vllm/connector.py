@@ -198,7 +198,6 @@ class LMKVConnector(KVConnectorBase_V1):
                 self._quiet.log(log, logging.ERROR, "arriving", "lmkv: asking whether request "
                                 "%s's chunks are on their way failed; looking it up now: %r",
                                 request.request_id, e)
-                self.cache.count_error("connector", "lookup")
         try:
             n, _ = self.scheduler.get_num_new_matched_tokens(view, num_computed_tokens)
         except Exception as e:

@@ -38,7 +38,7 @@ from typing import Any
 
 from lmkv.cache import LMKVCache
 from lmkv.config import LMKVConfig
-from lmkv.connector.scheduler import Arrival
+from lmkv.connector.scheduler import ARRIVING_WAIT, Arrival
 from lmkv.keys import chunk_ids, tail_id
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,10 @@ MAX_OWED = 1 << 16  # unpins kept to send again (more: left to the pin TTL)
 CALL_TIMEOUT = 60.0  # seconds for one answer (a fetch may read lower tiers)
 BACKOFF = 5.0  # seconds after a call timed out during which calls fail at once
 MAX_ARRIVALS = 4096  # reads for waiting requests a worker tracks (more: the oldest dropped)
-POLL_INTERVAL = 0.005  # seconds between asks whether a waiting request's chunks arrived
+# seconds a worker tracks such a read (a request aborted or looked up after ARRIVING_WAIT
+# is never asked about again)
+ARRIVAL_TTL = 2 * ARRIVING_WAIT
+POLL_INTERVAL = 0.005  # seconds between asks whether waiting requests' chunks arrived
 
 
 def socket_path(engine_id: str, dp_rank: int = 0, tp_rank: int = 0) -> Path:
@@ -94,8 +97,9 @@ class LookupServer:
         self.path = path
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
-        # reads for waiting requests (bring_up) by ticket, until asked after done
-        self._arrivals: OrderedDict[int, Any] = OrderedDict()
+        # reads for waiting requests (bring_up) by ticket, with when each started: until
+        # asked after done, or ARRIVAL_TTL
+        self._arrivals: OrderedDict[int, tuple[float, Any]] = OrderedDict()
         self._tickets = itertools.count(1)
         _sweep_dead_sockets(path.parent)
         _unlink_if_dead(path)
@@ -205,19 +209,22 @@ class LookupServer:
             arrival = e.bring_up(keys, None if parent is None else e.key_of(str(parent)))
             if arrival is None:
                 return {"ticket": None}
+            now = time.monotonic()
             with self._lock:
                 ticket = next(self._tickets)
-                self._arrivals[ticket] = arrival
-                while len(self._arrivals) > MAX_ARRIVALS:  # (a request gone: never asked)
+                self._arrivals[ticket] = (now, arrival)
+                while (len(self._arrivals) > MAX_ARRIVALS
+                       or next(iter(self._arrivals.values()))[0] < now - ARRIVAL_TTL):
                     self._arrivals.popitem(last=False)
             return {"ticket": ticket}
-        if op == "arrived":
-            ticket = int(msg["ticket"])
+        if op == "arrived":  # which of these tickets' reads are done (or no longer tracked)
+            done = []
             with self._lock:
-                arrival = self._arrivals.get(ticket)
-                done = arrival is None or arrival.done()  # (dropped: looked up now)
-                if done:
-                    self._arrivals.pop(ticket, None)
+                for ticket in map(int, msg["tickets"]):
+                    _, arrival = self._arrivals.get(ticket, (0.0, None))
+                    if arrival is None or arrival.done():
+                        self._arrivals.pop(ticket, None)
+                        done.append(ticket)
             return {"done": done}
         if op == "record_lookup":
             e.record_lookup(int(msg["prompt_tokens"]), int(msg["hit_tokens"]),
@@ -246,6 +253,9 @@ class LookupClient:
         self.config = config
         self.chunk_size = config.chunk_size
         self.ranks = [RankConnection(p, connect_timeout) for p in paths]
+        # reads started for waiting requests, (rank, ticket), not known to be done
+        self._waiting: set[tuple[RankConnection, int]] = set()
+        self._polled = 0.0
 
     def keys(self, tokens: list[int]) -> list[str]:
         return chunk_ids(tokens, self.chunk_size)
@@ -289,12 +299,33 @@ class LookupClient:
                 r.best_effort("prefetch", keys=keys)
 
     def bring_up(self, keys: list[str], parent: str | None = None) -> Arrival | None:
-        tickets = {}
-        for r in self.ranks:
+        arrival = RemoteArrival(self)
+        for r in self.ranks:  # (a rank that fails: its tickets on the others expire there)
             ticket = r.call("bring_up", keys=keys, parent=parent)["ticket"]
             if ticket is not None:
-                tickets[r] = int(ticket)
-        return RemoteArrival(tickets) if tickets else None
+                arrival.tickets.add((r, int(ticket)))
+        if not arrival.tickets:
+            return None
+        self._waiting |= arrival.tickets
+        return arrival
+
+    def _poll(self) -> None:
+        """Ask each rank, in one call, which of the reads it started are done, at most every
+        POLL_INTERVAL seconds (vLLM asks about each waiting request at every step). A rank
+        that does not answer is taken as done: its requests are looked up, as without."""
+        now = time.monotonic()
+        if not self._waiting or now - self._polled < POLL_INTERVAL:
+            return
+        self._polled = now
+        for r in self.ranks:
+            tickets = [t for rank, t in self._waiting if rank is r]
+            if not tickets:
+                continue
+            try:
+                done = r.call("arrived", tickets=tickets)["done"]
+            except Exception:  # (logged by call)
+                done = tickets
+            self._waiting.difference_update((r, int(t)) for t in done)
 
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:
         self.ranks[0].best_effort("record_lookup", prompt_tokens=prompt_tokens,
@@ -314,25 +345,16 @@ class LookupClient:
 
 class RemoteArrival:
     """Chunks read up for a waiting request in the workers' processes: done when every rank
-    that started a read says it is (asked at most every POLL_INTERVAL seconds: vLLM asks at
-    every step), or when asking fails (the request is then looked up, as without it)."""
+    that started a read says it is (LookupClient._poll), or when asking fails."""
 
-    def __init__(self, tickets: dict[RankConnection, int]):
-        self._tickets = tickets
-        self._asked = 0.0
+    def __init__(self, client: LookupClient):
+        self.client = client
+        self.tickets: set[tuple[RankConnection, int]] = set()
 
     def done(self) -> bool:
-        now = time.monotonic()
-        if self._tickets and now - self._asked >= POLL_INTERVAL:
-            self._asked = now
-            for r, ticket in list(self._tickets.items()):
-                try:
-                    done = r.call("arrived", ticket=ticket)["done"]
-                except Exception:  # (logged by call)
-                    done = True
-                if done:
-                    del self._tickets[r]
-        return not self._tickets
+        self.client._poll()
+        self.tickets &= self.client._waiting
+        return not self.tickets
 
 
 class NotSent(ConnectionError):

@@ -86,6 +86,14 @@ class _RequestState:
     bringing_since: float = 0.0
 
 
+class _Arrived:
+    def done(self) -> bool:
+        return True
+
+
+_NOTHING_TO_BRING = _Arrived()  # (a request asked about once, with nothing to bring up)
+
+
 # Keys of chunks loaded lossy that the engine's prefix cache may still hold: a later request
 # whose engine hit covers one of them computes over lossy KV as well. Bounded; at 16 tokens
 # a chunk it covers a million tokens of engine memory.
@@ -141,18 +149,16 @@ class SchedulerConnector:
         them, and the engine's scheduling with it, so an engine with other work may admit
         it later instead. Where a prefetch (its own at arrival, or another request's) holds
         them, they are read up now in an urgent job, ahead of queued saves and prefetches,
-        and are arriving until it is done (once per request), ARRIVING_WAIT seconds at most."""
+        and are arriving until it is done, ARRIVING_WAIT seconds at most (asked once per
+        request: a request looked up once is never held back after)."""
         st = self._state(request)
         if not self.loads or st.no_loads:  # it will load nothing
             return False
         if st.bringing is None:
             first = num_computed_tokens // self.cache.chunk_size
             keys = st.keys[first:]
-            if not keys:
-                return False
-            st.bringing = self.cache.bring_up(keys, st.keys[first - 1] if first else None)
-            if st.bringing is None:
-                return False
+            brought = self.cache.bring_up(keys, st.keys[first - 1] if first else None) if keys else None
+            st.bringing = _NOTHING_TO_BRING if brought is None else brought
             st.bringing_since = time.monotonic()
         return (time.monotonic() - st.bringing_since < ARRIVING_WAIT
                 and not st.bringing.done())

@@ -404,14 +404,25 @@ def test_a_request_whose_chunks_are_coming_up_is_left_waiting_until_they_are_hot
         assert sched.get_num_new_matched_tokens(Req, 0)[0] == 3 * CHUNK
         sched.request_finished(Req)
 
-        monkeypatch.setattr(lookup_socket, "MAX_ARRIVALS", 1)
+        # many waiting requests: one question to the worker per poll, not one per request
         gate.clear()
         engine.storage.hot.clear()
         engine.prefetch(engine.keys(prompt))
-        first, second = remote.bring_up(ids), remote.bring_up(ids)
-        assert not second.done()
-        assert first.done()  # dropped by the worker for the second: never held back for good
-        assert len(server._arrivals) == 1
+        asked = []
+        call = remote.ranks[0].call
+        monkeypatch.setattr(remote.ranks[0], "call", lambda op, **a: asked.append(op) or call(op, **a))
+        waiting = [remote.bring_up(ids) for _ in range(5)]
+        time.sleep(lookup_socket.POLL_INTERVAL)
+        assert not any(w.done() for w in waiting) and asked.count("arrived") == 1
+        # the worker tracks a bounded number of reads, for ARRIVAL_TTL at most: one it no
+        # longer tracks is done (that request is looked up: never held back for good)
+        monkeypatch.setattr(lookup_socket, "MAX_ARRIVALS", 5)
+        later = remote.bring_up(ids)
+        time.sleep(lookup_socket.POLL_INTERVAL)
+        assert waiting[0].done() and not any(w.done() for w in waiting[1:] + [later])
+        monkeypatch.setattr(lookup_socket, "ARRIVAL_TTL", 0.0)
+        last = remote.bring_up(ids)
+        assert list(server._arrivals) == [int(t) for _, t in last.tickets]  # the others expired
         gate.set()
     finally:
         gate.set()

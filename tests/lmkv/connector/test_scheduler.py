@@ -508,10 +508,12 @@ def test_a_request_that_will_load_nothing_is_never_held_back_for_arriving_chunks
     """loads_arriving: the chunks a prefetch holds are read up urgently, once, and arriving
     until that is done, or for ARRIVING_WAIT seconds at most; a producer's request, or one
     recomputed after a failed load, loads nothing, so it is never held back for them."""
+    from types import SimpleNamespace
+
     import lmkv.connector.scheduler as scheduler_module
 
     clock = [100.0]
-    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     prompt = list(range(1000, 1000 + 3 * CHUNK + 5))
     for role in ("both", "producer"):
         engine = _engine(kv_role=role)
@@ -548,4 +550,8 @@ def test_a_request_that_will_load_nothing_is_never_held_back_for_arriving_chunks
             assert sched.loads_arriving(late, 0) and len(brought) == 2
             clock[0] += scheduler_module.ARRIVING_WAIT  # waited long enough: looked up now
             assert not sched.loads_arriving(late, 0) and len(brought) == 2
+            engine.bring_up = lambda keys, parent=None, sent=brought: sent.append(keys)  # None
+            held = Request("held by nothing", prompt)
+            assert not sched.loads_arriving(held, 0) and len(brought) == 3
+            assert not sched.loads_arriving(held, 0) and len(brought) == 3  # asked once
         engine.close()
