@@ -14,6 +14,12 @@ a Mooncake master + storage process):
   the uncached tail with the loaded tokens already in place (the engine's prefix cache).
   Remote, recompute, get and tail runs are interleaved; each reported time is a median.
 Prints two lines per backend, each ending in its ratio.
+
+With ``--link RTT_MS:MB_PER_S,...`` process B also reaches the store through a relay that
+delays each direction by half the round trip and caps its bandwidth (slow_link.py), once
+per link (redis and lm; Mooncake's client opens connections of its own to ports the
+master hands out, which a relay in front of one port does not cover): what a store in
+another rack or region buys, next to recomputing. Process A writes over loopback.
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import random_prompt, realistic_model_dir  # noqa: E402
+from common import MODEL_HELP, bench_model, random_prompt  # noqa: E402
 from lmkv_ttft import FIRST_TOKEN, lmkv_llm, tail_ttft, ttft  # noqa: E402
+from slow_link import SlowLink  # noqa: E402
 
 from lmkv_engines.minimal.llm import LLM  # noqa: E402
 from lmkv_engines.minimal.outputs import RequestOutput  # noqa: E402
@@ -71,7 +79,7 @@ def start_store(name: str, workdir: Path) -> tuple[str, Callable[[], None]]:
 
 
 def remote_llm(args) -> LLM:
-    return lmkv_llm(args.model_dir, args.chunk, cpu_gb=CPU_GB, remote_url=args.url,
+    return lmkv_llm(args.model_dir, args.chunk, {}, cpu_gb=CPU_GB, remote_url=args.url,
                     remote_timeout=REMOTE_TIMEOUT)
 
 
@@ -162,18 +170,43 @@ def bench(args, name: str, model_dir: Path, tmp: Path) -> None:
         if a["written"] != stored or a["errors"] or a["dropped"]:
             raise RuntimeError(f"{name}: process A wrote {a['written']:.0f} of {stored} chunks "
                                f"({a['errors']:.0f} errors, {a['dropped']:.0f} dropped)")
-        b = child(args, "second", url, model_dir)
+        report(args, name, "", child(args, "second", url, model_dir))
+        for rtt_ms, mbps in args.link:
+            if name == "mooncake":
+                print(f"{name} over a link: skipped (a relay covers one port only)")
+                break
+            host, port = urlsplit(url).hostname, urlsplit(url).port
+            link = SlowLink((host, port), rtt_ms, mbps).start()
+            try:
+                b = child(args, "second", url.replace(f":{port}", f":{link.port}", 1), model_dir)
+            finally:
+                link.stop()
+            report(args, name, f" over a link of {rtt_ms:g} ms RTT, {mbps:g} MB/s", b)
     finally:
         stop()
+
+
+def report(args, name: str, where: str, b: dict) -> None:
     n = args.prompt_tokens
     t_rem, t_rec, t_tail = b["remote"], b["recompute"], b["tail"]
     gbps = b["bytes"] / b["get"] / 1e9
     floor = b["get"] + t_tail
-    print(f"{name}: TTFT recompute {t_rec * 1e3:.0f} ms vs second instance via {name} "
+    print(f"{name}{where}: TTFT recompute {t_rec * 1e3:.0f} ms vs second instance via {name} "
           f"{t_rem * 1e3:.0f} ms ({b['hit']} of {n} tokens loaded): "
           f"recompute/remote = {t_rec / t_rem:.1f}x")
-    print(f"{name} floor: {b['bytes'] / 1e6:.0f} MB / {gbps:.2f} GB/s get + tail "
+    print(f"{name}{where} floor: {b['bytes'] / 1e6:.0f} MB / {gbps:.2f} GB/s get + tail "
           f"{t_tail * 1e3:.0f} ms = {floor * 1e3:.0f} ms; remote/floor = {t_rem / floor:.2f}x")
+
+
+def link_list(text: str) -> list[tuple[float, float]]:
+    """"20:100,2:1000" -> [(20.0, 100.0), (2.0, 1000.0)]: round trips in ms, MB/s."""
+    try:
+        links = [tuple(float(x) for x in item.split(":")) for item in text.split(",") if item]
+        assert all(len(x) == 2 and x[0] >= 0 and x[1] > 0 for x in links)
+    except (ValueError, AssertionError):
+        raise argparse.ArgumentTypeError(
+            f"--link wants RTT_MS:MB_PER_S[,...] with RTT >= 0 and MB/s > 0, not {text!r}") from None
+    return links
 
 
 def main() -> None:
@@ -182,8 +215,12 @@ def main() -> None:
     ap.add_argument("--backends", default=",".join(BACKENDS),
                     help=f"comma-separated, of {', '.join(BACKENDS)} (default: all)")
     ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--model", help=MODEL_HELP)
     ap.add_argument("--chunk", type=int, default=256, help="lmkv chunk_size (tokens)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
+    ap.add_argument("--link", type=link_list, default=[], metavar="RTT_MS:MB_PER_S,...",
+                    help="also load through a relay with this round trip and bandwidth, "
+                         "e.g. 2:1000,20:100 (redis and lm)")
     ap.add_argument("--role", choices=("first", "second"), help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -196,9 +233,10 @@ def main() -> None:
     for name in names:
         if name not in BACKENDS:
             ap.error(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})")
-    model_dir = realistic_model_dir()
-    print(f"prompt {args.prompt_tokens} tokens, chunk {args.chunk}, {args.repeats} repeats; "
-          f"recompute = the same prompt in an engine without lmkv, in the same process")
+    model_dir = bench_model(args.model)
+    print(f"{model_dir.name}, prompt {args.prompt_tokens} tokens, chunk {args.chunk}, "
+          f"{args.repeats} repeats; recompute = the same prompt in an engine without lmkv, "
+          f"in the same process")
     with tempfile.TemporaryDirectory(prefix="lmkv-remote-ttft-") as tmp:
         for name in names:
             bench(args, name, model_dir, Path(tmp))
