@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 LOAD_BATCH = 8  # chunks asked of a tier at once when loading a run of them
 FETCH_TIMEOUT = 10.0  # seconds a load waits for the I/O worker (a stuck tier call: recompute)
 CLOSE_TIMEOUT = 30.0  # seconds close waits for queued writes and the I/O worker
+# a chunk a background read (prefetch, bring_up) found in no tier is taken as absent this
+# long: the lookup and fetch at the request's admission do not ask the tiers again (a
+# round trip to a remote store, on the engine's scheduling thread); at most MISSES_KEPT
+MISS_TTL = 10.0
+MISSES_KEPT = 1 << 16
 DECODE_THREADS = min(4, len(os.sched_getaffinity(0)))  # frames of a batch decoded at once
 
 
@@ -53,6 +59,8 @@ class StorageManager:
             tier.decoders = self.decoders
             tier.backend.register_memory(region)
         self._inflight: set[str] = set()  # keys a background prefetch is bringing up
+        # chunks a background read found in no tier -> when (time.monotonic()): see MISS_TTL
+        self._missed: OrderedDict[str, float] = OrderedDict()
         # hot chunks whose write below was dropped or failed -> the tiers that lack them:
         # written there when next used (at most one entry per hot chunk)
         self._unwritten: dict[str, set[str]] = {}
@@ -77,6 +85,9 @@ class StorageManager:
         False when it went nowhere (the policy refused it and no write was queued)."""
         hot = self.keep_hot and self.hot.put(key, buf, parent)
         self.metrics.hot_chunks.set(len(self.hot))
+        if self._missed:
+            with self._lock:
+                self._missed.pop(key, None)  # stored here now: asked for again
         tiers = self.tiers
         if buf.lossy:  # (a partial chunk, or one beyond a table's range, is framed lossless)
             whole = buf.num_tokens == buf.kv.shape[2]
@@ -178,13 +189,14 @@ class StorageManager:
 
     # ---- reads --------------------------------------------------------------------
     def lookup(self, keys: list[str]) -> int:
-        """Number of leading ``keys`` stored in some tier."""
+        """Number of leading ``keys`` stored in some tier (past the hot ones, none where a
+        background read missed the first of the rest lately: MISS_TTL)."""
         n = 0
         remaining = list(keys)
         while n < len(remaining) and self.hot.contains(remaining[n]):
             n += 1
         rest = remaining[n:]
-        if not rest:
+        if not rest or self._missed_lately(rest[0]):
             return n
         found = [self.hot.contains(k) for k in rest]  # (hot again past a chunk below it)
         for tier in self.tiers:
@@ -204,8 +216,9 @@ class StorageManager:
         Chunks below the hot cache are read in one job on the I/O worker, ahead of
         background work; a job that has not finished within FETCH_TIMEOUT (the worker is
         stuck in a tier call) ends the prefix, and until it finishes later loads take hot
-        chunks only. A key repeated in ``keys`` (content keys of repeated text) gets one
-        more reference to the same chunk."""
+        chunks only. A chunk a background read missed lately (MISS_TTL) ends the prefix
+        without asking the tiers again. A key repeated in ``keys`` (content keys of repeated
+        text) gets one more reference to the same chunk."""
         unique = list(dict.fromkeys(keys))
         if len(unique) < len(keys):
             got = dict(zip(unique, self.fetch(unique, parent), strict=False))
@@ -226,7 +239,7 @@ class StorageManager:
                 self._write_again(key, buf)
             out.append(buf)
         rest = keys[len(out):]
-        if rest and self.tiers and not self.io_stuck():
+        if rest and self.tiers and not self.io_stuck() and not self._missed_lately(rest[0]):
             parent = keys[len(out) - 1] if out else parent
             start = time.monotonic()
             deadline = start + FETCH_TIMEOUT / 2  # no batch starts after it
@@ -240,6 +253,21 @@ class StorageManager:
             finally:
                 self.metrics.load_wait_seconds.observe(time.monotonic() - start)
         return out
+
+    def _missed_lately(self, key: str) -> bool:
+        """Whether a background read found ``key`` in no tier within MISS_TTL seconds."""
+        if not self._missed:
+            return False
+        with self._lock:
+            when = self._missed.get(key)
+            return when is not None and time.monotonic() - when < MISS_TTL
+
+    def _note_missed(self, key: str) -> None:
+        with self._lock:
+            self._missed[key] = time.monotonic()
+            self._missed.move_to_end(key)
+            while len(self._missed) > MISSES_KEPT:
+                self._missed.popitem(last=False)
 
     def io_stuck(self) -> bool:
         """Whether a load timed out waiting for the I/O worker, which has not been free
@@ -276,7 +304,8 @@ class StorageManager:
         batch of chunks at once (one pipelined round trip); no batch starts after
         ``deadline`` (a slow tier: the chunks loaded so far are the prefix). A prefetch
         keeps only the last chunk loaded (the next batch's parent; the others are in the
-        hot cache), so that the loads it lets run between its batches can take their slots."""
+        hot cache), so that the loads it lets run between its batches can take their slots.
+        A prefetch notes the chunk it missed (MISS_TTL)."""
         out: list[ChunkBuffer] = []
         done = 0  # chunks loaded (a prefetch has released all but the last)
         parents = dict(zip(keys, [parent, *keys[:-1]], strict=True))
@@ -307,6 +336,8 @@ class StorageManager:
                         buf.release()
                     del out[:-1]
                 if done < start + len(batch):
+                    if prefetch:  # what a request's lookup at admission need not ask again
+                        self._note_missed(keys[done])
                     break
         except BaseException:  # (a decoder's bug: failed and corrupt reads are misses)
             for buf in out:

@@ -568,16 +568,20 @@ def test_a_hot_cache_smaller_than_one_longest_prompt_is_warned_about(tiny_model_
     assert "fewer than one max_model_len prompt" not in caplog.text  # the advice is enough
 
 
+@pytest.mark.parametrize("more", [0, 2 * CHUNK])
 def test_a_slow_tier_read_for_a_new_request_does_not_stall_the_running_ones(
-        tiny_model_dir, tmp_path):
+        tiny_model_dir, tmp_path, more):
     """A request arrives while another decodes, its chunks on a slow lower tier (a remote
     over a slow link): their prefetch runs while the other request's steps go on (before,
     admitting it waited on the scheduling thread for the whole read, every running request
-    with it); it is admitted once they are up, loads them and gives the same tokens."""
+    with it); it is admitted once they are up, loads them and gives the same tokens. With
+    ``more`` tokens after the stored ones, the chunk its prefetch missed is not asked for
+    again at admission (before, that read stalled the step as long)."""
     base = prompts(n=1, length=200, seed=9)[0]
     other = prompts(n=1, length=60, seed=10)[0]
+    request = base + prompts(n=1, length=more, seed=11)[0]
     plain = LLM(str(tiny_model_dir), enable_prefix_caching=False, kv_cache_memory=64 << 20)
-    want = plain.generate([base], GREEDY)[0].output_token_ids
+    want = plain.generate([request], GREEDY)[0].output_token_ids
     long = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)  # runs throughout
     with lmkv_llm(tiny_model_dir, tmp_path / "disk") as llm:
         llm.generate([base], GREEDY)
@@ -596,7 +600,7 @@ def test_a_slow_tier_read_for_a_new_request_does_not_stall_the_running_ones(
         engine.add_request("other", other, long)
         while not engine.scheduler.running:
             engine.step()
-        engine.add_request("base", base, GREEDY)  # its prefetch starts now
+        engine.add_request("base", request, GREEDY)  # its prefetch starts now
         steps = []
         done = None
         while done is None:

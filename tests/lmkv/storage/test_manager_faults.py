@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -803,4 +804,41 @@ def test_a_prefetch_after_close_leaks_nothing():
     assert m._inflight == set() and m.hot.contains("a")
     m.hot.clear()
     assert pool.num_free == pool.num_slots
+    m.close()
+
+
+def test_a_chunk_a_prefetch_missed_is_not_asked_for_again_at_admission(monkeypatch):
+    """The request's prefetch (in the background, at arrival) found its chunks up to "b":
+    the lookup and the fetch at its admission take those from the hot cache and do not ask
+    the tier again for "c" (a round trip to a remote on the engine's scheduling thread), for
+    MISS_TTL seconds; a chunk stored here meanwhile is found at once."""
+    import lmkv.storage.manager as manager_module
+
+    pool, (tier,), m = manager(slots=16)
+    seed(pool, tier, ["a", "b"])
+    asked: list[str] = []
+    for name in ("get", "contains"):
+        real = getattr(tier.backend, name)
+        setattr(tier.backend, name, lambda keys, real=real, name=name: asked.append(name) or real(keys))
+    m.prefetch(["a", "b", "c", "d"])
+    m.io.drain(5)
+    assert asked  # the prefetch asked the tier
+    asked.clear()
+    assert m.lookup(["a", "b", "c", "d"]) == 2
+    got = m.fetch(["a", "b", "c", "d"])
+    assert len(got) == 2 and asked == []  # nothing asked of the tier
+    for buf in got:
+        buf.release()
+    later = time.monotonic() + manager_module.MISS_TTL
+    monkeypatch.setattr(manager_module, "time", SimpleNamespace(monotonic=lambda: later))
+    assert m.lookup(["a", "b", "c"]) == 2 and asked == ["contains"]  # stale: asked again
+    monkeypatch.undo()
+    m.prefetch(["c"])
+    m.io.drain(5)
+    assert m._missed_lately("c")
+    buf = pool.allocate()
+    assert m.put("c", buf, "b")  # computed and stored here: not a miss any more
+    buf.release()
+    assert not m._missed_lately("c")
+    pool.check_integrity()
     m.close()
