@@ -19,6 +19,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 
+from ..logs import LogThrottle
 from ..memory import ChunkBuffer, MemoryPool
 from ..metrics import LMKVMetrics
 from ..policy import DEFAULT_POLICY
@@ -32,9 +33,10 @@ log = logging.getLogger(__name__)
 LOAD_BATCH = 8  # chunks asked of a tier at once when loading a run of them
 FETCH_TIMEOUT = 10.0  # seconds a load waits for the I/O worker (a stuck tier call: recompute)
 CLOSE_TIMEOUT = 30.0  # seconds close waits for queued writes and the I/O worker
-# a chunk a background read (prefetch, bring_up) found in no tier is taken as absent this
-# long: the lookup and fetch at the request's admission do not ask the tiers again (a
-# round trip to a remote store, on the engine's scheduling thread); at most MISSES_KEPT
+# a chunk a background read (prefetch, bring_up) found in no tier (each answered that it
+# does not hold it) is taken as absent this long: the lookup and fetch at the request's
+# admission do not ask the tiers again (a round trip to a remote store, on the engine's
+# scheduling thread); at most MISSES_KEPT
 MISS_TTL = 10.0
 MISSES_KEPT = 1 << 16
 DECODE_THREADS = min(4, len(os.sched_getaffinity(0)))  # frames of a batch decoded at once
@@ -65,6 +67,7 @@ class StorageManager:
         # written there when next used (at most one entry per hot chunk)
         self._unwritten: dict[str, set[str]] = {}
         self._stuck: Future | None = None  # a load that timed out, while it still runs
+        self._quiet = LogThrottle()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -305,7 +308,7 @@ class StorageManager:
         ``deadline`` (a slow tier: the chunks loaded so far are the prefix). A prefetch
         keeps only the last chunk loaded (the next batch's parent; the others are in the
         hot cache), so that the loads it lets run between its batches can take their slots.
-        A prefetch notes the chunk it missed (MISS_TTL)."""
+        A prefetch notes the chunk it missed where no tier holds it (MISS_TTL)."""
         out: list[ChunkBuffer] = []
         done = 0  # chunks loaded (a prefetch has released all but the last)
         parents = dict(zip(keys, [parent, *keys[:-1]], strict=True))
@@ -322,7 +325,8 @@ class StorageManager:
                 if start and prefetch:  # a load the engine waits for goes first
                     self.io.run_urgent()
                 batch = keys[start : start + LOAD_BATCH]
-                loaded = self._load_batch(batch, prefetch, parents)
+                absent: set[str] = set()
+                loaded = self._load_batch(batch, prefetch, parents, absent)
                 for key in batch:
                     buf = loaded.pop(key, None)
                     if buf is None:
@@ -336,8 +340,8 @@ class StorageManager:
                         buf.release()
                     del out[:-1]
                 if done < start + len(batch):
-                    if prefetch:  # what a request's lookup at admission need not ask again
-                        self._note_missed(keys[done])
+                    if prefetch and keys[done] in absent:  # what a request's lookup at
+                        self._note_missed(keys[done])  # admission need not ask again
                     break
         except BaseException:  # (a decoder's bug: failed and corrupt reads are misses)
             for buf in out:
@@ -421,12 +425,14 @@ class StorageManager:
             with self._lock:
                 self._inflight.difference_update(keys)
 
-    def _load_batch(self, keys: list[str], prefetch: bool,
-                    parents: dict[str, str | None]) -> dict[str, ChunkBuffer]:
+    def _load_batch(self, keys: list[str], prefetch: bool, parents: dict[str, str | None],
+                    absent: set[str] | None = None) -> dict[str, ChunkBuffer]:
         """On the I/O thread: ``keys``' chunks, retained for the caller: those in the hot
         cache (retained first, so that the slots taken below cannot evict them), the others
         read from the first tier that has them, one batch per tier, put in the hot cache in
-        prompt order (a chunk after its parent, whichever tier each came from)."""
+        prompt order (a chunk after its parent, whichever tier each came from). ``absent``
+        gets the keys every tier answered it does not hold (not those a tier could not be
+        asked about: held off by its breaker, failed, or no slot to read into)."""
         loaded: dict[str, ChunkBuffer] = {}
         try:
             for key in keys:
@@ -435,11 +441,16 @@ class StorageManager:
                     loaded[key] = buf
             hot = set(loaded)
             missing = [k for k in keys if k not in loaded]
+            nowhere = set(missing)  # held by no tier asked so far
             for tier in self.tiers:
                 if not missing:
                     break
+                said: set[str] = set()
                 if tier.reachable("get"):
-                    missing = self._read_tier(tier, missing, loaded)
+                    missing = self._read_tier(tier, missing, loaded, said)
+                nowhere &= said
+            if absent is not None:
+                absent.update(nowhere)
         except BaseException:
             for buf in loaded.values():
                 buf.release()
@@ -457,17 +468,19 @@ class StorageManager:
         self.metrics.hot_chunks.set(len(self.hot))
         return loaded
 
-    def _read_tier(self, tier: Tier, keys: list[str], loaded: dict[str, ChunkBuffer]) -> list[str]:
+    def _read_tier(self, tier: Tier, keys: list[str], loaded: dict[str, ChunkBuffer],
+                   absent: set[str]) -> list[str]:
         """Read ``keys`` from one tier into new chunks (added to ``loaded``); returns the keys
-        it did not have or could not deliver intact. Where slots would have to be
-        taken from hot chunks, the tier is first asked which keys it holds, so that no hot
-        chunk is evicted for a miss."""
+        it did not have or could not deliver intact (those it answered it does not have go
+        into ``absent`` too). Where slots would have to be taken from hot chunks, the tier
+        is first asked which keys it holds, so that no hot chunk is evicted for a miss."""
         rest: list[str] = []
         if self.hot.pool.num_free < len(keys):
             held = tier.contains(keys)
             if held is not None:
                 rest = [k for k, h in zip(keys, held, strict=True) if not h]
                 keys = [k for k, h in zip(keys, held, strict=True) if h]
+                absent.update(rest)
                 if not keys:
                     return rest
         bufs = []
@@ -475,11 +488,16 @@ class StorageManager:
             buf = self.hot.allocate()
             if buf is None:
                 self.metrics.dropped.labels("no_memory").inc()
+                self._quiet.log(log, logging.WARNING, "no_memory", "lmkv: no free chunk slot "
+                                "to read a chunk from %s into (all %d of the hot cache's slots "
+                                "are in use by loads, saves and pins): it is recomputed. A "
+                                "larger max_local_cpu_size keeps the chunks of waiting requests",
+                                tier.name, self.hot.pool.num_slots)
                 break
             bufs.append(buf)
         batch, missing = keys[: len(bufs)], keys[len(bufs) :]
         try:
-            results = tier.read(batch, bufs)
+            results = tier.read(batch, bufs, absent)
         except BaseException:  # (a decoder's bug, not a bad frame: those are misses)
             for buf in bufs:
                 buf.release()

@@ -187,10 +187,12 @@ class Tier:
             with self._lock:
                 self.backend.will_get(keys)
 
-    def read(self, keys: list[str], bufs: list[ChunkBuffer]) -> list[bool]:
+    def read(self, keys: list[str], bufs: list[ChunkBuffer],
+             absent: set[str] | None = None) -> list[bool]:
         """Read and decode ``keys[i]`` into ``bufs[i]``, one batch (one pipelined round trip
         where the backend can). True where the chunk arrived intact; a miss, a corrupt frame
-        (logged, counted, removed from the tier) or a failed tier is False."""
+        (logged, counted, removed from the tier) or a failed tier is False. The keys the
+        tier answered it does not hold go into ``absent``, if given."""
         if not keys or not self.reachable("get"):
             return [False] * len(keys)
         start = time.perf_counter()
@@ -231,6 +233,8 @@ class Tier:
                 ok.append(self._settle(key, data, error))
             else:
                 ok.append(False)
+                if absent is not None:
+                    absent.add(key)
         return ok
 
     def _check_all(self, keys: list[str], bufs: list[ChunkBuffer], values: list

@@ -341,7 +341,7 @@ def test_a_blend_lookup_that_raises_costs_a_recompute_not_the_step(tiny_model_di
             cache.storage.hot.entries.pop(key).release()
             cache.storage.hot.policy.removed(key)
 
-        def broken(keys, bufs):
+        def broken(keys, bufs, absent=None):
             raise ValueError("a decoder's bug")
 
         cache.storage.tiers[0].read = broken

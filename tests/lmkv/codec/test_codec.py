@@ -638,8 +638,8 @@ def test_a_gate_trip_during_a_lossy_read_keeps_that_chunk_out(table, tmp_path):
     try:
         real = tier.read
 
-        def read_then_trip(keys, bufs):
-            out = real(keys, bufs)
+        def read_then_trip(keys, bufs, absent=None):
+            out = real(keys, bufs, absent)
             manager.make_lossless()  # the gate trips while this read was in flight
             return out
 

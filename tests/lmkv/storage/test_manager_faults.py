@@ -842,3 +842,32 @@ def test_a_chunk_a_prefetch_missed_is_not_asked_for_again_at_admission(monkeypat
     assert not m._missed_lately("c")
     pool.check_integrity()
     m.close()
+
+
+def test_a_chunk_a_prefetch_could_not_read_is_asked_for_again_at_admission(caplog):
+    """Only a chunk every tier answered it does not hold counts as missed: one the prefetch
+    had no slot for (a small hot cache under load), or a tier held off by its breaker, is
+    asked for again at admission (the tier may well hold it)."""
+    pool, (tier,), m = manager(slots=4)
+    seed(pool, tier, ["a", "b"])
+    taken = []
+    while (buf := pool.allocate()) is not None:  # every slot held by someone else
+        taken.append(buf)
+    m.prefetch(["a", "b"])
+    m.io.drain(5)
+    assert metric(m, "lmkv_dropped_total", what="no_memory") >= 1
+    assert "no free chunk slot to read a chunk from t0 into" in caplog.text  # said, once a minute
+    assert not m._missed_lately("a")
+    for buf in taken:
+        buf.release()
+    tier.breaker.failure()  # held off
+    m.prefetch(["a", "b"])
+    m.io.drain(5)
+    assert not m._missed_lately("a")
+    tier.breaker.success()
+    got = m.fetch(["a", "b"])  # asked again, found
+    assert len(got) == 2
+    for buf in got:
+        buf.release()
+    pool.check_integrity()
+    m.close()

@@ -163,7 +163,7 @@ def test_a_read_that_raises_returns_every_chunk_it_held(tmp_path):
             cache.storage.hot.policy.removed(key)
         free = cache.pool.num_free
 
-        def broken(keys, bufs):
+        def broken(keys, bufs, absent=None):
             raise ValueError("a decoder's bug")
 
         cache.storage.tiers[0].read = broken
