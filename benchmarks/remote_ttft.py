@@ -175,10 +175,10 @@ def bench(args, name: str, model_dir: Path, tmp: Path) -> None:
             if name == "mooncake":
                 print(f"{name} over a link: skipped (a relay covers one port only)")
                 break
-            host, port = urlsplit(url).hostname, urlsplit(url).port
-            link = SlowLink((host, port), rtt_ms, mbps).start()
+            store = urlsplit(url)
+            link = SlowLink((store.hostname, store.port), rtt_ms, mbps).start()
             try:
-                b = child(args, "second", url.replace(f":{port}", f":{link.port}", 1), model_dir)
+                b = child(args, "second", url.replace(f":{store.port}", f":{link.port}", 1), model_dir)
             finally:
                 link.stop()
             report(args, name, f" over a link of {rtt_ms:g} ms RTT, {mbps:g} MB/s", b)

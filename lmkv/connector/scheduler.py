@@ -81,17 +81,10 @@ class _RequestState:
     touched: bool = False  # its engine prefix hit was counted as a use (once per request)
     salted: bool = False  # the engine files its blocks under prefix_cache_salt's blend namespace
     # its chunks being read up from a lower tier, ahead of queued work, before it is looked
-    # up (loads_arriving); done: they are up, or failed. Since when (time.monotonic()).
+    # up (loads_arriving; None: nothing to bring up); done: they are up, or failed. Since
+    # when (time.monotonic(); None: not asked yet)
     bringing: Arrival | None = None
-    bringing_since: float = 0.0
-
-
-class _Arrived:
-    def done(self) -> bool:
-        return True
-
-
-_NOTHING_TO_BRING = _Arrived()  # (a request asked about once, with nothing to bring up)
+    bringing_since: float | None = None
 
 
 # Keys of chunks loaded lossy that the engine's prefix cache may still hold: a later request
@@ -154,13 +147,12 @@ class SchedulerConnector:
         st = self._state(request)
         if not self.loads or st.no_loads:  # it will load nothing
             return False
-        if st.bringing is None:
+        if st.bringing_since is None:
             first = num_computed_tokens // self.cache.chunk_size
             keys = st.keys[first:]
-            brought = self.cache.bring_up(keys, st.keys[first - 1] if first else None) if keys else None
-            st.bringing = _NOTHING_TO_BRING if brought is None else brought
+            st.bringing = self.cache.bring_up(keys, st.keys[first - 1] if first else None) if keys else None
             st.bringing_since = time.monotonic()
-        return (time.monotonic() - st.bringing_since < ARRIVING_WAIT
+        return (st.bringing is not None and time.monotonic() - st.bringing_since < ARRIVING_WAIT
                 and not st.bringing.done())
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:

@@ -426,7 +426,7 @@ class StorageManager:
                 self._inflight.difference_update(keys)
 
     def _load_batch(self, keys: list[str], prefetch: bool, parents: dict[str, str | None],
-                    absent: set[str] | None = None) -> dict[str, ChunkBuffer]:
+                    absent: set[str]) -> dict[str, ChunkBuffer]:
         """On the I/O thread: ``keys``' chunks, retained for the caller: those in the hot
         cache (retained first, so that the slots taken below cannot evict them), the others
         read from the first tier that has them, one batch per tier, put in the hot cache in
@@ -449,8 +449,7 @@ class StorageManager:
                 if tier.reachable("get"):
                     missing = self._read_tier(tier, missing, loaded, said)
                 nowhere &= said
-            if absent is not None:
-                absent.update(nowhere)
+            absent.update(nowhere)
         except BaseException:
             for buf in loaded.values():
                 buf.release()
