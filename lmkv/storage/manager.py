@@ -25,6 +25,7 @@ from ..metrics import LMKVMetrics
 from ..policy import DEFAULT_POLICY
 from .hot_cache import HotCache
 from .io import IOWorker
+from .pins import PinTable
 from .tier import Tier
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,11 @@ CLOSE_TIMEOUT = 30.0  # seconds close waits for queued writes and the I/O worker
 # scheduling thread); at most MISSES_KEPT
 MISS_TTL = 10.0
 MISSES_KEPT = 1 << 16
+# chunks read up for a waiting request (bring_up) are held in the hot cache until a fetch
+# asks for them (its lookup at admission) or this many seconds have passed, and never more
+# than half the hot cache at once: a cache smaller than the chunks of the requests waiting
+# for them would otherwise evict them again before they are loaded
+ARRIVAL_HOLD = 10.0
 DECODE_THREADS = min(4, len(os.sched_getaffinity(0)))  # frames of a batch decoded at once
 
 
@@ -61,6 +67,7 @@ class StorageManager:
             tier.decoders = self.decoders
             tier.backend.register_memory(region)
         self._inflight: set[str] = set()  # keys a background prefetch is bringing up
+        self._arrived = PinTable(ARRIVAL_HOLD, "read up for waiting requests that never asked for them")
         # chunks a background read found in no tier -> when (time.monotonic()): see MISS_TTL
         self._missed: OrderedDict[str, float] = OrderedDict()
         # hot chunks whose write below was dropped or failed -> the tiers that lack them:
@@ -73,6 +80,7 @@ class StorageManager:
 
     # ---- writes -------------------------------------------------------------------
     def allocate(self) -> ChunkBuffer | None:
+        self._arrived.sweep()  # stale holds keep slots that saves need
         buf = self.hot.allocate()
         self.metrics.hot_chunks.set(len(self.hot))  # (it may have evicted)
         if buf is None:
@@ -221,7 +229,8 @@ class StorageManager:
         stuck in a tier call) ends the prefix, and until it finishes later loads take hot
         chunks only. A chunk a background read missed lately (MISS_TTL) ends the prefix
         without asking the tiers again. A key repeated in ``keys`` (content keys of repeated
-        text) gets one more reference to the same chunk."""
+        text) gets one more reference to the same chunk. The hold bring_up kept on each of
+        ``keys`` is given back."""
         unique = list(dict.fromkeys(keys))
         if len(unique) < len(keys):
             got = dict(zip(unique, self.fetch(unique, parent), strict=False))
@@ -255,6 +264,7 @@ class StorageManager:
                 raise
             finally:
                 self.metrics.load_wait_seconds.observe(time.monotonic() - start)
+        self._arrived.give_back(keys)  # the caller holds what it got: bring_up's holds go
         return out
 
     def _missed_lately(self, key: str) -> bool:
@@ -301,14 +311,15 @@ class StorageManager:
         return []
 
     def _load_run(self, keys: list[str], prefetch: bool = False, parent: str | None = None,
-                  deadline: float = math.inf) -> list[ChunkBuffer]:
+                  deadline: float = math.inf, keep: int = 0) -> list[ChunkBuffer]:
         """On the I/O thread: the leading ``keys`` that some tier has, each retained (in the
         hot cache as the chunks after ``parent`` in their prompt). Each tier is asked for a
         batch of chunks at once (one pipelined round trip); no batch starts after
         ``deadline`` (a slow tier: the chunks loaded so far are the prefix). A prefetch
-        keeps only the last chunk loaded (the next batch's parent; the others are in the
-        hot cache), so that the loads it lets run between its batches can take their slots.
-        A prefetch notes the chunk it missed where no tier holds it (MISS_TTL)."""
+        keeps only its first ``keep`` chunks and the last one loaded (the next batch's
+        parent; the others are in the hot cache), so that the loads it lets run between its
+        batches can take their slots. A prefetch notes the chunk it missed where no tier
+        holds it (MISS_TTL)."""
         out: list[ChunkBuffer] = []
         done = 0  # chunks loaded (a prefetch has released all but the last)
         parents = dict(zip(keys, [parent, *keys[:-1]], strict=True))
@@ -336,9 +347,9 @@ class StorageManager:
                 for buf in loaded.values():  # loaded beyond a missing chunk
                     buf.release()
                 if prefetch:
-                    for buf in out[:-1]:
+                    for buf in out[keep:-1]:
                         buf.release()
-                    del out[:-1]
+                    del out[keep:-1]
                 if done < start + len(batch):
                     if prefetch and keys[done] in absent:  # what a request's lookup at
                         self._note_missed(keys[done])  # admission need not ask again
@@ -394,8 +405,9 @@ class StorageManager:
         """Where a background prefetch (queued or running) holds one of ``keys`` (a fetch of
         them would wait for it), read the leading stored chunks of ``keys`` into the hot
         cache in an urgent job (ahead of queued saves and prefetches, as a fetch is), not
-        waited for: its future. None where none is held, while the I/O worker is stuck in a
-        tier call (a fetch then takes hot chunks only, at once), or with lmkv closing.
+        waited for: its future. The chunks stay held until a fetch asks for them (see
+        ARRIVAL_HOLD). None where none is held, while the I/O worker is stuck in a tier
+        call (a fetch then takes hot chunks only, at once), or with lmkv closing.
         ``parent`` as for fetch."""
         if self.io_stuck():
             return None
@@ -405,11 +417,16 @@ class StorageManager:
         deadline = time.monotonic() + FETCH_TIMEOUT / 2  # as a fetch's: no batch after it
 
         def run() -> None:
+            room = max(0, self.hot.pool.num_slots // 2 - len(self._arrived))
             try:
-                for buf in self._load_run(keys, prefetch=True, parent=parent, deadline=deadline):
-                    buf.release()
+                bufs = self._load_run(keys, prefetch=True, parent=parent, deadline=deadline,
+                                      keep=room)
             except Exception:  # nobody waits for this job's future: said here
                 log.exception("lmkv: reading chunks up for a waiting request failed")
+                return
+            for buf in bufs[room:]:  # (the last one read, past those kept)
+                buf.release()
+            self._arrived.add(keys[: min(room, len(bufs))], bufs[:room])
         try:
             return self.io.submit(run, urgent=True)
         except RuntimeError:  # the worker is closed
@@ -532,6 +549,7 @@ class StorageManager:
             return
         self._closed = True
         stopped = self.io.close(timeout)  # runs what is queued first (it logs a stuck job)
+        self._arrived.clear()
         self.decoders.shutdown(wait=stopped)
         self.hot.clear()
         self.metrics.hot_chunks.set(0)

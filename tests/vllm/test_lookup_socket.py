@@ -18,6 +18,7 @@ from lmkv.cache import LMKVCache
 from lmkv.config import load_config
 from lmkv.connector import SchedulerConnector
 from lmkv.layout import KVLayout
+from lmkv.memory import HEADER_BYTES
 from lmkv_engines.vllm import lookup_socket
 from lmkv_engines.vllm.lookup_socket import LookupClient, LookupServer, socket_path
 
@@ -407,6 +408,64 @@ def test_socket_files_of_dead_servers_are_swept_at_start(tmp_path):
         engine.close()
 
 
+def test_chunks_that_arrived_for_a_waiting_request_are_still_hot_at_its_lookup(tmp_path, monkeypatch):
+    """A hot cache smaller than the waiting requests' chunks (here: 16 slots, LRU): other
+    requests' saves between the chunks' arrival and the request's lookup do not evict them
+    (the worker holds them until the lookup), so the lookup reads nothing from the disk
+    on vLLM's scheduling thread."""
+    layout = KVLayout(2, 1, 4, torch.float32, CHUNK)
+    cfg = load_config(env={}, chunk_size=CHUNK,
+                      max_local_cpu_size=16 * (HEADER_BYTES + layout.chunk_bytes) / 1e9,
+                      cache_policy="lru", local_disk=str(tmp_path / "disk"), max_local_disk_size=0.01)
+    engine = LMKVCache(cfg, layout, "model")
+    server = LookupServer(engine, tmp_path / "lookups.sock")
+    remote = LookupClient(cfg, [server.path], connect_timeout=5)
+    gate = threading.Event()
+    try:
+        assert engine.storage.hot.pool.num_slots <= 16
+        prompt = list(range(900, 900 + 4 * CHUNK + 3))
+        _store(engine, prompt)
+        engine.drain()
+        engine.storage.hot.clear()
+        disk = engine.storage.tiers[0].backend
+        real, reads = disk.get_into_many, []
+
+        def read(keys, *args, **kwargs):
+            gate.wait(10)
+            reads.extend(keys)
+            return real(keys, *args, **kwargs)
+
+        monkeypatch.setattr(disk, "get_into_many", read)
+        sched = SchedulerConnector(remote, 4)
+
+        class Req:
+            request_id, prompt_token_ids, all_token_ids = "r", prompt, prompt
+            block_ids, num_computed_tokens = list(range(len(prompt) // 4 + 1)), 0
+
+        sched.on_new_request(Req)
+        assert sched.loads_arriving(Req, 0)
+        gate.set()
+        deadline = time.monotonic() + 10
+        while sched.loads_arriving(Req, 0):
+            assert time.monotonic() < deadline, "the chunks never arrived"
+            time.sleep(lookup_socket.POLL_INTERVAL)
+        engine.drain()
+        for key in engine.keys(list(range(5000, 5000 + 40 * CHUNK))):  # other requests' saves
+            engine.drain()  # (each queued write holds a slot)
+            buf = engine.allocate()
+            engine.store(key, buf)
+            buf.release()
+        read_before = len(reads)
+        assert sched.get_num_new_matched_tokens(Req, 0)[0] == 4 * CHUNK
+        assert len(reads) == read_before  # all hot: nothing read at the lookup
+        sched.request_finished(Req)
+    finally:
+        gate.set()
+        remote.close()
+        server.close()
+        engine.close()
+
+
 def test_a_request_whose_chunks_are_coming_up_is_left_waiting_until_they_are_hot(tmp_path, monkeypatch):
     """vLLM's scheduler asks the worker whether a request's chunks are still on their way up
     from a lower tier (its prefetch at arrival reads them): while they are, the request is
@@ -448,6 +507,8 @@ def test_a_request_whose_chunks_are_coming_up_is_left_waiting_until_they_are_hot
         sched.request_finished(Req)
 
         # many waiting requests: one question to the worker per poll, not one per request
+        # (a longer poll interval here: a busy machine must not make two polls of one)
+        monkeypatch.setattr(lookup_socket, "POLL_INTERVAL", 0.2)
         gate.clear()
         engine.storage.hot.clear()
         engine.prefetch(engine.keys(prompt))

@@ -492,6 +492,76 @@ def test_chunks_brought_up_for_a_waiting_request_go_ahead_of_queued_work():
     m.close()
 
 
+def brought_up(m, keys):
+    """Chunks of ``keys`` read up by bring_up while a prefetch of them is queued."""
+    gate = threading.Event()
+    m.io.submit(gate.wait)
+    try:
+        m.prefetch(keys)
+        fut = m.bring_up(keys)
+        assert fut is not None
+    finally:
+        gate.set()
+    fut.result(5)
+    m.io.drain(5)
+
+
+def churn(m, n, prefix="new"):
+    """``n`` other chunks saved: as many evictions as the hot cache needs for them."""
+    for i in range(n):
+        buf = m.allocate()
+        if buf is not None:
+            m.put(f"{prefix}{i}", buf)
+            buf.release()
+
+
+def test_chunks_brought_up_for_a_waiting_request_stay_hot_until_its_lookup():
+    """A hot cache smaller than the chunks of the requests waiting for them: what bring_up
+    read up is held until a fetch asks for it (the request's lookup), not evicted by other
+    requests' saves meanwhile and read from the tier again; half the hot cache at most."""
+    pool, (tier,), m = manager(slots=8, policy="lru")
+    seed(pool, tier, ["a", "b", "c"])
+    brought_up(m, ["a", "b", "c"])
+    churn(m, 20)
+    gets = tier.metrics.registry.get_sample_value
+    reads = gets("lmkv_tier_seconds_count", {"tier": "t0", "op": "get"})
+    bufs = m.fetch(["a", "b", "c"])
+    assert len(bufs) == 3
+    assert gets("lmkv_tier_seconds_count", {"tier": "t0", "op": "get"}) == reads  # all hot
+    for buf in bufs:
+        buf.release()
+    churn(m, 20, "later")  # the lookup took them: evictable again, like any chunk
+    assert not any(m.hot.contains(k) for k in ("a", "b", "c"))
+    pool.check_integrity()
+    m.close()
+
+    pool, (tier,), m = manager(slots=8, policy="lru")
+    seed(pool, tier, [f"k{i}" for i in range(6)])
+    brought_up(m, [f"k{i}" for i in range(6)])
+    assert len(m._arrived) == 4  # half of 8 slots
+    churn(m, 20, "more")
+    assert sum(m.hot.contains(f"k{i}") for i in range(6)) == 4
+    pool.check_integrity()
+    m.close()
+
+
+def test_chunks_brought_up_but_never_asked_for_are_let_go(monkeypatch, caplog):
+    """A request that left (aborted while it waited) never asks for its chunks: their hold
+    ends after ARRIVAL_HOLD, logged, and saves may evict them then."""
+    pool, (tier,), m = manager(slots=8, policy="lru")
+    seed(pool, tier, ["a", "b"])
+    brought_up(m, ["a", "b"])
+    m._arrived.ttl = 0.05
+    time.sleep(0.1)
+    with caplog.at_level("WARNING"):
+        churn(m, 20)
+    assert len(m._arrived) == 0
+    assert not m.hot.contains("a") and not m.hot.contains("b")
+    assert "released 2 chunks read up for waiting requests that never asked for them" in caplog.text
+    pool.check_integrity()
+    m.close()
+
+
 def test_reads_a_tier_breaker_holds_off_are_counted_as_skipped():
     pool, (tier,), m = manager(slots=8)
     seed(pool, tier, ["a", "b"])
