@@ -14,6 +14,11 @@ recomputed tokens at each ratio:
   every layer, known only after a full prefill. A heuristic with more knowledge, not a
   bound: a choice that minimised the question's error directly could do better.
 Each line ends with the ratio hkvd error / all-layer error.
+
+``--after-header`` computes each document after the prompt's first segment (the chat
+header and instruction, ending in the separator) instead of alone, and stores the
+document's rows only (keys before RoPE, ``blend_store_pre_rope``): a shared prefix such as
+TurboRAG's and APE's, so that a document's first tokens are not its own attention sink.
 """
 
 from __future__ import annotations
@@ -26,11 +31,14 @@ import statistics
 import torch
 
 from lmkv.blend.plan import BlendPlan, select_recompute
+from lmkv.blend.precompute import precompute
 from lmkv.blend.segments import split_segments
+from lmkv.config import load_config
 from lmkv_engines.minimal.blend import blend_prefill
 from lmkv_engines.minimal.default_model import resolve_model
 
-from .blend_rag import blend_llm, rag_ids, shuffled
+from .blend_rag import blend_llm, engine_args, rag_ids, shuffled
+from .quality.probe import open_llm
 from .quality.rag_qa import make_examples
 
 
@@ -65,6 +73,30 @@ class Prefill:
         return self.run(plan, select)
 
 
+class AfterHeader:
+    """The engine as lmkv's KVComputer, computing each document after ``header`` (the
+    prompt's first segment, which itself is computed alone): the document's rows only,
+    keys before RoPE."""
+
+    def __init__(self, engine, header: list[int]):
+        self.engine, self.header = engine, header
+        self.rope_inv_freq = engine.rope_inv_freq
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.tokenize(text, add_special_tokens)
+
+    def compute_kv(self, token_lists: list[list[int]], pre_rope: bool = False) -> list[torch.Tensor]:
+        assert pre_rope, "documents after a header are stored before RoPE"
+        h = self.header
+        out = []
+        for ids in token_lists:
+            if ids == h[: len(ids)]:
+                out += self.engine.compute_kv([ids], pre_rope=True)
+            else:
+                out.append(self.engine.compute_kv([h + ids], pre_rope=True)[0][:, :, len(h):].contiguous())
+        return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.blend_deviation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,10 +104,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.3, 0.5])
     p.add_argument("--seed", type=int, default=3000)
+    p.add_argument("--after-header", action="store_true",
+                   help="compute each document after the prompt's header, not alone")
     args = p.parse_args(argv)
     model = args.model or str(resolve_model(None))
     opts = argparse.Namespace(rag=True, chunk_size=256, hot_cache_gb=2.0, separator="\n\n")
-    llm = blend_llm(model, opts, 0.0)
+    if args.after_header:
+        cfg = load_config(env={}, chunk_size=opts.chunk_size, max_local_cpu_size=opts.hot_cache_gb,
+                          enable_blending=True, blend_recompute_ratio=0.0,
+                          blend_special_str=opts.separator, blend_store_pre_rope=True)
+        llm = open_llm(model, lmkv_config=cfg, **engine_args(opts))
+    else:
+        llm = blend_llm(model, opts, 0.0)
     tok = llm.tokenizer
     rng = random.Random(args.seed)
     examples = [shuffled(e, rng) for e in
@@ -86,8 +126,13 @@ def main(argv: list[str] | None = None) -> None:
     for e in examples:
         ids, docs = rag_ids(llm, e, opts.separator)
         lengths.append(len(ids))
-        llm.precompute(docs, progress=False)
-        q0 = split_segments(ids, llm.engine.blend_separator)[-1].start  # the question's rows
+        segs = split_segments(ids, llm.engine.blend_separator)
+        if args.after_header:  # the header: the first segment and the separator after it
+            precompute(AfterHeader(llm.engine, ids[: segs[1].start]), llm.engine.kv_connector.cache,
+                       docs, progress=False)
+        else:
+            llm.precompute(docs, progress=False)
+        q0 = segs[-1].start  # the question's rows
         run = Prefill(llm, ids)
         ref_lp, ref_kv = run.full()
         ref_q = ref_kv[:, :, q0:]
@@ -108,8 +153,10 @@ def main(argv: list[str] | None = None) -> None:
                 kl.setdefault((name, ratio), []).append(float((ref_lp.exp() * (ref_lp - lp)).sum()))
     llm.close()
     mean = statistics.mean
-    print(f"{len(examples)} held-out RAG prompts, {min(lengths)}-{max(lengths)} tokens; question-KV "
-          f"error = |blended - full| / |full| over every layer; KL of the first answer token")
+    how = "computed after the prompt's header" if args.after_header else "computed alone"
+    print(f"{len(examples)} held-out RAG prompts, {min(lengths)}-{max(lengths)} tokens, documents "
+          f"{how}; question-KV error = |blended - full| / |full| over every layer; KL of the "
+          f"first answer token")
     print(f"naive reuse: question-KV error {mean(err['hkvd', 0.0]):.3f}, "
           f"KL {mean(kl['hkvd', 0.0]):.3f}")
     for ratio in args.ratios:

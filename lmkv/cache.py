@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 
 import torch
 
@@ -20,7 +19,7 @@ from .layout import KVLayout
 from .logs import LogThrottle
 from .memory import NO_POSITION, ChunkBuffer, MemoryPool
 from .metrics import LMKVMetrics
-from .storage.manager import StorageManager
+from .storage.manager import BroughtUp, StorageManager
 from .storage.pins import PinTable
 from .storage.tier import Tier
 
@@ -165,10 +164,10 @@ class LMKVCache:
         if self.config.enable_prefetch:
             self.storage.prefetch(keys)
 
-    def bring_up(self, keys: list[str], parent: str | None = None) -> Future | None:
+    def bring_up(self, keys: list[str], parent: str | None = None) -> BroughtUp | None:
         """Where a prefetch holds some of ``keys``, start reading them into the hot cache now,
-        ahead of queued background work, without waiting: the job's future (None: none is
-        held, or the job was not queued)."""
+        ahead of queued background work, without waiting: done() once they are there, held
+        there until release() (None: none is held, or the job was not queued)."""
         return self.storage.bring_up(keys, parent)
 
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None:

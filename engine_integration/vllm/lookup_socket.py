@@ -8,7 +8,8 @@ the same code:
 
 - ``LookupServer`` (a worker process) answers with its LMKVCache: lookups, pins of the
   chunks a load will take (from the cache's PinTable), pins given back, prefetches, chunks
-  read up for a waiting request (bring_up, then whether they arrived), uses of chunks the
+  read up for a waiting request (bring_up, then whether they arrived, then let go of once
+  it was looked up), uses of chunks the
   engine served itself (touch), lookup metrics, draining writes. Chunks are named by
   rank-free ids; it scopes them to its keys.
 - ``LookupClient`` (the scheduler process) is the ``ChunkIndex`` the scheduler role uses:
@@ -210,22 +211,27 @@ class LookupServer:
             if arrival is None:
                 return {"ticket": None}
             now = time.monotonic()
+            dropped = []
             with self._lock:
                 ticket = next(self._tickets)
                 self._arrivals[ticket] = (now, arrival)
                 while (len(self._arrivals) > MAX_ARRIVALS
                        or next(iter(self._arrivals.values()))[0] < now - ARRIVAL_TTL):
-                    self._arrivals.popitem(last=False)
+                    dropped.append(self._arrivals.popitem(last=False)[1][1])
+            for old in dropped:
+                old.release()
             return {"ticket": ticket}
         if op == "arrived":  # which of these tickets' reads are done (or no longer tracked)
-            done = []
             with self._lock:
-                for ticket in map(int, msg["tickets"]):
-                    _, arrival = self._arrivals.get(ticket, (0.0, None))
-                    if arrival is None or arrival.done():
-                        self._arrivals.pop(ticket, None)
-                        done.append(ticket)
-            return {"done": done}
+                found = {t: self._arrivals.get(t, (0.0, None))[1] for t in map(int, msg["tickets"])}
+            return {"done": [t for t, arrival in found.items() if arrival is None or arrival.done()]}
+        if op == "let_go":  # the requests were looked up (or left): their chunks' holds go
+            with self._lock:
+                gone = [self._arrivals.pop(t, (0.0, None))[1] for t in map(int, msg["tickets"])]
+            for arrival in gone:
+                if arrival is not None:
+                    arrival.release()
+            return {}
         if op == "record_lookup":
             e.record_lookup(int(msg["prompt_tokens"]), int(msg["hit_tokens"]),
                             int(msg.get("engine_tokens", 0)))
@@ -304,6 +310,7 @@ class LookupClient:
             ticket = r.call("bring_up", keys=keys, parent=parent)["ticket"]
             if ticket is not None:
                 arrival.tickets.add((r, int(ticket)))
+                arrival.started.append((r, int(ticket)))
         if not arrival.tickets:
             return None
         self._waiting |= arrival.tickets
@@ -345,16 +352,26 @@ class LookupClient:
 
 class RemoteArrival:
     """Chunks read up for a waiting request in the workers' processes: done when every rank
-    that started a read says it is (LookupClient._poll), or when asking fails."""
+    that started a read says it is (LookupClient._poll), or when asking fails; released
+    with one call per rank (best effort: a worker lets go by itself after ARRIVAL_HOLD)."""
 
     def __init__(self, client: LookupClient):
         self.client = client
-        self.tickets: set[tuple[RankConnection, int]] = set()
+        self.tickets: set[tuple[RankConnection, int]] = set()  # not known to be done
+        self.started: list[tuple[RankConnection, int]] = []
 
     def done(self) -> bool:
         self.client._poll()
         self.tickets &= self.client._waiting
         return not self.tickets
+
+    def release(self) -> None:
+        self.client._waiting.difference_update(self.started)
+        for r in self.client.ranks:
+            tickets = [t for rank, t in self.started if rank is r]
+            if tickets:
+                r.best_effort("let_go", tickets=tickets)
+        self.started, self.tickets = [], set()
 
 
 class NotSent(ConnectionError):

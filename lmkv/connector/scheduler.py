@@ -30,9 +30,11 @@ ARRIVING_WAIT = 10.0
 
 
 class Arrival(Protocol):
-    """Chunks being read up to the hot cache for a waiting request (bring_up)."""
+    """Chunks being read up to the hot cache for a waiting request (bring_up), held there
+    until released."""
 
     def done(self) -> bool: ...
+    def release(self) -> None: ...
 
 
 class ChunkIndex(Protocol):
@@ -81,8 +83,9 @@ class _RequestState:
     touched: bool = False  # its engine prefix hit was counted as a use (once per request)
     salted: bool = False  # the engine files its blocks under prefix_cache_salt's blend namespace
     # its chunks being read up from a lower tier, ahead of queued work, before it is looked
-    # up (loads_arriving; None: nothing to bring up); done: they are up, or failed. Since
-    # when (time.monotonic(); None: not asked yet)
+    # up (loads_arriving; None: nothing to bring up, or let go at its lookup); done: they are
+    # up (and held there until let go), or failed. Since when (time.monotonic(); None: not
+    # asked yet)
     bringing: Arrival | None = None
     bringing_since: float | None = None
 
@@ -148,10 +151,10 @@ class SchedulerConnector:
         if not self.loads or st.no_loads:  # it will load nothing
             return False
         if st.bringing_since is None:
+            st.bringing_since = time.monotonic()  # (asked once, even if this raises)
             first = num_computed_tokens // self.cache.chunk_size
             keys = st.keys[first:]
             st.bringing = self.cache.bring_up(keys, st.keys[first - 1] if first else None) if keys else None
-            st.bringing_since = time.monotonic()
         return (st.bringing is not None and time.monotonic() - st.bringing_since < ARRIVING_WAIT
                 and not st.bringing.done())
 
@@ -197,6 +200,7 @@ class SchedulerConnector:
         self._note_lossy([k for k, flag in zip(st.keys[first:], lossy, strict=False) if flag])
         # at once: whatever follows, these pins are given back or loaded
         st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
+        self._let_go(st)  # pinned (or missed) now: what was held for the lookup goes
         found = first + len(lossy) if lossy else below
         st.gap = range(below, first) if lossy else range(0)
         if (st.tail is not None and first + len(lossy) == full
@@ -405,6 +409,7 @@ class SchedulerConnector:
         if st is not None:
             self._unpin(st)
             self._drop_plan(st)
+            self._let_go(st)
         if self.cache.config.kv_role == "producer":
             # the consumer may ask as soon as this request is reported done
             self.cache.drain()
@@ -421,6 +426,13 @@ class SchedulerConnector:
         if old is not None:
             st.salted, st.blended = old.salted, old.blended
         self.states[request.request_id] = st
+
+    @staticmethod
+    def _let_go(st: _RequestState) -> None:
+        """Release the chunks held in the hot cache since they were read up for the request."""
+        if st.bringing is not None:
+            st.bringing.release()
+            st.bringing = None
 
     def _state(self, request: Any) -> _RequestState:
         st = self.states.get(request.request_id)

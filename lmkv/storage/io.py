@@ -1,9 +1,12 @@
 """The one background I/O worker of a process: lower-tier reads and writes run here.
 
-Two queues: urgent work (a load the scheduler is waiting for) runs before background work
-(saves, prefetches), and between the batches of a long prefetch. Background work is
-bounded: when the queue is full it is dropped (a lost save or prefetch costs a recompute
-later, never a stall of the engine).
+Three queues: urgent work (a load the scheduler is waiting for) runs first, then soon work
+(chunks read up for a request the engine keeps waiting for them), then background work
+(saves, prefetches). Urgent work also runs between the batches of a long soon or
+background job, and soon work between those of a background job (one level deep each:
+soon jobs never run inside each other, so they run in the order they came). Background
+work is bounded: when the queue is full it is dropped (a lost save or prefetch costs a
+recompute later, never a stall of the engine).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ log = logging.getLogger(__name__)
 class IOWorker:
     def __init__(self, max_background: int, name: str = "lmkv-io"):
         self._urgent: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
+        self._soon: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._background: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue(max_background)
         self._wake = threading.Semaphore(0)
         self._lock = threading.Lock()  # submit vs close: nothing is queued after the stop
@@ -31,15 +35,17 @@ class IOWorker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], Any], urgent: bool = False) -> Future | None:
-        """Queue ``fn``; returns its future, or None if background work was dropped.
-        RuntimeError once the worker is closed."""
+    def submit(self, fn: Callable[[], Any], urgent: bool = False, soon: bool = False) -> Future | None:
+        """Queue ``fn`` (urgent, soon, or else background); returns its future, or None if
+        background work was dropped. RuntimeError once the worker is closed."""
         fut: Future = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("I/O worker is closed")
             if urgent:
                 self._urgent.put((fn, fut))
+            elif soon:
+                self._soon.put((fn, fut))
             else:
                 try:
                     self._background.put_nowait((fn, fut))
@@ -49,7 +55,7 @@ class IOWorker:
         return fut
 
     def pending(self) -> int:
-        return self._urgent.qsize() + self._background.qsize()
+        return self._urgent.qsize() + self._soon.qsize() + self._background.qsize()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far has run (at once once closed: close runs it);
@@ -99,29 +105,26 @@ class IOWorker:
             return False
         return True
 
-    def run_urgent(self) -> None:
-        """Inside a long background job (on the worker's thread): run the urgent jobs queued
-        now, so a load the engine waits for goes ahead of the rest of a prefetch."""
+    def run_urgent(self, soon: bool = False) -> None:
+        """Inside a long job (on the worker's thread): run the urgent jobs queued now, and
+        with ``soon`` (from a background job) the soon ones too, so that a load the engine
+        waits for goes ahead of the rest of a prefetch."""
         if threading.current_thread() is not self._thread:
             return
-        while True:
-            try:
-                item = self._urgent.get_nowait()
-            except queue.Empty:
-                return
+        queues = (self._urgent, self._soon) if soon else (self._urgent,)
+        while (item := _take(queues)) is not _EMPTY:
             self._wake.acquire(blocking=False)  # its wake-up (if already given; _run copes)
             self._execute(item, urgent=True)
 
     def _run(self) -> None:
         while True:
             self._wake.acquire()
-            try:
-                item, urgent = self._urgent.get_nowait(), True
-            except queue.Empty:
-                try:
-                    item, urgent = self._background.get_nowait(), False
-                except queue.Empty:
-                    continue  # the wake-up of an urgent job that run_urgent ran
+            urgent = True
+            item = _take((self._urgent, self._soon))
+            if item is _EMPTY:
+                item, urgent = _take((self._background,)), False
+                if item is _EMPTY:
+                    continue  # the wake-up of a job that run_urgent ran
             if item is None:
                 return
             self._execute(item, urgent)
@@ -137,3 +140,16 @@ class IOWorker:
             fut.set_exception(e)
             if not urgent:  # nobody waits for a background job's future
                 log.error("lmkv: a background I/O job failed: %r", e, exc_info=e)
+
+
+_EMPTY = object()
+
+
+def _take(queues):
+    """The first item of the first non-empty queue, or _EMPTY."""
+    for q in queues:
+        try:
+            return q.get_nowait()
+        except queue.Empty:
+            pass
+    return _EMPTY

@@ -15,7 +15,7 @@ import math
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 
@@ -25,7 +25,6 @@ from ..metrics import LMKVMetrics
 from ..policy import DEFAULT_POLICY
 from .hot_cache import HotCache
 from .io import IOWorker
-from .pins import PinTable
 from .tier import Tier
 
 log = logging.getLogger(__name__)
@@ -40,12 +39,30 @@ CLOSE_TIMEOUT = 30.0  # seconds close waits for queued writes and the I/O worker
 # scheduling thread); at most MISSES_KEPT
 MISS_TTL = 10.0
 MISSES_KEPT = 1 << 16
-# chunks read up for a waiting request (bring_up) are held in the hot cache until a fetch
-# asks for them (its lookup at admission) or this many seconds have passed, and never more
-# than half the hot cache at once: a cache smaller than the chunks of the requests waiting
-# for them would otherwise evict them again before they are loaded
+# chunks read up for a waiting request (bring_up) are held in the hot cache until the
+# request lets them go (it was looked up, or left) or this many seconds after they arrived,
+# and never more than half the hot cache's slots at once: a cache smaller than the chunks of
+# the requests waiting for them would otherwise evict them before they are loaded
 ARRIVAL_HOLD = 10.0
 DECODE_THREADS = min(4, len(os.sched_getaffinity(0)))  # frames of a batch decoded at once
+
+
+class BroughtUp:
+    """Chunks being read up to the hot cache for a request the engine keeps waiting for
+    them (StorageManager.bring_up): ``done()`` once they are there; held there until
+    ``release()`` (the request was looked up, or left) or ARRIVAL_HOLD seconds after."""
+
+    def __init__(self, manager: StorageManager):
+        self.manager = manager
+        self.future: Future | None = None
+        self.bufs: list[ChunkBuffer] = []
+        self.released = False
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def release(self) -> None:
+        self.manager._let_go(self)
 
 
 class StorageManager:
@@ -67,7 +84,10 @@ class StorageManager:
             tier.decoders = self.decoders
             tier.backend.register_memory(region)
         self._inflight: set[str] = set()  # keys a background prefetch is bringing up
-        self._arrived = PinTable(ARRIVAL_HOLD, "read up for waiting requests that never asked for them")
+        # chunks held for waiting requests -> when they arrived, and the slots (indexes)
+        # they hold with how many holds each: see ARRIVAL_HOLD
+        self._held: dict[BroughtUp, float] = {}
+        self._held_slots: Counter[int] = Counter()
         # chunks a background read found in no tier -> when (time.monotonic()): see MISS_TTL
         self._missed: OrderedDict[str, float] = OrderedDict()
         # hot chunks whose write below was dropped or failed -> the tiers that lack them:
@@ -80,7 +100,7 @@ class StorageManager:
 
     # ---- writes -------------------------------------------------------------------
     def allocate(self) -> ChunkBuffer | None:
-        self._arrived.sweep()  # stale holds keep slots that saves need
+        self._sweep_held()  # stale holds keep slots that saves need
         buf = self.hot.allocate()
         self.metrics.hot_chunks.set(len(self.hot))  # (it may have evicted)
         if buf is None:
@@ -197,6 +217,9 @@ class StorageManager:
             buf.release()
             if failed or key in self._unwritten:
                 self._note_unwritten(key, failed, [t for t in tiers if t not in failed])
+            if self._missed and len(failed) < len(tiers):  # (a prefetch on this thread may
+                with self._lock:  # have noted it after put cleared it)
+                    self._missed.pop(key, None)
 
     # ---- reads --------------------------------------------------------------------
     def lookup(self, keys: list[str]) -> int:
@@ -229,8 +252,7 @@ class StorageManager:
         stuck in a tier call) ends the prefix, and until it finishes later loads take hot
         chunks only. A chunk a background read missed lately (MISS_TTL) ends the prefix
         without asking the tiers again. A key repeated in ``keys`` (content keys of repeated
-        text) gets one more reference to the same chunk. The hold bring_up kept on each of
-        ``keys`` is given back."""
+        text) gets one more reference to the same chunk."""
         unique = list(dict.fromkeys(keys))
         if len(unique) < len(keys):
             got = dict(zip(unique, self.fetch(unique, parent), strict=False))
@@ -264,7 +286,6 @@ class StorageManager:
                 raise
             finally:
                 self.metrics.load_wait_seconds.observe(time.monotonic() - start)
-        self._arrived.give_back(keys)  # the caller holds what it got: bring_up's holds go
         return out
 
     def _missed_lately(self, key: str) -> bool:
@@ -311,15 +332,16 @@ class StorageManager:
         return []
 
     def _load_run(self, keys: list[str], prefetch: bool = False, parent: str | None = None,
-                  deadline: float = math.inf, keep: int = 0) -> list[ChunkBuffer]:
+                  deadline: float = math.inf, keep: int = 0, soon: bool = False) -> list[ChunkBuffer]:
         """On the I/O thread: the leading ``keys`` that some tier has, each retained (in the
         hot cache as the chunks after ``parent`` in their prompt). Each tier is asked for a
         batch of chunks at once (one pipelined round trip); no batch starts after
         ``deadline`` (a slow tier: the chunks loaded so far are the prefix). A prefetch
         keeps only its first ``keep`` chunks and the last one loaded (the next batch's
         parent; the others are in the hot cache), so that the loads it lets run between its
-        batches can take their slots. A prefetch notes the chunk it missed where no tier
-        holds it (MISS_TTL)."""
+        batches can take their slots (and, for a background one, not ``soon``, the jobs
+        bringing chunks up for waiting requests). A prefetch notes the chunk it missed where
+        no tier holds it (MISS_TTL)."""
         out: list[ChunkBuffer] = []
         done = 0  # chunks loaded (a prefetch has released all but the last)
         parents = dict(zip(keys, [parent, *keys[:-1]], strict=True))
@@ -334,7 +356,7 @@ class StorageManager:
                 if start and time.monotonic() > deadline:
                     break
                 if start and prefetch:  # a load the engine waits for goes first
-                    self.io.run_urgent()
+                    self.io.run_urgent(soon=not soon)
                 batch = keys[start : start + LOAD_BATCH]
                 absent: set[str] = set()
                 loaded = self._load_batch(batch, prefetch, parents, absent)
@@ -401,36 +423,87 @@ class StorageManager:
                     self._inflight.difference_update(run)
                 self.metrics.dropped.labels("prefetch").inc()
 
-    def bring_up(self, keys: list[str], parent: str | None = None) -> Future | None:
+    def bring_up(self, keys: list[str], parent: str | None = None) -> BroughtUp | None:
         """Where a background prefetch (queued or running) holds one of ``keys`` (a fetch of
         them would wait for it), read the leading stored chunks of ``keys`` into the hot
-        cache in an urgent job (ahead of queued saves and prefetches, as a fetch is), not
-        waited for: its future. The chunks stay held until a fetch asks for them (see
-        ARRIVAL_HOLD). None where none is held, while the I/O worker is stuck in a tier
-        call (a fetch then takes hot chunks only, at once), or with lmkv closing.
+        cache in a job ahead of queued saves and prefetches (behind loads the engine waits
+        for), not waited for. The chunks stay held there until the returned arrival is
+        released (see ARRIVAL_HOLD). None where none is held, while the I/O worker is stuck
+        in a tier call (a fetch then takes hot chunks only, at once), or with lmkv closing.
         ``parent`` as for fetch."""
+        self._sweep_held()
         if self.io_stuck():
             return None
         with self._lock:
             if self._inflight.isdisjoint(keys):
                 return None
         deadline = time.monotonic() + FETCH_TIMEOUT / 2  # as a fetch's: no batch after it
+        arrival = BroughtUp(self)
 
         def run() -> None:
-            room = max(0, self.hot.pool.num_slots // 2 - len(self._arrived))
+            with self._lock:  # (bring_up jobs never run inside each other: room stays)
+                room = max(0, self.hot.pool.num_slots // 2 - len(self._held_slots))
+                room += sum(1 for k in keys if (b := self.hot.entries.get(k)) is not None
+                            and b.index in self._held_slots)  # held already: no more room
             try:
                 bufs = self._load_run(keys, prefetch=True, parent=parent, deadline=deadline,
-                                      keep=room)
+                                      keep=room, soon=True)
             except Exception:  # nobody waits for this job's future: said here
                 log.exception("lmkv: reading chunks up for a waiting request failed")
                 return
+            self._hold(arrival, bufs[:room])
             for buf in bufs[room:]:  # (the last one read, past those kept)
                 buf.release()
-            self._arrived.add(keys[: min(room, len(bufs))], bufs[:room])
         try:
-            return self.io.submit(run, urgent=True)
+            arrival.future = self.io.submit(run, soon=True)
         except RuntimeError:  # the worker is closed
             return None
+        return arrival
+
+    def _hold(self, arrival: BroughtUp, bufs: list[ChunkBuffer]) -> None:
+        """Hold the leading ``bufs`` that fit in half the hot cache for ``arrival`` (its
+        reference each); release the others."""
+        cap = self.hot.pool.num_slots // 2
+        with self._lock:
+            n = 0
+            if not arrival.released:  # (let go before they arrived: looked up, or gone)
+                for buf in bufs:
+                    if buf.index not in self._held_slots and len(self._held_slots) >= cap:
+                        break
+                    self._held_slots[buf.index] += 1
+                    n += 1
+                arrival.bufs = bufs[:n]
+                self._held[arrival] = time.monotonic()
+        for buf in bufs[n:]:
+            buf.release()
+
+    def _let_go(self, arrival: BroughtUp) -> None:
+        with self._lock:
+            arrival.released = True
+            if self._held.pop(arrival, None) is None:
+                return
+            bufs, arrival.bufs = arrival.bufs, []
+            for buf in bufs:
+                if self._held_slots[buf.index] > 1:
+                    self._held_slots[buf.index] -= 1
+                else:
+                    del self._held_slots[buf.index]
+        for buf in bufs:
+            buf.release()
+
+    def _sweep_held(self) -> None:
+        """Let go of the chunks held over ARRIVAL_HOLD seconds (their request never asked)."""
+        if not self._held:
+            return
+        now = time.monotonic()
+        with self._lock:
+            stale = [a for a, when in self._held.items() if now - when > ARRIVAL_HOLD]
+        for arrival in stale:
+            self._let_go(arrival)
+        if stale:
+            self._quiet.log(log, logging.WARNING, "held", "lmkv: let go of the chunks read up "
+                            "for %d waiting requests that did not ask for them within %.0f s",
+                            len(stale), ARRIVAL_HOLD)
 
     def _prefetch_run(self, keys: list[str], parent: str | None, prefix: list[ChunkBuffer]) -> None:
         try:
@@ -549,7 +622,8 @@ class StorageManager:
             return
         self._closed = True
         stopped = self.io.close(timeout)  # runs what is queued first (it logs a stuck job)
-        self._arrived.clear()
+        for arrival in list(self._held):
+            arrival.release()
         self.decoders.shutdown(wait=stopped)
         self.hot.clear()
         self.metrics.hot_chunks.set(0)

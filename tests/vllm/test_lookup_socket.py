@@ -230,15 +230,25 @@ def test_two_tensor_parallel_ranks_agree_on_hits_and_pins(tmp_path):
 def test_tensor_parallel_ranks_each_say_when_their_chunks_arrived(tmp_path, monkeypatch):
     """A waiting request's chunks have arrived when every rank that started reading them up
     says so; a rank with nothing to bring up counts as arrived, and so does a rank whose
-    worker stops answering (the request is then looked up, as without)."""
-    from concurrent.futures import Future
+    worker stops answering (the request is then looked up, as without). Released, each rank
+    lets go of what it holds for it."""
+
+    class Read:
+        def __init__(self):
+            self.up, self.released = False, 0
+
+        def done(self):
+            return self.up
+
+        def release(self):
+            self.released += 1
 
     cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
     engines = [LMKVCache(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK, rank=r), "model")
                for r in range(2)]
     servers = [LookupServer(e, tmp_path / f"tp{r}.sock") for r, e in enumerate(engines)]
     remote = LookupClient(cfg, [s.path for s in servers], connect_timeout=5)
-    reads: list[Future | None] = [Future(), None]
+    reads: list[Read | None] = [Read(), None]
     for r, e in enumerate(engines):
         monkeypatch.setattr(e, "bring_up", lambda keys, parent=None, r=r: reads[r])
     ids = remote.keys(list(range(700, 700 + 2 * CHUNK)))
@@ -251,19 +261,25 @@ def test_tensor_parallel_ranks_each_say_when_their_chunks_arrived(tmp_path, monk
         arrival = remote.bring_up(ids)  # rank 0 reads; rank 1 has nothing to bring up
         assert arrival is not None and len(arrival.tickets) == 1
         assert not settled(arrival)
-        reads[0].set_result(None)
+        reads[0].up = True
         assert settled(arrival)
-        reads[:] = [Future(), Future()]
+        first = reads[0]
+        arrival.release()
+        assert first.released == 1
+        reads[:] = [Read(), Read()]
         arrival = remote.bring_up(ids)
         assert len(arrival.tickets) == 2 and not settled(arrival)
+        arrival.release()  # looked up before they arrived: both ranks let go
+        assert [r.released for r in reads] == [1, 1] and not servers[0]._arrivals
+        reads[:] = [Read(), Read()]
+        arrival = remote.bring_up(ids)
         servers[1].close()  # rank 1's worker goes away: taken as arrived there
         assert not settled(arrival) and len(arrival.tickets) == 1
-        reads[0].set_result(None)
+        reads[0].up = True
         assert settled(arrival)
+        arrival.release()  # (rank 1 cannot be told: its worker lets go by itself)
+        assert reads[0].released == 1
     finally:
-        for f in reads:
-            if f is not None and not f.done():
-                f.set_result(None)
         remote.close()
         for s, e in zip(servers, engines, strict=True):
             s.close()

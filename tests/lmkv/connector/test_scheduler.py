@@ -521,9 +521,13 @@ def test_a_request_that_will_load_nothing_is_never_held_back_for_arriving_chunks
 
         class Arrival:
             up = False
+            released = 0
 
             def done(self):
                 return self.up
+
+            def release(self):
+                self.released += 1
 
         arrival = Arrival()
         engine.bring_up = (lambda keys, parent=None, sent=brought, got=arrival:
@@ -541,6 +545,11 @@ def test_a_request_that_will_load_nothing_is_never_held_back_for_arriving_chunks
             assert sched.loads_arriving(req, CHUNK) and len(brought) == 1  # once
             arrival.up = True
             assert not sched.loads_arriving(req, CHUNK) and len(brought) == 1  # done
+            assert arrival.released == 0  # held until its lookup
+            sched.get_num_new_matched_tokens(req, CHUNK)
+            assert arrival.released == 1  # looked up (pinned): let go
+            sched.request_finished(req)
+            assert arrival.released == 1
             again = Request("again", prompt)
             sched.on_new_request(again)
             sched.recompute_without_loads(again)
@@ -550,6 +559,8 @@ def test_a_request_that_will_load_nothing_is_never_held_back_for_arriving_chunks
             assert sched.loads_arriving(late, 0) and len(brought) == 2
             clock[0] += scheduler_module.ARRIVING_WAIT  # waited long enough: looked up now
             assert not sched.loads_arriving(late, 0) and len(brought) == 2
+            sched.request_finished(late)  # (left without a lookup)
+            assert arrival.released == 2
             engine.bring_up = lambda keys, parent=None, sent=brought: sent.append(keys)  # None
             held = Request("held by nothing", prompt)
             assert not sched.loads_arriving(held, 0) and len(brought) == 3

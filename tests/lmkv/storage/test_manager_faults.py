@@ -16,6 +16,7 @@ from lmkv.backends.base import BackendError, StorageBackend
 from lmkv.layout import KVLayout
 from lmkv.memory import HEADER_BYTES, MemoryPool
 from lmkv.metrics import LMKVMetrics
+from lmkv.storage import manager as manager_module
 from lmkv.storage.manager import StorageManager
 from lmkv.storage.tier import Tier
 
@@ -475,13 +476,14 @@ def test_chunks_brought_up_for_a_waiting_request_go_ahead_of_queued_work():
         m.io.submit(lambda: order.append("queued save"))
         m.prefetch(["a", "b", "c"])  # queued behind the save
         assert m.bring_up(["x"]) is None  # no prefetch holds it: nothing to bring up
-        fut = m.bring_up(["a", "b", "c"])
-        assert fut is not None
-        fut.add_done_callback(lambda f: order.append("brought up"))
-        assert not fut.done()
+        arrival = m.bring_up(["a", "b", "c"])
+        assert arrival is not None
+        arrival.future.add_done_callback(lambda f: order.append("brought up"))
+        assert not arrival.done()
     finally:
         gate.set()
-    fut.result(5)
+    arrival.future.result(5)
+    arrival.release()
     m.io.drain(5)
     assert order == ["brought up", "queued save"]
     assert m.bring_up(["a", "b", "c"]) is None  # the prefetch ran, finding them hot
@@ -492,72 +494,138 @@ def test_chunks_brought_up_for_a_waiting_request_go_ahead_of_queued_work():
     m.close()
 
 
-def brought_up(m, keys):
-    """Chunks of ``keys`` read up by bring_up while a prefetch of them is queued."""
+def brought_up(m, *runs):
+    """bring_up of each run of keys while a prefetch of it is queued, all queued at once;
+    their arrivals once done."""
     gate = threading.Event()
     m.io.submit(gate.wait)
     try:
-        m.prefetch(keys)
-        fut = m.bring_up(keys)
-        assert fut is not None
+        for keys in runs:
+            m.prefetch(keys)
+        arrivals = [m.bring_up(keys) for keys in runs]
+        assert None not in arrivals
     finally:
         gate.set()
-    fut.result(5)
+    for arrival in arrivals:
+        arrival.future.result(5)
     m.io.drain(5)
+    return arrivals
 
 
 def churn(m, n, prefix="new"):
     """``n`` other chunks saved: as many evictions as the hot cache needs for them."""
     for i in range(n):
+        m.io.drain(5)  # (each queued write holds a slot)
         buf = m.allocate()
-        if buf is not None:
-            m.put(f"{prefix}{i}", buf)
-            buf.release()
+        assert buf is not None
+        m.put(f"{prefix}{i}", buf)
+        buf.release()
 
 
-def test_chunks_brought_up_for_a_waiting_request_stay_hot_until_its_lookup():
+def test_chunks_brought_up_for_a_waiting_request_stay_hot_until_it_lets_them_go():
     """A hot cache smaller than the chunks of the requests waiting for them: what bring_up
-    read up is held until a fetch asks for it (the request's lookup), not evicted by other
-    requests' saves meanwhile and read from the tier again; half the hot cache at most."""
+    read up is held until the request lets go (after its lookup), not evicted by other
+    requests' saves meanwhile and read from the tier again."""
     pool, (tier,), m = manager(slots=8, policy="lru")
     seed(pool, tier, ["a", "b", "c"])
-    brought_up(m, ["a", "b", "c"])
+    (arrival,) = brought_up(m, ["a", "b", "c"])
     churn(m, 20)
-    gets = tier.metrics.registry.get_sample_value
-    reads = gets("lmkv_tier_seconds_count", {"tier": "t0", "op": "get"})
-    bufs = m.fetch(["a", "b", "c"])
+    reads = metric(m, "lmkv_tier_seconds_count", tier="t0", op="get")
+    bufs = m.fetch(["a", "b", "c"])  # the request's lookup
     assert len(bufs) == 3
-    assert gets("lmkv_tier_seconds_count", {"tier": "t0", "op": "get"}) == reads  # all hot
+    assert metric(m, "lmkv_tier_seconds_count", tier="t0", op="get") == reads  # all hot
+    arrival.release()
+    arrival.release()  # (once only)
     for buf in bufs:
         buf.release()
-    churn(m, 20, "later")  # the lookup took them: evictable again, like any chunk
+    churn(m, 20, "later")  # evictable again, like any chunk
     assert not any(m.hot.contains(k) for k in ("a", "b", "c"))
     pool.check_integrity()
     m.close()
 
-    pool, (tier,), m = manager(slots=8, policy="lru")
-    seed(pool, tier, [f"k{i}" for i in range(6)])
-    brought_up(m, [f"k{i}" for i in range(6)])
-    assert len(m._arrived) == 4  # half of 8 slots
-    churn(m, 20, "more")
-    assert sum(m.hot.contains(f"k{i}") for i in range(6)) == 4
+
+def test_chunks_held_for_waiting_requests_take_half_the_hot_cache_at_most():
+    """Every request's holds together: half the slots (a chunk two requests hold counts
+    once), the rest evictable; saves always find a slot. The reads run in the order the
+    requests came, one after the other (never one inside another's batches)."""
+    pool, (tier,), m = manager(slots=16, policy="lru")
+    a, b = [f"a{i}" for i in range(12)], [f"b{i}" for i in range(8)]
+    shared = [f"p{i}" for i in range(4)]  # one prefix, two requests (below)
+    seed(pool, tier, a + b + shared + ["x", "y"])
+    first, second = brought_up(m, a, b)
+    assert len(first.bufs) == 8 and second.bufs == []  # the first came first
+    churn(m, 40)
+    assert m.allocate() is not None
+    assert sum(m.hot.contains(k) for k in a) == 8
+    first.release()
+
+    one, two = brought_up(m, [*shared, "x"], [*shared, "y"])
+    assert len(one.bufs) == 5 and len(two.bufs) == 5  # 6 slots held, not 10
+    assert len(m._held_slots) == 6
+    one.release()
+    two.release()
+    assert not m._held_slots
     pool.check_integrity()
     m.close()
 
 
-def test_chunks_brought_up_but_never_asked_for_are_let_go(monkeypatch, caplog):
-    """A request that left (aborted while it waited) never asks for its chunks: their hold
-    ends after ARRIVAL_HOLD, logged, and saves may evict them then."""
+def test_many_requests_waiting_on_one_prefix_are_brought_up_without_recursion():
+    """Hundreds of waiting requests that share a prefix, their bring_ups queued in one
+    scheduler step: each runs on its own (before, each ran inside the one before between
+    its batches, until Python's recursion limit), and every slot is accounted for."""
+    pool, (tier,), m = manager(slots=64, policy="lru")
+    prefix = [f"p{i}" for i in range(16)]
+    seed(pool, tier, prefix)
+    gate = threading.Event()
+    m.io.submit(gate.wait)
+    try:
+        m.prefetch(prefix)
+        arrivals = [m.bring_up([*prefix, f"r{r}"]) for r in range(300)]
+    finally:
+        gate.set()
+    for arrival in arrivals:
+        assert arrival.future.exception(10) is None
+    assert len(m._held_slots) == 16
+    for arrival in arrivals:
+        arrival.release()
+    pool.check_integrity()
+    assert pool.num_free + len(m.hot) == pool.num_slots  # none held by anything else
+    m.close()
+
+
+def test_chunks_brought_up_but_never_let_go_are_let_go_after_a_while(monkeypatch, caplog):
+    """A request that never released its chunks (its scheduler went away): held for
+    ARRIVAL_HOLD at most, logged; saves may evict them then."""
     pool, (tier,), m = manager(slots=8, policy="lru")
     seed(pool, tier, ["a", "b"])
-    brought_up(m, ["a", "b"])
-    m._arrived.ttl = 0.05
+    (arrival,) = brought_up(m, ["a", "b"])
+    monkeypatch.setattr(manager_module, "ARRIVAL_HOLD", 0.05)
     time.sleep(0.1)
     with caplog.at_level("WARNING"):
         churn(m, 20)
-    assert len(m._arrived) == 0
+    assert not m._held and not m._held_slots and arrival.bufs == []
     assert not m.hot.contains("a") and not m.hot.contains("b")
-    assert "released 2 chunks read up for waiting requests that never asked for them" in caplog.text
+    assert "did not ask for them within" in caplog.text
+    arrival.release()  # (late: nothing left to let go)
+    pool.check_integrity()
+    m.close()
+
+
+def test_chunks_let_go_before_they_arrive_are_not_held():
+    """A request looked up (or gone) while its chunks were still on their way: the read
+    still puts them in the hot cache, but holds none of them."""
+    pool, (tier,), m = manager(slots=8, policy="lru")
+    seed(pool, tier, ["a", "b"])
+    gate = threading.Event()
+    m.io.submit(gate.wait)
+    try:
+        m.prefetch(["a", "b"])
+        arrival = m.bring_up(["a", "b"])
+        arrival.release()
+    finally:
+        gate.set()
+    arrival.future.result(5)
+    assert m.hot.contains("a") and not m._held and not m._held_slots
     pool.check_integrity()
     m.close()
 
@@ -583,11 +651,11 @@ def test_nothing_is_brought_up_while_the_io_worker_is_stuck(monkeypatch):
         monkeypatch.setattr(m, "io_stuck", lambda: True)
         assert m.bring_up(["a"]) is None
         monkeypatch.setattr(m, "io_stuck", lambda: False)
-        fut = m.bring_up(["a"])
-        assert fut is not None
+        arrival = m.bring_up(["a"])
+        assert arrival is not None
     finally:
         gate.set()
-    fut.result(5)
+    arrival.future.result(5)
     m.close()
 
 
@@ -910,6 +978,27 @@ def test_a_chunk_a_prefetch_missed_is_not_asked_for_again_at_admission(monkeypat
     assert m.put("c", buf, "b")  # computed and stored here: not a miss any more
     buf.release()
     assert not m._missed_lately("c")
+    pool.check_integrity()
+    m.close()
+
+
+def test_a_chunk_written_below_after_a_prefetch_missed_it_is_found_again():
+    """A prefetch queued before a chunk's write finds no tier holding it yet and notes it
+    missed after put cleared the note; the write that follows clears it again, so a
+    lookup finds the chunk below (here the hot cache refused it: its parent is gone)."""
+    pool, (tier,), m = manager(slots=8)
+    gate = threading.Event()
+    m.io.submit(gate.wait)
+    try:
+        m.prefetch(["k"])  # runs before the write queued next
+        buf = pool.allocate()
+        assert m.put("k", buf, "gone")  # refused by the hot cache, queued below
+        buf.release()
+    finally:
+        gate.set()
+    m.io.drain(5)
+    assert not m.hot.contains("k") and tier.contains(["k"]) == [True]
+    assert m.lookup(["k"]) == 1
     pool.check_integrity()
     m.close()
 
