@@ -19,6 +19,8 @@ Each line ends with the ratio hkvd error / all-layer error.
 header and instruction, ending in the separator) instead of alone, and stores the
 document's rows only (keys before RoPE, ``blend_store_pre_rope``): a shared prefix such as
 TurboRAG's and APE's, so that a document's first tokens are not its own attention sink.
+``--pre-rope`` stores keys before RoPE with documents computed alone (the same storage as
+``--after-header``, to compare the two).
 """
 
 from __future__ import annotations
@@ -106,10 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=3000)
     p.add_argument("--after-header", action="store_true",
                    help="compute each document after the prompt's header, not alone")
+    p.add_argument("--pre-rope", action="store_true", help="store keys before RoPE")
     args = p.parse_args(argv)
     model = args.model or str(resolve_model(None))
     opts = argparse.Namespace(rag=True, chunk_size=256, hot_cache_gb=2.0, separator="\n\n")
-    if args.after_header:
+    if args.after_header or args.pre_rope:
         cfg = load_config(env={}, chunk_size=opts.chunk_size, max_local_cpu_size=opts.hot_cache_gb,
                           enable_blending=True, blend_recompute_ratio=0.0,
                           blend_special_str=opts.separator, blend_store_pre_rope=True)
@@ -154,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     llm.close()
     mean = statistics.mean
     how = "computed after the prompt's header" if args.after_header else "computed alone"
+    how += ", keys stored before RoPE" if args.after_header or args.pre_rope else ""
     print(f"{len(examples)} held-out RAG prompts, {min(lengths)}-{max(lengths)} tokens, documents "
           f"{how}; question-KV error = |blended - full| / |full| over every layer; KL of the "
           f"first answer token")

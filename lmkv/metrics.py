@@ -76,6 +76,8 @@ class LMKVMetrics:
                                        "Times the quality gate turned lossy tiers lossless",
                                        registry=r)
         self.hot_chunks = Gauge("lmkv_hot_cache_chunks", "Chunks in the hot cache", registry=r)
+        self.held_chunks = Gauge("lmkv_held_chunks", "Hot chunks held for requests waiting for "
+                                 "them to arrive (bring_up), until their lookup", registry=r)
 
     def record_blend(self, tokens: int, hits: int) -> None:
         self.blend_requests.inc()

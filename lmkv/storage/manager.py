@@ -474,6 +474,7 @@ class StorageManager:
                     n += 1
                 arrival.bufs = bufs[:n]
                 self._held[arrival] = time.monotonic()
+            self.metrics.held_chunks.set(len(self._held_slots))
         for buf in bufs[n:]:
             buf.release()
 
@@ -488,6 +489,7 @@ class StorageManager:
                     self._held_slots[buf.index] -= 1
                 else:
                     del self._held_slots[buf.index]
+            self.metrics.held_chunks.set(len(self._held_slots))
         for buf in bufs:
             buf.release()
 

@@ -561,10 +561,10 @@ def test_chunks_held_for_waiting_requests_take_half_the_hot_cache_at_most():
 
     one, two = brought_up(m, [*shared, "x"], [*shared, "y"])
     assert len(one.bufs) == 5 and len(two.bufs) == 5  # 6 slots held, not 10
-    assert len(m._held_slots) == 6
+    assert len(m._held_slots) == 6 == metric(m, "lmkv_held_chunks")
     one.release()
     two.release()
-    assert not m._held_slots
+    assert not m._held_slots and metric(m, "lmkv_held_chunks") == 0
     pool.check_integrity()
     m.close()
 
