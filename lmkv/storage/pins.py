@@ -24,9 +24,8 @@ PIN_TTL = 600.0  # seconds
 
 
 class PinTable:
-    def __init__(self, ttl: float = PIN_TTL, unused: str = "pinned and never loaded"):
+    def __init__(self, ttl: float = PIN_TTL):
         self.ttl = ttl
-        self.unused = unused  # what a pin dropped by the sweep was, for its log line
         self._pins: dict[str, list[tuple[ChunkBuffer, float]]] = defaultdict(list)  # oldest first
         self._lock = threading.Lock()
         self._oldest = math.inf  # when the oldest pin was taken
@@ -91,5 +90,5 @@ class PinTable:
         for buf in dropped:
             buf.release()
         if dropped and not quiet:
-            log.warning("lmkv: released %d chunks %s (held over %.0f s)", len(dropped),
-                        self.unused, self.ttl)
+            log.warning("lmkv: released %d chunks pinned over %.0f s ago and never loaded",
+                        len(dropped), self.ttl)
