@@ -41,8 +41,9 @@ MISS_TTL = 10.0
 MISSES_KEPT = 1 << 16
 # chunks read up for a waiting request (bring_up) are held in the hot cache until the
 # request lets them go (it was looked up, or left) or this many seconds after they arrived,
-# and never more than half the hot cache's slots at once: a cache smaller than the chunks of
-# the requests waiting for them would otherwise evict them before they are loaded
+# never more than half the hot cache's slots at once, and only while no save or read needs
+# their slots: a cache smaller than the chunks of the requests waiting for them would
+# otherwise evict them before they are loaded, for other requests' saves
 ARRIVAL_HOLD = 10.0
 DECODE_THREADS = min(4, len(os.sched_getaffinity(0)))  # frames of a batch decoded at once
 
@@ -101,7 +102,7 @@ class StorageManager:
     # ---- writes -------------------------------------------------------------------
     def allocate(self) -> ChunkBuffer | None:
         self._sweep_held()  # stale holds keep slots that saves need
-        buf = self.hot.allocate()
+        buf = self._slot()
         self.metrics.hot_chunks.set(len(self.hot))  # (it may have evicted)
         if buf is None:
             self.metrics.dropped.labels("no_memory").inc()
@@ -493,6 +494,21 @@ class StorageManager:
         for buf in bufs:
             buf.release()
 
+    def _slot(self) -> ChunkBuffer | None:
+        """A free slot, evicting what the policy picks; where none is to be had, the chunks
+        held for waiting requests are let go, the latest request's first (the earliest is
+        likeliest to be looked up next), until one is: holds only take slots no save or
+        read needs."""
+        buf = self.hot.allocate()
+        while buf is None:
+            with self._lock:
+                latest = next(reversed(self._held), None)
+            if latest is None:
+                return None
+            latest.release()
+            buf = self.hot.allocate()
+        return buf
+
     def _sweep_held(self) -> None:
         """Let go of the chunks held over ARRIVAL_HOLD seconds (their request never asked)."""
         if not self._held:
@@ -576,7 +592,7 @@ class StorageManager:
                     return rest
         bufs = []
         for _ in keys:
-            buf = self.hot.allocate()
+            buf = self._slot()
             if buf is None:
                 self.metrics.dropped.labels("no_memory").inc()
                 self._quiet.log(log, logging.WARNING, "no_memory", "lmkv: no free chunk slot "

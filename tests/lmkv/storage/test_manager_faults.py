@@ -569,6 +569,27 @@ def test_chunks_held_for_waiting_requests_take_half_the_hot_cache_at_most():
     m.close()
 
 
+def test_chunks_held_for_waiting_requests_give_way_to_a_save_or_read_that_needs_a_slot():
+    """Holds take only slack: with every other slot in use (loads, saves and pins in
+    flight), a save or a read takes a held chunk's slot rather than being dropped, the
+    latest request's holds first (the earliest is likeliest to be looked up next)."""
+    pool, (tier,), m = manager(slots=8, policy="lru")
+    seed(pool, tier, ["a0", "a1", "b0", "b1", "c"])
+    early, late = brought_up(m, ["a0", "a1"], ["b0", "b1"])
+    assert len(early.bufs) == 2 and len(late.bufs) == 2
+    in_use = [m.allocate() for _ in range(4)]  # the other slots: loads in flight
+    assert None not in in_use
+    saves = [m.allocate(), m.allocate()]  # before: None (dropped: no_memory)
+    assert None not in saves and late.bufs == [] and len(early.bufs) == 2
+    got = m.fetch(["c"])  # a lookup's read: takes the next held slot
+    assert len(got) == 1 and early.bufs == []
+    for buf in [*in_use, *saves, *got]:
+        buf.release()
+    assert metric(m, "lmkv_dropped_total", what="no_memory") == 0
+    pool.check_integrity()
+    m.close()
+
+
 def test_many_requests_waiting_on_one_prefix_are_brought_up_without_recursion():
     """Hundreds of waiting requests that share a prefix, their bring_ups queued in one
     scheduler step: each runs on its own (before, each ran inside the one before between
