@@ -144,7 +144,7 @@ class SchedulerConnector:
         own hit) are still coming up from a lower tier: looking it up now would wait for
         them, and the engine's scheduling with it, so an engine with other work may admit
         it later instead. Where a prefetch (its own at arrival, or another request's) holds
-        them, they are read up now in an urgent job, ahead of queued saves and prefetches,
+        them, they are read up now in a job ahead of queued saves and prefetches,
         and are arriving until it is done, ARRIVING_WAIT seconds at most (asked once per
         request: a request looked up once is never held back after)."""
         st = self._state(request)
