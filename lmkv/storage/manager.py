@@ -89,6 +89,7 @@ class StorageManager:
         # they hold with how many holds each: see ARRIVAL_HOLD
         self._held: dict[BroughtUp, float] = {}
         self._held_slots: Counter[int] = Counter()
+        self._held_cap = pool.num_slots // 2
         # chunks a background read found in no tier -> when (time.monotonic()): see MISS_TTL
         self._missed: OrderedDict[str, float] = OrderedDict()
         # hot chunks whose write below was dropped or failed -> the tiers that lack them:
@@ -442,18 +443,15 @@ class StorageManager:
         arrival = BroughtUp(self)
 
         def run() -> None:
-            with self._lock:  # (bring_up jobs never run inside each other: room stays)
-                room = max(0, self.hot.pool.num_slots // 2 - len(self._held_slots))
-                room += sum(1 for k in keys if (b := self.hot.entries.get(k)) is not None
-                            and b.index in self._held_slots)  # held already: no more room
+            cap = self._held_cap  # kept while it runs (other holds give way to it: _slot)
             try:
                 bufs = self._load_run(keys, prefetch=True, parent=parent, deadline=deadline,
-                                      keep=room, soon=True)
+                                      keep=cap, soon=True)
             except Exception:  # nobody waits for this job's future: said here
                 log.exception("lmkv: reading chunks up for a waiting request failed")
                 return
-            self._hold(arrival, bufs[:room])
-            for buf in bufs[room:]:  # (the last one read, past those kept)
+            self._hold(arrival, bufs[:cap])
+            for buf in bufs[cap:]:  # (the last one read, past those kept)
                 buf.release()
         try:
             arrival.future = self.io.submit(run, soon=True)
@@ -464,12 +462,11 @@ class StorageManager:
     def _hold(self, arrival: BroughtUp, bufs: list[ChunkBuffer]) -> None:
         """Hold the leading ``bufs`` that fit in half the hot cache for ``arrival`` (its
         reference each); release the others."""
-        cap = self.hot.pool.num_slots // 2
         with self._lock:
             n = 0
             if not arrival.released:  # (let go before they arrived: looked up, or gone)
                 for buf in bufs:
-                    if buf.index not in self._held_slots and len(self._held_slots) >= cap:
+                    if buf.index not in self._held_slots and len(self._held_slots) >= self._held_cap:
                         break
                     self._held_slots[buf.index] += 1
                     n += 1
