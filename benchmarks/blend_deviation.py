@@ -35,12 +35,10 @@ import torch
 from lmkv.blend.plan import BlendPlan, select_recompute
 from lmkv.blend.precompute import precompute
 from lmkv.blend.segments import split_segments
-from lmkv.config import load_config
 from lmkv_engines.minimal.blend import blend_prefill
 from lmkv_engines.minimal.default_model import resolve_model
 
-from .blend_rag import blend_llm, engine_args, rag_ids, shuffled
-from .quality.probe import open_llm
+from .blend_rag import blend_llm, rag_ids, shuffled
 from .quality.rag_qa import make_examples
 
 
@@ -112,13 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     model = args.model or str(resolve_model(None))
     opts = argparse.Namespace(rag=True, chunk_size=256, hot_cache_gb=2.0, separator="\n\n")
-    if args.after_header or args.pre_rope:
-        cfg = load_config(env={}, chunk_size=opts.chunk_size, max_local_cpu_size=opts.hot_cache_gb,
-                          enable_blending=True, blend_recompute_ratio=0.0,
-                          blend_special_str=opts.separator, blend_store_pre_rope=True)
-        llm = open_llm(model, lmkv_config=cfg, **engine_args(opts))
-    else:
-        llm = blend_llm(model, opts, 0.0)
+    llm = blend_llm(model, opts, 0.0, pre_rope=args.after_header or args.pre_rope)
     tok = llm.tokenizer
     rng = random.Random(args.seed)
     examples = [shuffled(e, rng) for e in

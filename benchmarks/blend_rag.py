@@ -57,10 +57,10 @@ CONTINUED_MODEL = "qa-2layer-continued"  # --continued's default model (benchmar
 NUM_DOCUMENTS = 6
 
 
-def blend_llm(model: str, args: argparse.Namespace, ratio: float, **kw) -> LLM:
+def blend_llm(model: str, args: argparse.Namespace, ratio: float, pre_rope: bool = False, **kw) -> LLM:
     cfg = load_config(env={}, chunk_size=args.chunk_size, max_local_cpu_size=args.hot_cache_gb,
                       enable_blending=True, blend_recompute_ratio=ratio,
-                      blend_special_str=args.separator)
+                      blend_special_str=args.separator, blend_store_pre_rope=pre_rope)
     return open_llm(model, lmkv_config=cfg, **engine_args(args), **kw)
 
 
