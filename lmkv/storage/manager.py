@@ -66,6 +66,15 @@ class BroughtUp:
         self.manager._let_go(self)
 
 
+class _Write:
+    """A queued write of a chunk to tiers below; it keeps the chunk's slot until it runs."""
+
+    __slots__ = ("key", "buf", "tiers")
+
+    def __init__(self, key: str, buf: ChunkBuffer, tiers: list[Tier]):
+        self.key, self.buf, self.tiers = key, buf, tiers
+
+
 class StorageManager:
     def __init__(self, pool: MemoryPool, tiers: list[Tier], metrics: LMKVMetrics,
                  io_queue_size: int = 256, keep_hot: bool = True, policy: str = DEFAULT_POLICY):
@@ -90,6 +99,10 @@ class StorageManager:
         self._held: dict[BroughtUp, float] = {}
         self._held_slots: Counter[int] = Counter()
         self._held_cap = pool.num_slots // 2
+        # writes queued and not started, oldest first: each keeps its chunk's slot, so
+        # behind a slow tier they give way (the latest first) to a save or read that finds
+        # no slot (_slot), as holds do
+        self._queued: dict[_Write, None] = {}
         # chunks a background read found in no tier -> when (time.monotonic()): see MISS_TTL
         self._missed: OrderedDict[str, float] = OrderedDict()
         # hot chunks whose write below was dropped or failed -> the tiers that lack them:
@@ -133,20 +146,34 @@ class StorageManager:
     def _submit_write(self, key: str, buf: ChunkBuffer, tiers: list[Tier] | None = None) -> bool:
         """Queue ``buf``'s write to ``tiers`` (default: all below); False (counted) if the
         queue is full, and a hot chunk is then written when it is next used
-        (``_write_again``)."""
-        tiers = self.tiers if tiers is None else tiers
+        (``_write_again``). A queued write may still be dropped so: ``_slot``."""
+        write = _Write(key, buf, self.tiers if tiers is None else tiers)
         buf.retain()
+        with self._lock:
+            self._queued[write] = None
         try:
-            if self.io.submit(lambda: self._write(key, buf, tiers)) is not None:
+            if self.io.submit(lambda: self._write(write)) is not None:
                 return True
         except RuntimeError:  # closed
-            buf.release()
+            if self._unqueue(write):
+                buf.release()
             return False
-        buf.release()
-        for tier in tiers:
-            self.metrics.dropped.labels(f"save_{tier.name}").inc()
-        self._note_unwritten(key, tiers)
+        if self._unqueue(write):
+            self._drop(write)
         return False
+
+    def _unqueue(self, write: _Write) -> bool:
+        """Take ``write`` off the queued ones: False if it was taken already (dropped)."""
+        with self._lock:
+            return self._queued.pop(write, False) is None
+
+    def _drop(self, write: _Write) -> None:
+        """A write that will not run (taken off the queued ones): counted, its slot given
+        back, and its chunk written when next used if it stays hot."""
+        write.buf.release()
+        for tier in write.tiers:
+            self.metrics.dropped.labels(f"save_{tier.name}").inc()
+        self._note_unwritten(write.key, write.tiers)
 
     def _note_unwritten(self, key: str, tiers: list[Tier], written: list[Tier] = ()) -> None:
         """``tiers`` lack the hot chunk ``key`` (a dropped or failed write); ``written``
@@ -192,8 +219,12 @@ class StorageManager:
             self._write_again(key, buf)
             buf.release()
 
-    def _write(self, key: str, buf: ChunkBuffer, tiers: list[Tier]) -> None:
-        """On the I/O thread: the chunk into ``tiers``, encoded once per codec."""
+    def _write(self, write: _Write) -> None:
+        """On the I/O thread: the chunk into its tiers, encoded once per codec (nothing if
+        the write was dropped while queued)."""
+        if not self._unqueue(write):
+            return
+        key, buf, tiers = write.key, write.buf, write.tiers
         failed = []
         try:
             frames: dict[tuple, memoryview] = {}
@@ -494,15 +525,24 @@ class StorageManager:
     def _slot(self) -> ChunkBuffer | None:
         """A free slot, evicting what the policy picks; where none is to be had, the chunks
         held for waiting requests are let go, the latest request's first (the earliest is
-        likeliest to be looked up next), until one is: holds only take slots no save or
-        read needs."""
+        likeliest to be looked up next), then queued writes are dropped, the latest first,
+        until one is: holds and writes behind a slow tier only take slots no save or read
+        needs."""
         buf = self.hot.allocate()
         while buf is None:
             with self._lock:
                 latest = next(reversed(self._held), None)
-            if latest is None:
+                write = None if latest is not None or not self._queued else self._queued.popitem()[0]
+            if latest is not None:
+                latest.release()
+            elif write is not None:
+                self._drop(write)
+                self._quiet.log(log, logging.WARNING, "writes", "lmkv: dropped a queued write "
+                                "to the tiers below for a free chunk slot (%d still queued: "
+                                "the tiers below take chunks slower than they are saved)",
+                                len(self._queued))
+            else:
                 return None
-            latest.release()
             buf = self.hot.allocate()
         return buf
 

@@ -1051,3 +1051,28 @@ def test_a_chunk_a_prefetch_could_not_read_is_asked_for_again_at_admission(caplo
         buf.release()
     pool.check_integrity()
     m.close()
+
+
+def test_writes_queued_behind_a_slow_tier_give_way_to_saves_that_need_a_slot(caplog):
+    """Each queued write keeps its chunk's slot until it runs: behind a slow tier they
+    took every slot, and then no save or read found one. A save (or read) that finds no
+    free slot now drops the latest queued write (counted, logged) and takes its slot."""
+    pool = MemoryPool(LAYOUT, 16 * SLOT, pin=False)
+    backend, m = hung_write(pool)  # chunk "a"'s write holds the worker
+    m.io._background.maxsize = 0  # (the queue's own bound out of the way: unbounded)
+    for i in range(30):
+        buf = m.allocate()
+        assert buf is not None, f"save {i}: no slot left"
+        m.put(f"k{i}", buf)
+        buf.release()
+    assert len(m._queued) == 15 and m.io.pending() == 30  # (the dropped ones return at once)
+    assert metric(m, "lmkv_dropped_total", what="save_t") == 15
+    assert metric(m, "lmkv_dropped_total", what="no_memory") == 0
+    assert "dropped a queued write" in caplog.text
+    backend.release.set()
+    assert m.io.drain(5)
+    written = {f"k{i}" for i in range(14)} | {"k29"}  # the earliest, and the last one queued
+    assert set(backend.values) == written | {"a"}
+    assert not m._queued
+    pool.check_integrity()
+    m.close()
