@@ -1,38 +1,85 @@
 """A model's identity for chunk keys: the same checkpoint gives the same id in every engine.
 
 The bundled engine and vLLM serving one model directory (same dtype, chunk size and
-tensor-parallel split) therefore share entries; two fine-tunes of one architecture do not.
+tensor-parallel split) therefore share entries; checkpoints whose weights differ in any
+byte do not. Every weight byte is hashed (xxh3-128) once per file version: the digest is
+remembered under $LMKV_CACHE_DIR/fingerprints (default ~/.cache/lmkv), keyed by the
+file's path, size, modification time and inode.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+import time
 from pathlib import Path
 
-SAMPLES_PER_FILE = 8
-SAMPLE_BYTES = 1 << 16
+import xxhash
+
+log = logging.getLogger(__name__)
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+READ_BYTES = 16 << 20
+LOG_ABOVE = 1 << 30  # a file this large is hashed with a log line (a first start takes seconds)
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
     """Identity of a checkpoint's weights, the same wherever it is copied: its config.json
-    and samples of every safetensors file (fine-tunes differ in the samples), or, for a
-    single-file checkpoint (GGUF), samples of that file, whose header holds its config."""
+    and the content of every weight file, or, for a single-file checkpoint (GGUF), that
+    file's content (its header holds its config)."""
     model_dir = Path(model_dir)
     h = hashlib.blake2b(digest_size=16)
     if model_dir.is_file():
-        _sample_file(h, model_dir, with_name=False)
+        h.update(file_digest(model_dir).encode())
         return h.hexdigest()
     h.update((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        _sample_file(h, path, with_name=True)
+    files = sorted({p for pattern in WEIGHT_PATTERNS for p in model_dir.glob(pattern)})
+    for path in files:
+        h.update(f"{path.name}:{file_digest(path)}".encode())
     return h.hexdigest()
 
 
-def _sample_file(h, path: Path, with_name: bool) -> None:
-    """Hash the size and SAMPLES_PER_FILE evenly spaced SAMPLE_BYTES reads (the first at 0)."""
-    size = path.stat().st_size
-    h.update(f"{path.name}:{size}".encode() if with_name else f"{size}".encode())
-    with open(path, "rb") as f:
-        for i in range(SAMPLES_PER_FILE):
-            f.seek(size * i // SAMPLES_PER_FILE)
-            h.update(f.read(SAMPLE_BYTES))
+def file_digest(path: Path) -> str:
+    """xxh3-128 of ``path``'s bytes, remembered per file version (path, size, mtime, inode)."""
+    st = path.stat()
+    version = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_dev}"
+    memo = _memo_dir() / hashlib.blake2b(version.encode(), digest_size=16).hexdigest()
+    try:
+        known = memo.read_text()
+        if len(known) == 32 and all(c in "0123456789abcdef" for c in known):
+            return known
+    except OSError:
+        pass
+    start = time.monotonic()
+    if st.st_size > LOG_ABOVE:
+        log.info("lmkv: fingerprinting %s (%.1f GB) for chunk keys, once per file version",
+                 path, st.st_size / 1e9)
+    h = xxhash.xxh3_128()
+    buf = bytearray(min(READ_BYTES, max(st.st_size, 1)))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    digest = h.hexdigest()
+    if st.st_size > LOG_ABOVE:
+        log.info("lmkv: fingerprinted %s in %.1f s", path.name, time.monotonic() - start)
+    after = path.stat()
+    if (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns):  # (not mid-update)
+        _remember(memo, digest)
+    return digest
+
+
+def _memo_dir() -> Path:
+    return Path(os.environ.get("LMKV_CACHE_DIR") or Path.home() / ".cache" / "lmkv") / "fingerprints"
+
+
+def _remember(memo: Path, digest: str) -> None:
+    """Write the memo atomically; a cache dir that cannot be written costs a hash per start."""
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}.{os.urandom(4).hex()}")
+        tmp.write_text(digest)
+        os.replace(tmp, memo)
+    except OSError as e:
+        log.debug("lmkv: could not remember a model file's fingerprint in %s: %s", memo.parent, e)

@@ -3,6 +3,7 @@ the model id, from vLLM's config and kv_connector_extra_config."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,16 +63,33 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     layout = KVLayout(mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype,
                       config.chunk_size)
     tp = getattr(pc, "tensor_parallel_size", 1) or 1
-    return EngineSpec(config, layout, model_id(mc.model, mc.revision), block_size, tp)
+    return EngineSpec(config, layout, model_id(mc.model, mc.revision, _variant(mc)), block_size, tp)
 
 
-def model_id(model: str, revision: str | None = None) -> str:
+def model_id(model: str, revision: str | None = None, variant: str = "") -> str:
     """A local checkpoint directory is identified by its contents (the same id the bundled
-    engine uses); a hub name by name and revision."""
+    engine uses); a hub name by name and revision; ``variant``, vLLM's settings that change
+    the KV the same weights give, is added to either."""
     path = Path(model)
     if (path / "config.json").is_file():
-        return model_fingerprint(path)
-    return f"hub:{model}@{revision or 'main'}"
+        ident = model_fingerprint(path)
+    else:
+        ident = f"hub:{model}@{revision or 'main'}"
+    return f"{ident}|{variant}" if variant else ident
+
+
+def _variant(mc: Any) -> str:
+    """vLLM's quantization and hf_overrides (rope scaling, ...), which change the KV without
+    changing config.json or the weights: "" when neither is set."""
+    parts = []
+    if quantization := getattr(mc, "quantization", None):
+        parts.append(f"quantization={quantization}")
+    overrides = getattr(mc, "hf_overrides", None)
+    if callable(overrides):  # (the Python API's function form: named, its body is not seen)
+        parts.append(f"hf_overrides={overrides.__module__}.{overrides.__qualname__}")
+    elif overrides:
+        parts.append(f"hf_overrides={json.dumps(overrides, sort_keys=True, default=str)}")
+    return ";".join(parts)
 
 
 def rank_config(config: LMKVConfig, tp_rank: int, tp_size: int, dp_rank: int = 0) -> LMKVConfig:

@@ -95,3 +95,17 @@ def test_each_rank_serves_its_metrics_on_a_port_of_its_own():
 def test_extra_config_cannot_reach_load_configs_own_parameters(key):
     with pytest.raises(ConfigError, match=f"unknown lmkv config key.*{key}"):
         engine_spec(_vllm_config("/m"), {key: "/etc/passwd"})
+
+
+def test_vllm_settings_that_change_the_kv_of_the_same_weights_change_the_model_id(tiny_model_dir):
+    base = _vllm_config(str(tiny_model_dir))
+    plain = engine_spec(base, {}).model_id
+    ids = {plain}
+    for attrs in ({"quantization": "fp8"}, {"hf_overrides": {"rope_theta": 5e5}},
+                  {"hf_overrides": {"rope_theta": 1e6}}, {"quantization": None, "hf_overrides": {}}):
+        cfg = _vllm_config(str(tiny_model_dir))
+        for name, value in attrs.items():
+            setattr(cfg.model_config, name, value)
+        ids.add(engine_spec(cfg, {}).model_id)
+    assert len(ids) == 4  # the last one (nothing set) is the plain id
+    assert plain == model_fingerprint(tiny_model_dir)
