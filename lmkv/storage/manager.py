@@ -532,7 +532,7 @@ class StorageManager:
         while buf is None:
             with self._lock:
                 latest = next(reversed(self._held), None)
-                write = None if latest is not None or not self._queued else self._queued.popitem()[0]
+                write = None if latest is not None else self._freeing_write()
             if latest is not None:
                 latest.release()
             elif write is not None:
@@ -545,6 +545,16 @@ class StorageManager:
                 return None
             buf = self.hot.allocate()
         return buf
+
+    def _freeing_write(self) -> _Write | None:
+        """The latest queued write whose chunk only it and the hot cache hold (dropping it
+        frees or unpins a slot; others are in use by loads anyway), taken off the queued
+        ones; None if there is none. Under the lock."""
+        for write in reversed(self._queued):
+            if write.buf.ref_count <= 2:
+                del self._queued[write]
+                return write
+        return None
 
     def _sweep_held(self) -> None:
         """Let go of the chunks held over ARRIVAL_HOLD seconds (their request never asked)."""

@@ -1076,3 +1076,21 @@ def test_writes_queued_behind_a_slow_tier_give_way_to_saves_that_need_a_slot(cap
     assert not m._queued
     pool.check_integrity()
     m.close()
+
+
+def test_a_save_that_finds_no_slot_drops_no_queued_write_whose_chunk_is_in_use():
+    """Dropping the write of a chunk a load holds frees no slot: such writes stay queued."""
+    pool = MemoryPool(LAYOUT, 8 * SLOT, pin=False)
+    backend, m = hung_write(pool)  # "a"'s write holds the worker
+    for i in range(7):
+        put_one(pool, m, f"k{i}")
+    loading = m.fetch(["a"] + [f"k{i}" for i in range(7)])  # a request loads all 8 chunks
+    assert len(loading) == 8
+    assert m.allocate() is None  # every slot is in use by the load
+    assert metric(m, "lmkv_dropped_total", what="save_t") == 0 and len(m._queued) == 7
+    for buf in loading:
+        buf.release()
+    backend.release.set()
+    assert m.io.drain(5)
+    assert sorted(backend.values) == ["a"] + [f"k{i}" for i in range(7)]
+    m.close()
