@@ -174,16 +174,22 @@ class DiskBackend(StorageBackend):
     def _write(self, name: str, value: bytes | memoryview) -> None:
         """``value`` into file ``name`` through a temporary file renamed into place;
         FileNotFoundError where the directory is gone, BackendError for other failures."""
-        # unique per write: two tiers of one process may write the same key at once
-        tmp = self.root / f".{name}.{next(_tmp_ids)}.{os.getpid()}.tmp"
+        # unique per write (two tiers of one process may write the same key at once) and
+        # created exclusively: engines in containers sharing the directory may share a pid
+        tmp = self.root / f".{name}.{next(_tmp_ids)}-{os.urandom(4).hex()}.{os.getpid()}.tmp"
+        created = False
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "xb", buffering=0) as f:
+                created = True
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # a live write: kept at others' starts
-                f.write(value)
+                view = memoryview(value).cast("B")
+                while view:  # every byte in the file before the rename (a full disk fails here)
+                    view = view[f.write(view):]
                 os.replace(tmp, self.root / name)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+            if created:  # (never another writer's file of the same name)
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
             if isinstance(e, FileNotFoundError) and not self.root.is_dir():
                 raise
             raise BackendError(f"disk tier write failed: {e}") from e

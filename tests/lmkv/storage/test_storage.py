@@ -465,7 +465,7 @@ def test_disk_writes_of_one_key_from_two_tiers_never_share_a_temporary(tmp_path,
     real = builtins.open
 
     def record(path, mode="r", *args, **kwargs):
-        if "w" in mode:
+        if "w" in mode or "x" in mode:
             opened.append(str(path))
         return real(path, mode, *args, **kwargs)
 

@@ -1,0 +1,80 @@
+"""The disk tier's writes under crashes and full disks: a file is renamed into place only
+with every byte in it, a failed write leaves nothing behind, and a temporary file is never
+shared by two writers (engines in containers sharing a volume can have the same pid)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lmkv.backends import disk as disk_module
+from lmkv.backends.base import BackendError
+from lmkv.backends.disk import DiskBackend
+
+
+def run(script: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
+                         text=True, timeout=60)
+    return out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("size", [1000, 2 << 20])
+def test_a_process_killed_right_after_the_rename_leaves_the_whole_file(tmp_path, size):
+    """(Python's write buffer was flushed at close, after the rename: a small value was a
+    0-byte file under the key's name then.)"""
+    run(f"""
+        import os
+        from lmkv.backends import disk
+        real = os.replace
+        def replace(src, dst):
+            real(src, dst)
+            os._exit(9)  # killed right after the rename (SIGKILL, the OOM killer)
+        disk.os.replace = replace
+        disk.DiskBackend({str(tmp_path)!r}, 1 << 30).put([("k", bytes(range(256)) * {size // 256})])
+    """)
+    again = DiskBackend(tmp_path, 1 << 30)
+    assert again.get(["k"]) == [bytes(range(256)) * (size // 256)]
+
+
+@pytest.mark.parametrize("size, limit", [(1000, 100), (2 << 20, (2 << 20) - 100)])
+def test_a_disk_that_fills_during_a_write_leaves_no_file_behind(tmp_path, size, limit):
+    """A write cut short by a full disk (RLIMIT_FSIZE fails write(2) as ENOSPC does) fails
+    before the rename; within a buffer's last 8 KiB it used to fail at close, after the
+    rename, leaving a torn file the index did not count (over the tier's cap)."""
+    out = run(f"""
+        import resource, signal
+        from lmkv.backends.base import BackendError
+        from lmkv.backends.disk import DiskBackend
+        d = DiskBackend({str(tmp_path)!r}, 1 << 30)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+        try:
+            d.put([("k", bytes({size}))])
+            print("stored")
+        except BackendError as e:
+            print("failed:", e, d.used)
+    """)
+    assert "failed:" in out and out.strip().endswith(" 0"), out
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_temporary_file_of_the_same_name_is_never_written_into(tmp_path, monkeypatch):
+    """Two engines in containers sharing the directory, both PID 1, once named their n-th
+    write's temporary alike: the second truncated the first's file, which then renamed an
+    empty file into place. Names carry random bytes and are created exclusively."""
+    d = DiskBackend(tmp_path, 1 << 20)
+    monkeypatch.setattr(disk_module, "_tmp_ids", itertools.count())
+    monkeypatch.setattr(disk_module.os, "urandom", lambda n: b"\0" * n)
+    name = DiskBackend._name("k")
+    theirs = tmp_path / f".{name}.0-{'00' * 4}.{os.getpid()}.tmp"  # another writer's, mid-write
+    theirs.write_bytes(b"their bytes")
+    with pytest.raises(BackendError):
+        d.put([("k", b"mine")])
+    assert theirs.read_bytes() == b"their bytes" and d.used == 0
+    d.put([("k", b"mine")])  # the next write's name is another
+    assert d.get(["k"]) == [b"mine"]
