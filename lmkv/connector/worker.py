@@ -167,6 +167,11 @@ class WorkerConnector:
             self._load_error = self._load_error or e
 
     def _load(self, loads, slots, chunks, layer: int | None = None) -> None:
+        for bufs, mappings in zip(chunks, slots, strict=True):
+            for buf, mapping in zip(bufs, mappings, strict=True):
+                if buf.num_tokens < mapping.shape[0]:  # (a foreign frame under a full chunk's key)
+                    raise ValueError(f"a stored chunk holds {buf.num_tokens} tokens, its load "
+                                     f"maps {mapping.shape[0]}")
         for spec, mappings, bufs in zip(loads, slots, chunks, strict=True):
             for buf, mapping, skip in zip(bufs, mappings, spec.skips, strict=True):
                 # a mapping shorter than the chunk (a load ending before the last prompt

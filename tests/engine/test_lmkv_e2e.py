@@ -612,3 +612,20 @@ def test_a_slow_tier_read_for_a_new_request_does_not_stall_the_running_ones(
         assert done.num_external_tokens == _full_chunks(base)  # loaded, from the hot cache
         assert max(steps) < 1.0, f"a step waited {max(steps):.2f} s for the slow tier"
         assert len(steps) > 20  # other's steps went on meanwhile
+
+
+def test_a_stored_chunk_holding_fewer_tokens_than_its_load_maps_is_recomputed(tiny_model_dir, reference):
+    """A frame under a full chunk's key that holds fewer tokens (a foreign or buggy writer
+    to a shared store; the frame reader zeroes the rest) fails its load: those tokens are
+    recomputed, never attended as zeros."""
+    ps = prompts()
+    with lmkv_llm(tiny_model_dir, prefix_caching=True) as llm:
+        llm.generate(ps, GREEDY)  # stores every full chunk
+        llm.engine.block_manager.reset_prefix_cache()
+        for buf in llm.engine.kv_connector.cache.storage.hot.entries.values():
+            buf.num_tokens = CHUNK // 2  # as decoding such a frame leaves it
+            buf.kv[:, :, CHUNK // 2 :] = 0
+        outs = llm.generate(ps, GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        assert metric(llm, "lmkv_loaded_tokens_total") == 0
+        assert metric(llm, "lmkv_errors_total", tier="connector", kind="load") >= 1
