@@ -6,6 +6,7 @@ either server stores them verbatim. Wire format: lmkv.backends.lm_wire.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -13,7 +14,7 @@ import re
 import select
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple, NoReturn
 from urllib.parse import urlsplit
 
@@ -119,11 +120,9 @@ class LMBackend(StorageBackend):
             )
             frames.append((header, payload))
         sock = self._connection()
-        try:
+        with self._exchange("put to"):
             for header, payload in frames:  # each value within the timeout, as each reply is
                 self._send(sock, [header, payload], time.monotonic() + self.timeout)
-        except OSError as exc:
-            self._fail("put to", exc)
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values in order, None for misses. Hits are returned as bytearrays (no copy). All
@@ -131,25 +130,26 @@ class LMBackend(StorageBackend):
         requests = [wire.pack_request(wire.Command.GET, self._key(k)) for k in keys]
         sock = self._connection()
         values: list[bytes | None] = []
-        try:
+        with self._exchange("get from"):
             self._send(sock, requests, None)
-            for _ in keys:
+            for key in keys:
                 deadline = time.monotonic() + self.timeout
                 length = self._read_value_header(sock, deadline)
+                if length is not None and length > self.max_value_size:
+                    self._skip(sock, key, length, self.max_value_size, deadline)
+                    length = None
                 values.append(None if length is None
                               else self._recv_value(sock, length, deadline))  # type: ignore[arg-type]
-        except OSError as exc:
-            self._fail("get from", exc)
         return values
 
     def get_into(self, key: str, buffer: memoryview | bytearray) -> int | None:
         """Receive ``key``'s value straight into ``buffer`` (e.g. a pre-faulted pool slot,
         which avoids the page faults of a fresh allocation); its length, or None on a miss.
-        A value larger than ``buffer`` raises BackendError."""
+        A value larger than ``buffer`` is read past and taken as a miss."""
         request = wire.pack_request(wire.Command.GET, self._key(key))
         view = memoryview(buffer).cast("B")
         sock = self._connection()
-        try:
+        with self._exchange("get from"):
             deadline = time.monotonic() + self.timeout
             self._send(sock, [request], deadline)
             length = self._read_value_header(sock, deadline)
@@ -160,8 +160,6 @@ class LMBackend(StorageBackend):
                 return None
             self._recv_exactly(sock, view[:length], deadline)
             return length
-        except OSError as exc:
-            self._fail("get from", exc)
 
     def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview],
                       arrived: Arrived | None = None) -> list[int | None]:
@@ -170,7 +168,7 @@ class LMBackend(StorageBackend):
         views = [memoryview(out).cast("B") for out in outs]
         sock = self._connection()
         lengths: list[int | None] = []
-        try:
+        with self._exchange("get from"):
             self._send(sock, requests, None)
             for key, view in zip(keys, views, strict=True):
                 deadline = time.monotonic() + self.timeout
@@ -183,8 +181,6 @@ class LMBackend(StorageBackend):
                 if length is not None and arrived is not None:
                     arrived(len(lengths), length)
                 lengths.append(length)
-        except OSError as exc:
-            self._fail("get from", exc)
         return lengths
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
@@ -194,24 +190,20 @@ class LMBackend(StorageBackend):
         requests = [wire.pack_request(wire.Command.EXIST, self._key(k)) for k in keys]
         sock = self._connection()
         found = []
-        try:
+        with self._exchange("exist on"):
             deadline = time.monotonic() + self.timeout
             self._send(sock, requests, deadline)
             for _ in keys:
                 found.append(self._read_answer(sock, deadline))
-        except OSError as exc:
-            self._fail("exist on", exc)
         return found
 
     def health(self) -> bool:
         """True if the server answers HEALTH (lmcache_server 0.5.6 does too)."""
         sock = self._connection()
-        try:
+        with self._exchange("health of"):
             deadline = time.monotonic() + self.timeout
             self._send(sock, [wire.pack_request(wire.Command.HEALTH, _HEALTH_KEY)], deadline)
             return self._read_answer(sock, deadline)
-        except OSError as exc:
-            self._fail("health of", exc)
 
     def close(self) -> None:
         if self._sock is not None:
@@ -272,8 +264,6 @@ class LMBackend(StorageBackend):
         if reply.code != wire.Code.SUCCESS:  # not a reply: the stream is out of step
             self._fail_with(f"{self._where()} answered with code {reply.code}, length "
                             f"{reply.length}: out of step")
-        if not 0 <= reply.length <= self.max_value_size:
-            self._fail_with(f"{self._where()} announced a {reply.length}-byte value")
         return reply.length
 
     def _recv_value(self, sock: socket.socket, length: int, deadline: float) -> bytearray:
@@ -288,11 +278,12 @@ class LMBackend(StorageBackend):
         return value
 
     def _skip(self, sock: socket.socket, key: str, length: int, room: int, deadline: float) -> None:
-        """Read and drop a value too large for its buffer (not a frame this reader can take:
-        another layout's, or corrupt), so the connection stays in step; the caller takes it
-        as a miss."""
+        """Read and drop a value too large for its buffer or max_value_size (not a frame this
+        reader can take: another layout's, or corrupt), through a bounded scratch buffer and
+        within the reply's deadline, so the connection stays in step; the caller takes it as
+        a miss."""
         self._quiet.log(log, logging.WARNING, "oversize", "lmkv: %s holds %d bytes under %r, "
-                        "more than the %d a chunk takes here; taken as a miss", self._where(),
+                        "more than the %d this reader takes; taken as a miss", self._where(),
                         length, key, room)
         scratch = memoryview(bytearray(min(length, RECEIVE_STEP)))
         while length:
@@ -318,6 +309,19 @@ class LMBackend(StorageBackend):
             return wire.encode_key(lmcache_key(key))
         except wire.WireError as exc:
             raise BackendError(f"invalid lm:// key: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _exchange(self, what: str) -> Iterator[None]:
+        """Requests sent and replies read on the connection: a network error is a
+        BackendError; on any error the connection is closed (replies left unread would be
+        read as the answers to the next call's requests)."""
+        try:
+            yield
+        except OSError as exc:
+            self._fail(what, exc)
+        except BaseException:
+            self.close()
+            raise
 
     def _fail(self, what: str, exc: OSError) -> NoReturn:
         if isinstance(exc, BlockingIOError):  # SO_SNDTIMEO expired

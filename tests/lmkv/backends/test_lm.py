@@ -174,12 +174,64 @@ def test_a_put_to_a_store_that_trickles_its_reads_fails_within_the_timeout():
     fake.close()
 
 
-def test_oversized_reply_is_refused():
+def test_an_oversized_reply_costs_no_memory_and_a_value_sent_is_a_miss_for_its_key_alone():
+    """A value over max_value_size (or the caller's buffer) is read past through a bounded
+    scratch buffer: a miss for that key, the batch's other keys read in step (it failed the
+    whole batch and the connection); one announced but never sent times out, with no
+    allocation of the announced size."""
     huge = wire.pack_response(wire.Code.SUCCESS, 1 << 30, 4, 6, (1 << 30, 0, 0, 0))
     fake = FakeServer(reply_once(huge))
     backend = LMBackend(fake.url, timeout=1, max_value_size=1 << 20)
-    with pytest.raises(BackendError, match="announced a 1073741824-byte value"):
+    tracemalloc.start()
+    with pytest.raises(BackendError, match="timed out"):
         backend.get(["k@1"])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 << 20  # (a scratch buffer of RECEIVE_STEP), not the 1 GiB announced
+    fake.close()
+
+    def value(n: int) -> bytes:
+        return wire.pack_response(wire.Code.SUCCESS, n, 4, 6, (n, 0, 0, 0)) + bytes([n % 251]) * n
+
+    replies = {lm.lmcache_key("small@1").encode(): value(1000),
+               lm.lmcache_key("big@1").encode(): value(3 << 20)}
+
+    def serve(conn: socket.socket) -> None:
+        while len(request := conn.recv(wire.REQUEST_SIZE, socket.MSG_WAITALL)) == wire.REQUEST_SIZE:
+            conn.sendall(next(v for k, v in replies.items() if k in request))
+
+    fake = FakeServer(serve)
+    backend = LMBackend(fake.url, timeout=5, max_value_size=1 << 20)
+    assert backend.get(["small@1", "big@1", "small@1"]) == [bytes([1000 % 251]) * 1000, None,
+                                                           bytes([1000 % 251]) * 1000]
+    outs = [memoryview(bytearray(1 << 20)) for _ in range(3)]
+    assert backend.get_into_many(["small@1", "big@1", "small@1"], outs) == [1000, None, 1000]
+    assert backend.get_into("big@1", bytearray(1 << 20)) is None
+    assert backend._sock is not None  # the connection stayed up
+    fake.close()
+
+
+def test_a_call_that_raises_mid_batch_drops_the_connection_so_no_reply_is_misread():
+    """Replies left unread on the connection (a callback that raised) would be read as the
+    answers to the next call's requests: the connection is dropped instead."""
+    values = {lm.lmcache_key(k).encode(): k.encode() * 100 for k in ("a@1", "b@1")}
+
+    def serve(conn: socket.socket) -> None:
+        while len(request := conn.recv(wire.REQUEST_SIZE, socket.MSG_WAITALL)) == wire.REQUEST_SIZE:
+            v = next(v for k, v in values.items() if k in request)
+            conn.sendall(wire.pack_response(wire.Code.SUCCESS, len(v), 4, 6, (len(v), 0, 0, 0)) + v)
+
+    fake = FakeServer(serve)
+    backend = LMBackend(fake.url, timeout=5)
+
+    def arrived(i: int, n: int) -> None:
+        raise RuntimeError("a callback's bug")
+
+    outs = [memoryview(bytearray(1000)) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="callback"):
+        backend.get_into_many(["a@1", "a@1"], outs, arrived)
+    assert backend._sock is None
+    assert backend.get(["b@1"]) == [b"b@1" * 100]
     fake.close()
 
 
