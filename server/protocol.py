@@ -212,7 +212,8 @@ class Connection:
         got = 0  # payload bytes in place
         try:
             while len(pages) < need:
-                self._await_payload()
+                if length:  # (an empty value has no byte to wait for: its page is taken now)
+                    self._await_payload()
                 want, step = min(need - len(pages), step), min(2 * step, most)
                 more = store.reserve_pages(want)
                 if more is None:  # readers pinned what was evictable meanwhile

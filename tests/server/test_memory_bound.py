@@ -75,6 +75,33 @@ def test_empty_values_count_against_the_cap(spawn_server):
     backend.close()
 
 
+def test_an_empty_put_is_stored_without_waiting_for_the_next_frame(spawn_server):
+    """An empty value's PUT waited for a first payload byte, which was the next frame's: a
+    client that closed after it lost the value, one that went quiet had it unseen by others
+    until --io-timeout closed its connection as a protocol error."""
+    import socket
+    import time
+
+    from lmkv.backends import lm_wire as wire
+    from lmkv.backends.lm import lmcache_key
+
+    server = spawn_server("--io-timeout", "2", "--max-memory", "16MiB")
+    other = LMBackend(server.url, timeout=5)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(wire.pack_request(wire.Command.PUT, lmcache_key("empty@closed").encode(), 0))
+    quiet = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    quiet.sendall(wire.pack_request(wire.Command.PUT, lmcache_key("empty@quiet").encode(), 0))
+    deadline = time.monotonic() + 1.5
+    while other.contains(["empty@closed", "empty@quiet"]) != [True, True]:
+        assert time.monotonic() < deadline, "an empty value's PUT was not stored"
+        time.sleep(0.05)
+    assert other.get(["empty@closed", "empty@quiet"]) == [b"", b""]
+    time.sleep(2.5)  # past --io-timeout: the quiet connection sent whole frames only
+    assert server.stats()["traffic"]["protocol_errors"]["timeout"] == 0
+    quiet.close()
+    other.close()
+
+
 def test_a_put_that_stops_early_evicts_about_what_it_sent(spawn_server):
     """A full cache: another client's PUT that announces 4 MiB and then disconnects after
     its header (or after part of its payload) evicts no value for the bytes it never sent;
