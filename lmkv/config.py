@@ -136,7 +136,9 @@ class LMKVConfig:
             tiers.append(f"disk {self.local_disk} ({self.max_local_disk_size:g} GB, "
                          f"{self.local_disk_codec}{reads})")
         if self.remote_url:
-            tiers.append(f"remote {self.remote_url} ({self.remote_serde})")
+            from .backends.registry import redact_url
+
+            tiers.append(f"remote {redact_url(self.remote_url)} ({self.remote_serde})")
         extras = [name for name, on in (("layer-wise", self.use_layerwise),
                                         ("blending", self.enable_blending),
                                         (f"role {self.kv_role}", self.kv_role != "both")) if on]

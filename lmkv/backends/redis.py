@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
 
 from .base import Arrived, BackendError, StorageBackend, report
+from .registry import redact_url
 
 
 def _split_prefix(url: str) -> tuple[str, str]:
@@ -47,7 +48,7 @@ class RedisBackend(StorageBackend):
                     url, socket_timeout=timeout, socket_connect_timeout=timeout,
                 )
         except self._errors as e:
-            raise BackendError(f"cannot connect to {url}: {e}") from e
+            raise BackendError(f"cannot connect to {redact_url(url)}: {e}") from e
 
     def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         try:

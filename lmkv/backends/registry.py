@@ -23,10 +23,22 @@ SCHEMES = {
 }
 
 
+def redact_url(url: str) -> str:
+    """``url`` as logs and errors show it: a password in it (redis://:PASSWORD@host, or
+    user:PASSWORD@) replaced by ***."""
+    parts = urlparse(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{user}***@{host}").geturl()
+
+
 def check_url(url: str) -> str:
     """The URL's scheme, or ValueError naming what is wrong (at start, not at the first
     call: a tier whose URL can never work would only ever log its failures)."""
     parts = urlparse(url)
+    url = redact_url(url)  # (as the errors name it)
     if parts.scheme not in SCHEMES:
         raise ValueError(f"unsupported scheme {parts.scheme!r} in {url!r} (known: {', '.join(SCHEMES)})")
     if not parts.hostname:
@@ -57,7 +69,7 @@ def create_backend(url: str, timeout: float, max_value_size: int | None = None) 
     module, name = SCHEMES[check_url(url)]
     cls = getattr(importlib.import_module(module), name)
     bound = {} if max_value_size is None else {"max_value_size": max_value_size}
-    return LazyBackend(lambda: cls(url, timeout=timeout, **bound), url)
+    return LazyBackend(lambda: cls(url, timeout=timeout, **bound), redact_url(url))
 
 
 class LazyBackend(StorageBackend):

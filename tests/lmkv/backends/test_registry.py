@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from lmkv.backends.base import BackendError, StorageBackend
-from lmkv.backends.registry import LazyBackend
+from lmkv.backends.registry import LazyBackend, check_url, create_backend
 
 
 class Flaky(StorageBackend):
@@ -43,3 +43,21 @@ def test_reconnects_after_failures_log_one_line_a_minute(caplog):
     assert len(made) == 6 and len(ready) == 1
     with pytest.raises(BackendError):  # (the next call fails: Flaky's 11th)
         lazy.contains(["a"])
+
+
+def test_a_password_in_remote_url_is_never_logged_nor_put_in_an_error(caplog):
+    from lmkv.config import load_config
+    from lmkv_server.launcher import free_port
+
+    url = f"redis://:s3cretpw@127.0.0.1:{free_port()}"
+    caplog.set_level(logging.INFO)
+    backend = create_backend(url, timeout=0.3)
+    with pytest.raises(BackendError) as raised:  # nothing listens there
+        backend.contains(["k"])
+    backend.close()
+    described = load_config(env={}, remote_url=url).describe()
+    with pytest.raises(ValueError) as bad:
+        check_url(url.replace("127.0.0.1:", "127.0.0.1:x"))
+    shown = [r.getMessage() for r in caplog.records] + [str(raised.value), described, str(bad.value)]
+    assert not [m for m in shown if "s3cretpw" in m]
+    assert ":***@127.0.0.1" in described
