@@ -23,3 +23,9 @@ def test_engine_throughput_prints_its_lines():
 def test_remote_backends_prints_its_lines():
     out = run_benchmark("remote_backends.py", "--chunks", "4", "--repeats", "1")
     assert "redis get: lmkv" in out, out
+
+
+def test_server_index_memory_prints_its_lines():
+    out = run_benchmark("server_index_memory.py", "--entries", "128", "--churn", "2")
+    for policy in ("lru", "prefix_adaptive"):
+        assert f"{policy}: " in out and f"{policy}/lru = " in out, out
