@@ -213,13 +213,18 @@ def _bind(host: str, port: int, what: str) -> socket.socket:
     connect is refused, so a client, or a TCP readiness probe, sees the store as down
     rather than accepted and left unanswered while the server touches its memory and
     reloads what it persisted."""
+    try:  # (the address's own family: an IPv6 address or a name that resolves to one)
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    except OSError as e:
+        raise _listen_error(e, host, port, what) from e
     try:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(family, socket.SOCK_STREAM)
     except OSError as e:
         raise ListenError(f"cannot open a socket for {what}{host}:{port}: {e}") from e
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a restart's TIME_WAITs)
-        sock.bind((host, port))
+        sock.bind(address)
         return sock
     except OSError as e:
         sock.close()
@@ -239,7 +244,7 @@ def _listen(sock: socket.socket, what: str) -> None:
 def _listen_error(e: OSError, host: str, port: int, what: str) -> ListenError:
     """The error of a bind or listen that failed, by name (a port in use: with a hint)."""
     hint = " (is another lmkv_server running?)" if e.errno == errno.EADDRINUSE else ""
-    why = os.strerror(e.errno) if e.errno else str(e)
+    why = e.strerror or (os.strerror(e.errno) if e.errno else str(e))  # (a lookup's too)
     return ListenError(f"cannot listen on {what}{host}:{port}: {why}{hint}")
 
 

@@ -23,7 +23,8 @@ def free_port() -> int:
 class ServerProcess:
     """``python -m lmkv_server HOST PORT ARGS...`` with an admin port, started and waited
     for; ``restart`` reuses both ports (and so any persist dir in ``args``). Clients
-    connect through 127.0.0.1, so HOST must be loopback or a wildcard address."""
+    connect through loopback (::1 for an IPv6 HOST, else 127.0.0.1), so HOST must be a
+    loopback or a wildcard address."""
 
     def __init__(
         self,
@@ -42,8 +43,12 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def loopback(self) -> str:
+        return "[::1]" if ":" in self.host else "127.0.0.1"
+
+    @property
     def url(self) -> str:
-        return f"lm://127.0.0.1:{self.port}"
+        return f"lm://{self.loopback}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> ServerProcess:
         cmd = [
@@ -76,7 +81,7 @@ class ServerProcess:
 
     def admin(self, path: str) -> Any:
         """GET an admin endpoint; JSON decoded, or text for /metrics."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{self.loopback}:{self.admin_port}{path}", timeout=5) as r:
             body = r.read().decode()
         return body if path == "/metrics" else json.loads(body)
 

@@ -308,3 +308,28 @@ def test_clients_that_drop_mid_frame_are_logged_once_a_minute(spawn_server):
     log = server.log()
     lines = [line for line in log.splitlines() if "connection error" in line or "inside a frame" in line]
     assert 1 <= len(lines) <= 2, log
+
+
+def test_an_ipv6_address_is_served_and_a_name_that_does_not_resolve_is_a_clear_error(
+        spawn_server, server_env):
+    """The listening socket was IPv4 only: '::1' failed with 'Unknown error -9'."""
+    import subprocess
+    import sys
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            pass
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    server = spawn_server("--max-memory", "8MiB", host="::1")
+    backend = LMBackend(server.url)
+    backend.put([("k@1", b"v" * 1000)])
+    assert backend.get(["k@1"]) == [b"v" * 1000]
+    backend.close()
+    out = subprocess.run([sys.executable, "-m", "lmkv_server", "no-such-host.invalid", "1234",
+                          "--max-memory", "8MiB"], env=server_env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1 and "Unknown error" not in out.stderr
+    assert "cannot listen on no-such-host.invalid:1234: " in out.stderr.strip().splitlines()[-1]
