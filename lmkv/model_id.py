@@ -9,10 +9,13 @@ file's path, size, modification time and inode.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import xxhash
@@ -45,12 +48,15 @@ def file_digest(path: Path) -> str:
     st = path.stat()
     version = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_dev}"
     memo = _memo_dir() / hashlib.blake2b(version.encode(), digest_size=16).hexdigest()
-    try:
-        known = memo.read_text()
-        if len(known) == 32 and all(c in "0123456789abcdef" for c in known):
+    if (known := _recall(memo)) is not None:
+        return known
+    with _hashing(memo):  # the ranks of one engine starting at once hash it once
+        if (known := _recall(memo)) is not None:
             return known
-    except OSError:
-        pass
+        return _hash(path, st, memo)
+
+
+def _hash(path: Path, st: os.stat_result, memo: Path) -> str:
     start = time.monotonic()
     if st.st_size > LOG_ABOVE:
         log.info("lmkv: fingerprinting %s (%.1f GB) for chunk keys, once per file version",
@@ -68,6 +74,31 @@ def file_digest(path: Path) -> str:
     if (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns):  # (not mid-update)
         _remember(memo, digest)
     return digest
+
+
+def _recall(memo: Path) -> str | None:
+    try:
+        known = memo.read_text()
+    except OSError:
+        return None
+    return known if len(known) == 32 and all(c in "0123456789abcdef" for c in known) else None
+
+
+@contextlib.contextmanager
+def _hashing(memo: Path) -> Iterator[None]:
+    """An exclusive lock on ``memo``'s lock file while it is hashed (none where the cache
+    dir cannot be written)."""
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(memo.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _memo_dir() -> Path:

@@ -79,3 +79,29 @@ def test_a_cache_dir_that_cannot_be_written_costs_a_hash_not_an_error(tiny_model
     monkeypatch.setenv("LMKV_CACHE_DIR", str(blocked))
     assert model_fingerprint(tiny_model_dir) == model_fingerprint(tiny_model_dir)
     assert not os.path.isdir(blocked)
+
+
+def test_ranks_starting_at_once_hash_a_file_once(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    monkeypatch.setenv("LMKV_CACHE_DIR", str(tmp_path / "cache"))
+    weights = tmp_path / "w.gguf"
+    weights.write_bytes(os.urandom(1 << 20))
+    hashed = []
+    real = model_id.xxhash.xxh3_128
+
+    def slow():
+        hashed.append(1)
+        time.sleep(0.3)  # (the others arrive meanwhile)
+        return real()
+
+    monkeypatch.setattr(model_id.xxhash, "xxh3_128", slow)
+    digests = []
+    threads = [threading.Thread(target=lambda: digests.append(model_fingerprint(weights)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(digests)) == 1 and len(digests) == 4 and hashed == [1]
