@@ -84,7 +84,7 @@ def zstd_exact(blob, size: int, what: str) -> bytes:
         raise ValueError(f"{what} does not decode: {e}") from e
     if len(raw) != size:
         raise ValueError(f"{what} decodes to {len(raw)} bytes, expected {size}")
-    if (end := _zstd_frame_end(blob)) != len(blob):  # (libzstd's own decoder refuses them too)
+    if (end := _zstd_frame_end(blob)) != len(blob):  # (as the native decoder, lmkv/codec/native.c)
         raise ValueError(f"{what} has {len(blob) - end} stray bytes after its zstd frame")
     return raw
 

@@ -191,6 +191,14 @@ class CacheGenTable:
                 raise ValueError("calibration table has an inconsistent transform")
             if bool(delta.any()):  # transform payloads code no anchor deltas
                 raise ValueError("calibration table has a transform and anchor deltas")
+            if bool(((basis.square().sum(dim=-1) - 1).abs() > 1e-3).any()):  # (rows of unit norm)
+                raise ValueError("calibration table has a transform basis that is not orthonormal")
+        # a decoded value (a symbol of at most 2^15 steps, summed over the basis, plus the
+        # mean) must stay far from float32's range: a table that passed the checks above
+        # could otherwise decode every chunk to inf or NaN
+        spread = math.sqrt(step.shape[2] * step.shape[3]) if basis is not None else 1.0
+        if float(step.amax()) * 32768 * spread + float(mean.abs().amax()) > 1e30:
+            raise ValueError("calibration table has steps or means too large to decode")
         rope = tensors.get("rope_inv_freq")
         if (rope is not None) != (meta.get("format") == FORMAT):
             raise ValueError(f"calibration table of format {meta.get('format')} "

@@ -32,6 +32,8 @@ size_t ZSTD_decompressDCtx(void *dctx, void *dst, size_t capacity, const void *s
 void *ZSTD_createDCtx(void);
 size_t ZSTD_freeDCtx(void *dctx);
 unsigned ZSTD_isError(size_t code);
+size_t ZSTD_findFrameCompressedSize(const void *src, size_t size);
+#define ZSTD_MAGICNUMBER 0xFD2FB528u
 
 enum { WIDTH_INT8 = 1, WIDTH_INT16 = 2, WIDTH_STORED = 3 };
 enum { OK = 0, E_TRUNCATED = -1, E_WIDTH = -2, E_LENGTH = -3, E_ZSTD = -4, E_STRAY = -5, E_MEMORY = -6 };
@@ -90,6 +92,10 @@ static int read_stream(void *dctx, unsigned width, const uint8_t *src, size_t le
     }
     void *out = width == WIDTH_INT16 ? (void *)wide_dst : (void *)dst;
     size_t want = width == WIDTH_INT16 ? n * 2 : n;
+    /* exactly one zstd frame, as the torch decoder takes (libzstd would also decode frames
+     * after it, skippable ones and legacy formats) */
+    if (length < 4 || (src[0] | src[1] << 8 | src[2] << 16 | (uint32_t)src[3] << 24) != ZSTD_MAGICNUMBER
+        || ZSTD_findFrameCompressedSize(src, length) != length) return E_ZSTD;
     size_t got = ZSTD_decompressDCtx(dctx, out, want, src, length);
     if (ZSTD_isError(got) || got != want) return E_ZSTD;
     return (int)width;

@@ -666,7 +666,7 @@ class StorageManager:
 
     def make_lossless(self) -> list[str]:
         """The quality gate's fallback: lossy tiers write zstd from now on and stop serving
-        what they stored lossy (such chunks are then rejected, dropped and recomputed), and
+        what they stored lossy (such chunks are then misses, recomputed and replaced), and
         the hot cache drops the chunks it holds decoded from lossy frames. Returns the names
         of the tiers changed."""
         self.lossless_only = True

@@ -90,7 +90,8 @@ class Tier:
 
     def make_lossless(self) -> None:
         """Write zstd from now on (the quality gate's fallback); what it stored lossy is
-        then rejected on read (the table is gone), dropped and recomputed."""
+        then a miss on read (a foreign frame: the table is gone), recomputed, and replaced
+        by the recomputed chunk's save."""
         self.codec, self.table = get_codec("zstd"), None
 
     def encode(self, key: str, buf: ChunkBuffer) -> memoryview | None:

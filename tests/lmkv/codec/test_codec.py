@@ -591,6 +591,13 @@ def test_calibration_files_are_checked_before_use(table):
     with pytest.raises(ValueError, match="anchor deltas"):
         build_table(correlated.step, correlated.mean, torch.ones_like(correlated.delta),
                     correlated.target, 16, correlated.basis, correlated.bands)
+    # every tensor finite, yet step x basis overflows float32: every chunk decoded to NaN
+    with pytest.raises(ValueError, match="not orthonormal"):
+        build_table(correlated.step, correlated.mean, correlated.delta, correlated.target, 16,
+                    4 * correlated.basis, correlated.bands)
+    with pytest.raises(ValueError, match="too large to decode"):
+        build_table(torch.full_like(correlated.step, 3e38), correlated.mean, correlated.delta,
+                    correlated.target, 16, correlated.basis, correlated.bands)
 
 
 def test_a_chunk_with_nan_is_not_coded_lossy(table):

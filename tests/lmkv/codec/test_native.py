@@ -337,3 +337,43 @@ def test_a_bad_product_setting_is_refused_when_lmkv_starts(tmp_path, monkeypatch
     LMKVCache(cfg, BIG, "model").close()
     lib = native.library()
     assert timed == ([] if lib is not None and lib.lmkv_amx() else [BIG.num_kv_heads * BIG.head_dim] * 2)
+
+
+@pytest.mark.parametrize("variant", ["two zstd frames", "a frame and a skippable frame"])
+def test_the_native_and_torch_decoders_refuse_the_same_streams(monkeypatch, variant):
+    """A stream of more than one zstd frame (a foreign writer's) was decoded by libzstd in
+    the native path and refused by the torch one, which then removed it from a store the
+    native engines shared: both refuse it now."""
+    import struct
+
+    import zstandard
+
+    if native.library() is None:
+        pytest.skip("no native decoder")
+    layout = KVLayout(2, 2, 32, torch.float32, 64)
+    table = calibrate([kv_correlated(s, layout) for s in range(4)], CalibrationSettings(error=0.04))
+    assert table.basis is not None
+    zc = zstandard.ZstdCompressor(level=1, write_content_size=False)
+    if variant == "two zstd frames":
+        make = lambda raw: zc.compress(raw[: len(raw) // 2]) + zc.compress(raw[len(raw) // 2 :])  # noqa: E731
+    else:
+        make = lambda raw: zc.compress(raw) + struct.pack("<II", 0x184D2A50, 3) + b"abc"  # noqa: E731
+    x = kv_correlated(9, layout)
+    payload = bytearray(cachegen.encode(x, table))
+    head = cachegen._HEAD.size  # the first int8 stream that holds symbols, made over
+    count = cachegen._HEAD.unpack_from(payload)[5]
+    descs = [list(cachegen._STREAM.unpack_from(payload, head + 5 * i)) for i in range(count)]
+    blobs, at = [], head + 5 * count
+    for _, n in descs:
+        blobs.append(bytes(payload[at : at + n]))
+        at += n
+    i = next(k for k, (w, n) in enumerate(descs) if w == 1 and n > 0)
+    blobs[i] = make(zstandard.ZstdDecompressor().decompress(blobs[i], max_output_size=1 << 24))
+    descs[i][1] = len(blobs[i])
+    payload = bytes(payload[:head]) + b"".join(cachegen._STREAM.pack(*d) for d in descs) + b"".join(blobs)
+    for decoder in ("native", "torch"):
+        with monkeypatch.context() as m:
+            if decoder == "torch":
+                m.setattr(native, "library", lambda: None)
+            with pytest.raises(cachegen.PayloadError):
+                cachegen.decode_into(payload, torch.empty_like(x), table)
