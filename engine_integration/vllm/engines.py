@@ -60,9 +60,11 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
         raise ConfigError(
             f"lmkv config key chunk_size {config.chunk_size} must be a multiple of vLLM's block "
             f"size {block_size} (set chunk_size, or vLLM's --block-size)")
-    layout = KVLayout(mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype,
-                      config.chunk_size)
     tp = getattr(pc, "tensor_parallel_size", 1) or 1
+    # the split joins the keys: with fewer KV heads than ranks, rank r holds head r // (tp / H),
+    # so rank 1 of TP=2 and rank 1 of TP=4 hold different heads in chunks of one shape
+    layout = KVLayout(mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype,
+                      config.chunk_size, world_size=tp)
     return EngineSpec(config, layout, model_id(mc.model, mc.revision, _variant(mc)), block_size, tp)
 
 

@@ -109,3 +109,25 @@ def test_vllm_settings_that_change_the_kv_of_the_same_weights_change_the_model_i
         ids.add(engine_spec(cfg, {}).model_id)
     assert len(ids) == 4  # the last one (nothing set) is the plain id
     assert plain == model_fingerprint(tiny_model_dir)
+
+
+def test_ranks_of_different_tensor_parallel_sizes_never_share_keys(monkeypatch):
+    """With fewer KV heads than ranks vLLM replicates heads: rank 1 of TP=2 holds head 1 of
+    2, rank 1 of TP=4 head 0, in chunks of one shape. The split is part of the key (it was
+    not: such engines sharing a store loaded each other's heads)."""
+    from dataclasses import replace
+
+    from lmkv.keys import KeyScope
+
+    monkeypatch.delenv("LMKV_CONFIG_FILE", raising=False)
+
+    def key(tp: int, rank: int) -> str:
+        cfg = _vllm_config("org/model", block_size=16, world_size=tp, tp=tp)
+        cfg.model_config.get_num_kv_heads = lambda pc: max(1, 2 // pc.tensor_parallel_size)
+        spec = engine_spec(cfg, {"chunk_size": 16})
+        layout = replace(spec.layout, rank=rank)  # as the connector's worker role makes it
+        return KeyScope(spec.model_id, layout).key(bytes(range(16)))
+
+    assert key(2, 1) != key(4, 1)
+    # one rank: the bundled engine's layout (world_size 1), so the two share entries
+    assert engine_spec(_vllm_config("org/model", block_size=16), {"chunk_size": 16}).layout.world_size == 1
