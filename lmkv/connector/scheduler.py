@@ -79,6 +79,9 @@ class _RequestState:
     # a lookup not counted yet: (prompt tokens, the engine's own hit); counted once, when the
     # engine allocates (a request that waits for blocks is looked up again every step)
     looked_up: tuple[int, int] | None = None
+    # what the last lookup found stored (chunks, and whether the partial last chunk): not
+    # saved again by this request once the engine allocates it (until then they may leave)
+    found: tuple[int, bool] = (0, False)
     no_loads: bool = False  # a load into its pages failed: it is recomputed without lmkv
     touched: bool = False  # its engine prefix hit was counted as a use (once per request)
     salted: bool = False  # the engine files its blocks under prefix_cache_salt's blend namespace
@@ -203,6 +206,7 @@ class SchedulerConnector:
         self._let_go(st)  # pinned (or missed) now: what was held for the lookup goes
         found = first + len(lossy) if lossy else below
         st.gap = range(below, first) if lossy else range(0)
+        tail: list[bool] = []
         if (st.tail is not None and first + len(lossy) == full
                 and len(request.prompt_token_ids) - full * c > 1):  # a tail of 1: nothing to load
             # the same prompt again: its partial last chunk
@@ -210,12 +214,11 @@ class SchedulerConnector:
             if tail:
                 st.pinned.append(st.tail)
                 lossy = lossy + tail
-                st.tail_done = True
                 if tail[0]:
                     self._note_lossy([st.tail])
                     self._note_lossy_tail(st.keys[full - 1] if full else "",
                                           len(request.prompt_token_ids) - full * c)
-        st.saved_chunks = max(st.saved_chunks, found)  # not saved again
+        st.found = (found, bool(tail))
         st.lossy = st.lossy or any(lossy)
         hit = min((first + len(lossy)) * c, len(request.prompt_token_ids) - 1)
         st.looked_up = (len(request.prompt_token_ids), num_computed_tokens)
@@ -278,6 +281,9 @@ class SchedulerConnector:
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         st = self._state(request)
+        found, tail = st.found  # stored when it was looked up: not saved again
+        st.saved_chunks, st.tail_done = max(st.saved_chunks, found), st.tail_done or tail
+        st.found = (0, False)
         if st.plan is not None:
             self.cache.record_blend(len(request.prompt_token_ids), st.plan.num_cached_tokens)
         elif st.looked_up is not None:  # lmkv's hit: what it loads beyond the engine's own

@@ -374,6 +374,24 @@ def test_pins_of_a_request_that_was_not_scheduled_are_given_back_at_once():
     engine.close()
 
 
+def test_chunks_a_lookup_found_are_saved_if_they_left_before_the_request_was_allocated():
+    """A lookup's hit counted the chunks as stored for the request at once: when the engine
+    did not allocate it and they left the hot cache meanwhile, the request computed them
+    and never saved them."""
+    engine = _engine()
+    prompt = list(range(7000, 7000 + 3 * CHUNK + 5))
+    _store(engine, prompt)
+    sched = SchedulerConnector(engine, BLOCK)
+    waiting = Request("w", prompt)
+    assert sched.get_num_new_matched_tokens(waiting, 0)[0] == 3 * CHUNK
+    sched.build_connector_meta([])  # not allocated this step: the pins go back
+    engine.storage.hot.clear()  # other requests' saves evict the chunks meanwhile
+    offered, meta = _schedule(sched, waiting, computed=0)  # found nothing: computes it all
+    assert offered == 0
+    assert [k for s in meta.saves for k in s.keys] == engine.keys(prompt)
+    engine.close()
+
+
 def test_a_producer_reuses_no_stored_rag_chunk():
     """kv_role: producer only saves: with enable_blending it offers no blend plan."""
     doc = list(range(100, 100 + CHUNK))
