@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -104,16 +105,26 @@ class LookupServer:
         self._tickets = itertools.count(1)
         _sweep_dead_sockets(path.parent)
         _unlink_if_dead(path)
+        # bound and listening under a name no sweep takes for a dead server's (a socket bound
+        # but not yet listening refuses connections as a dead one's does), then linked to
+        # its path: a live server's file there fails the link, as a bind over it would
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        starting = path.with_name(f".lmkv-{os.urandom(12).hex()}")  # (no longer than path's name)
         old = os.umask(0o177)
         try:
-            self._sock.bind(str(path))
+            self._sock.bind(str(starting))
+            self._sock.listen(4)
+            try:
+                os.link(starting, path)
+            except FileExistsError:
+                raise OSError(errno.EADDRINUSE, f"{path} is another lookup server's") from None
         except OSError:
             self._sock.close()
             raise
         finally:
             os.umask(old)
-        self._sock.listen(4)
+            with contextlib.suppress(OSError):
+                starting.unlink()
         self._closed = False
         atexit.register(self.close)  # vLLM may not shut its connectors down on exit
         threading.Thread(target=self._accept, name="lmkv-lookups", daemon=True).start()

@@ -424,6 +424,45 @@ def test_socket_files_of_dead_servers_are_swept_at_start(tmp_path):
         engine.close()
 
 
+def test_a_server_starting_while_another_sweeps_keeps_its_socket_file(tmp_path, monkeypatch):
+    """A socket bound but not yet listening refuses connections as a dead server's does: a
+    rank starting at that moment swept its sibling's file away, and that rank's scheduler
+    then found no worker. A server now listens before its file appears under the swept
+    name; and one whose path a live server holds still fails with EADDRINUSE."""
+    import errno
+    import os
+
+    cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001)
+    engine = LMKVCache(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
+    real_listen = socket.socket.listen
+
+    def listen_after_a_sweep(sock, *args):  # another rank starts between bind and listen
+        lookup_socket._sweep_dead_sockets(tmp_path)
+        return real_listen(sock, *args)
+
+    monkeypatch.setattr(socket.socket, "listen", listen_after_a_sweep)
+    real_link = os.link
+
+    def link_after_a_sweep(src, dst):  # ... or between listen and the file's appearance
+        lookup_socket._sweep_dead_sockets(tmp_path)
+        return real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", link_after_a_sweep)
+    server = LookupServer(engine, tmp_path / ("lmkv-" + "c" * 20 + ".sock"))
+    monkeypatch.undo()
+    try:
+        assert server.path.exists() and [p.name for p in tmp_path.iterdir()] == [server.path.name]
+        remote = LookupClient(cfg, [server.path], connect_timeout=5)
+        assert remote.lookup(["00" * 16]) == 0  # (a rank-free chunk hash)
+        remote.close()
+        with pytest.raises(OSError) as taken:
+            LookupServer(engine, server.path)
+        assert taken.value.errno == errno.EADDRINUSE and server.path.exists()
+    finally:
+        server.close()
+        engine.close()
+
+
 def test_chunks_that_arrived_for_a_waiting_request_are_still_hot_at_its_lookup(tmp_path, monkeypatch):
     """A hot cache smaller than the waiting requests' chunks (here: 16 slots, LRU): other
     requests' saves between the chunks' arrival and the request's lookup do not evict them
