@@ -91,7 +91,7 @@ class LMKVConfig:
                  "local_cpu", "may be false only with local_disk or remote_url set (it keeps "
                  "no chunk in CPU memory: the tiers below serve every hit)")
         if self.local_disk is not None:
-            path = self.local_disk.removeprefix("file://")
+            path = os.path.expanduser(self.local_disk.removeprefix("file://"))  # (~/cache)
             _require(bool(path), "local_disk", "must be a directory path")
             _require("," not in path, "local_disk", "takes one directory (LMCache's list of "
                      "several, comma-separated, is not supported)")
@@ -209,6 +209,10 @@ def read_yaml(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"lmkv config file {path} must be a mapping of keys to values")
+    if bad := [k for k in data if not isinstance(k, str)]:
+        raise ConfigError(f"lmkv config file {path}: keys must be names, found "
+                          f"{', '.join(map(repr, bad))} (YAML reads on, off, yes, no and "
+                          "numbers as booleans and numbers: quote such a key)")
     return data
 
 
@@ -217,7 +221,7 @@ _HINTS = typing.get_type_hints(LMKVConfig)
 
 
 def from_dict(values: dict[str, Any]) -> LMKVConfig:
-    unknown = sorted(set(values) - set(_FIELDS))
+    unknown = sorted(set(values) - set(_FIELDS), key=str)
     if unknown:
         raise ConfigError(
             f"unknown lmkv config key(s): {', '.join(map(str, unknown))} "

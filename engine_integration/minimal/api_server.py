@@ -85,7 +85,8 @@ class APIServer:
         app.add_exception_handler(RequestValidationError, _validation_error)
         app.add_exception_handler(HTTPException, _http_error)
         app.add_exception_handler(Exception, _unexpected_error)
-        app.add_middleware(BodyLimit, limit=config.max_request_body, budget=config.request_bodies_budget)
+        app.add_middleware(BodyLimit, limit=config.max_request_body, budget=config.request_bodies_budget,
+                           timeout=config.request_body_timeout)
         app.add_middleware(MetricsMiddleware, metrics=self.metrics, endpoints=ENDPOINTS)
         self.app = app
 
@@ -154,11 +155,7 @@ class APIServer:
         """``tokenize(text)`` off the event loop and the engine thread, TOKENIZERS at a
         time, once the server has room for the request (503 otherwise) and the text could
         fit the context (400 otherwise)."""
-        if chars > self.max_prompt_chars:
-            raise ValueError(
-                f"the prompt holds {chars} characters: more than this model's context of "
-                f"{self.engine.max_model_len} tokens can hold (a token here is at most "
-                f"{self.engine.tokenizer.max_token_chars} characters)")
+        self._check_chars(chars)
         self._check_room(self._waiting)  # those waiting to be tokenized count
         if self._tokenizing is None:
             self._tokenizing = asyncio.Semaphore(TOKENIZERS)
@@ -187,9 +184,19 @@ class APIServer:
                 f"max_tokens {max_tokens}; at most {max(0, limit - len(prompt))} can be generated "
                 "after this prompt", param="max_tokens")
 
+    def _check_chars(self, chars: int) -> None:
+        if chars > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt holds {chars} characters: more than this model's context of "
+                f"{self.engine.max_model_len} tokens can hold (a token here is at most "
+                f"{self.engine.tokenizer.max_token_chars} characters)")
+
     def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         tok = self.engine.tokenizer
         text = tok.apply_chat_template(messages)
+        # the template adds text around each message: many short ones render to several
+        # times what their roles and contents hold (checked before the tokenizer's time)
+        self._check_chars(len(text))
         return self.engine.tokenize(text, add_special_tokens=False)  # the template places BOS
 
     def _check_model(self, model: str | None) -> None:

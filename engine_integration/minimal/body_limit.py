@@ -1,12 +1,16 @@
-"""An ASGI middleware that bounds request bodies: one above a size gets HTTP 413, and the
-bodies of the requests being handled at once share a budget (more get HTTP 503).
+"""An ASGI middleware that bounds request bodies: one above a size gets HTTP 413, the
+bodies of the requests being handled at once share a budget (more get HTTP 503), and a
+body must arrive within a time (else HTTP 408).
 
-A declared Content-Length above the limit is refused before any byte is read; a body sent
-without one (chunked) is read here, up to the limit, and refused once it passes it. A
-request holds its body's bytes of the budget until its response ends."""
+A declared Content-Length above the limit is refused before any byte is read. Every body
+is read here, up to the limit (one sent without a length, chunked, is refused once it
+passes it), taking its bytes of the budget as they arrive, then handed to the app; a
+request holds them until its response ends. (Taking a declared length's bytes before they
+arrived let a few connections that send headers and no body hold the whole budget.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,10 +25,11 @@ Send = Callable[[Message], Awaitable[None]]
 
 class BodyLimit:
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], limit: int,
-                 budget: int):
+                 budget: int, timeout: float):
         self.app = app
         self.limit = limit
         self.budget = budget  # bytes of the bodies of all requests being handled
+        self.timeout = timeout  # seconds a request's whole body may take to arrive
         self.held = 0  # (one event loop: no lock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -32,27 +37,24 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and declared.isdigit():
-            n = int(declared)
-            if n > self.limit:
-                await self._too_large(send)
-                return
-            if not self._take(n):
-                await self._busy(send)
-                return
-            try:  # the server holds the client to its length
-                await self.app(scope, receive, send)
-            finally:
-                self.held -= n
-            return
-        if declared is not None:  # not a number: the server answers 400
+        if declared is not None and not declared.isdigit():  # the server answers 400
             await self.app(scope, receive, send)
             return
-        body = bytearray()  # chunked: read it all here, at most limit bytes, then hand it on
+        if declared is not None and int(declared) > self.limit:
+            await self._too_large(send)
+            return
+        body = bytearray()
         taken = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
         try:
             while True:
-                message = await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    await refuse(send, 408, f"the request body did not arrive within "
+                                 f"{self.timeout:g} s (engine serve --request-body-timeout)")
+                    return
                 if message["type"] != "http.request":
                     return  # the client went away
                 piece = message.get("body", b"")

@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bodies", type=parse_size,
                        help="total size of the bodies of the requests handled at once; a request "
                        "past it gets HTTP 503 (default 256MiB, or --max-request-body if larger)")
+    serve.add_argument("--request-body-timeout", type=float,
+                       default=ServerConfig.request_body_timeout, metavar="SECONDS",
+                       help="how long a request's whole body may take to arrive; a slower one "
+                            "gets HTTP 408 (default %(default)s)")
     serve.add_argument("--graceful-shutdown-timeout", type=float,
                        default=ServerConfig.graceful_shutdown_timeout, metavar="SECONDS",
                        help="on SIGTERM or SIGINT, how long requests in flight may run on "
@@ -205,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_pending=args.max_pending, log_level=args.log_level,
                 max_request_body=args.max_request_body,
                 max_request_bodies=args.max_request_bodies,
+                request_body_timeout=args.request_body_timeout,
                 graceful_shutdown_timeout=args.graceful_shutdown_timeout,
                 lmkv_config_file=os.environ.get("LMKV_CONFIG_FILE") or None,
             )

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt, field_validator, model_validator
 
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import MAX_STOP_TOKEN_IDS, MAX_STOPS, SamplingParams
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy
 # fields that OpenAI clients send as null to mean "the default"
@@ -22,6 +22,7 @@ ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -34,6 +35,14 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(x) is int for x in value)
+
+
+def _shape_error(field: str, expected: str) -> ValueError:
+    return ValueError(f"{field} must be {expected}")
 
 
 def _check_text(name: str, value: str) -> None:
@@ -78,7 +87,7 @@ class GenerationRequest(BaseModel):
     top_p: FiniteFloat | None = None
     top_k: int | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOPS)
     n: int = 1
     stream: bool = False
     # OpenAI features this server does not have: refused when asked for
@@ -88,13 +97,13 @@ class GenerationRequest(BaseModel):
     functions: list[Any] | None = None
     stream_options: StreamOptions | None = None
     # extensions, as in vLLM
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     return_token_ids: bool = False
     # accepted for compatibility, refused unless left at values that change nothing
     presence_penalty: FiniteFloat | None = None
     frequency_penalty: FiniteFloat | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None  # (refused when set: its values are not looked at)
 
     def check_supported(self) -> None:
         """Raise ValueError naming the first requested feature this server lacks."""
@@ -138,6 +147,19 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """One pass over the prompt's items, one error: pydantic's own check of a union of
+        list types reports every bad item once per alternative (an 8 MB body of nulls held
+        the event loop for over a minute)."""
+        if (isinstance(value, str) or _is_ids(value)
+                or isinstance(value, list) and (all(isinstance(x, str) for x in value)
+                                                or all(_is_ids(x) for x in value))):
+            return value
+        raise _shape_error("prompt", "a string, a list of token ids, or a list of strings or "
+                           "of token-id lists")
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -203,6 +225,23 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, lt=2**31)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_shape(cls, value: Any) -> Any:
+        """One pass over the messages, one error (as for a completion's prompt)."""
+        def ok(m: Any) -> bool:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                return False
+            content = m.get("content")
+            return (content is None or isinstance(content, str) or isinstance(content, list)
+                    and all(isinstance(p, dict) and isinstance(p.get("type"), str)
+                            and isinstance(p.get("text"), str | None) for p in content))
+
+        if isinstance(value, list) and all(ok(m) for m in value):
+            return value
+        raise _shape_error("messages", "a list of objects, each with a string role and a "
+                           "content that is a string, null, or a list of {type, text} parts")
 
     def check_supported(self) -> None:
         super().check_supported()

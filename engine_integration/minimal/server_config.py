@@ -22,6 +22,8 @@ class ServerConfig:
     # bytes of the bodies of all requests being handled at once; a request past it gets 503
     # (None: 256 MiB, or max_request_body if that is larger)
     max_request_bodies: int | None = None
+    # seconds a request's whole body may take to arrive; a slower one gets HTTP 408
+    request_body_timeout: float = 60.0
     # seconds a stopping server (SIGTERM, SIGINT) gives the requests in flight to finish
     graceful_shutdown_timeout: float = 5.0
     lmkv_config_file: str | None = None  # LMKV_CONFIG_FILE, read at startup
@@ -33,6 +35,7 @@ class ServerConfig:
         _check(self.max_request_body >= 1024, "max_request_body", ">= 1KiB")
         _check(self.max_request_bodies is None or self.max_request_bodies >= self.max_request_body,
                "max_request_bodies", f">= max_request_body ({self.max_request_body} bytes)")
+        _check(self.request_body_timeout > 0, "request_body_timeout", "> 0 seconds")
         _check(self.graceful_shutdown_timeout >= 1, "graceful_shutdown_timeout", ">= 1 second")
         _check(self.log_level in LOG_LEVELS, "log_level", f"one of {', '.join(LOG_LEVELS)}")
 

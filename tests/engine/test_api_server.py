@@ -308,6 +308,75 @@ def test_malformed_bodies_and_chat_errors(server):
     assert r.status_code == 200
 
 
+@pytest.fixture(scope="module")
+def limits_server(tiny_model_dir, tmp_path_factory):
+    """A server whose body limit (4 MiB) lets large bad bodies in, with a budget of two of
+    them and a 3 s body deadline."""
+    log = tmp_path_factory.mktemp("limits") / "serve.log"
+    proc, port = start_serve(tiny_model_dir, log, "--max-request-body", "4MiB",
+                             "--max-request-bodies", "8MiB", "--request-body-timeout", "3")
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.mark.parametrize(("path", "field"), [("/v1/completions", "prompt"),
+                                           ("/v1/chat/completions", "messages")])
+def test_a_body_of_many_bad_items_is_refused_without_stalling_the_server(limits_server, path, field):
+    """pydantic reported each bad item of a union of list types once per alternative, on
+    the event loop: 2 MB of nulls held every other request (/health too) 5-12 s."""
+    import threading
+
+    server = limits_server
+    raw = (f'{{"{field}": [' + ",".join(["null"] * 400_000) + '], "max_tokens": 1}').encode()
+    waits, done = [], threading.Event()
+
+    def ping():
+        while not done.is_set():
+            start = time.monotonic()
+            httpx.get(f"{server}/health", timeout=120)
+            waits.append(time.monotonic() - start)
+            time.sleep(0.02)
+
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    try:
+        r = httpx.post(f"{server}{path}", content=raw, timeout=300,
+                       headers={"content-type": "application/json"})
+    finally:
+        done.set()
+        pinger.join()
+    assert r.status_code == 400 and f"{field} must be" in r.json()["error"]["message"]
+    assert len(r.content) < 2000 and max(waits) < 1.0
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "stop": ["a"] * 17})
+    assert r.status_code == 400 and "stop" in r.json()["error"]["message"]
+
+
+def test_connections_that_send_headers_and_no_body_hold_no_budget_and_time_out(limits_server):
+    """A declared length took its bytes of the budget before any arrived: two connections
+    sending headers only (4 MiB declared each) made every other POST get 503 for as long
+    as they stayed open."""
+    import socket
+
+    port = int(limits_server.rsplit(":", 1)[1])
+    idle = []
+    try:
+        for _ in range(2):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: 4194304\r\n\r\n")
+            idle.append(s)
+        time.sleep(0.5)
+        r = httpx.post(f"{limits_server}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        idle[0].settimeout(10)
+        reply = idle[0].recv(4096)  # after --request-body-timeout: 408, and closed
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 3 s" in reply
+    finally:
+        for s in idle:
+            s.close()
+
+
 def test_a_chat_prompt_too_long_in_its_roles_is_refused_before_it_is_tokenized(server):
     """Roles are rendered into the prompt too: a huge role is refused by its size at once,
     as a huge content is (before, it was tokenized first: seconds of the server's time)."""
@@ -319,6 +388,21 @@ def test_a_chat_prompt_too_long_in_its_roles_is_refused_before_it_is_tokenized(s
     r = httpx.post(f"{server}/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2**40})
     assert r.status_code == 400 and "max_tokens" in r.text
+
+
+def test_many_short_chat_messages_are_measured_as_rendered_before_they_are_tokenized(
+        limits_server, monkeypatch):
+    """The length check counted roles and contents only: the template's text around each
+    message made many empty messages render to several times that, all tokenized."""
+    message = {"role": "user", "content": ""}
+    count = 90_000  # 360,000 characters of roles (the limit here: 380,928), more rendered
+    start = time.monotonic()
+    r = httpx.post(f"{limits_server}/v1/chat/completions", json={"messages": [message] * count},
+                   timeout=120)
+    assert r.status_code == 400, r.text
+    said = r.json()["error"]["message"]
+    assert "characters" in said and int(said.split()[3]) > 4 * count, said  # the rendered text's
+    assert time.monotonic() - start < 10
 
 
 def test_chat_max_tokens_past_the_context_is_refused(server):

@@ -176,3 +176,18 @@ def test_lmkv_variables_without_a_config_file_are_named_not_ignored_silently(cap
         mp.setenv("LMKV_CHUNK_SIZE", "64")
         assert _lmkv_config() is None
     assert "LMKV_CHUNK_SIZE is not used" in caplog.text
+
+
+@pytest.mark.parametrize("key", ["on", "1", "yes"])
+def test_a_yaml_key_read_as_a_boolean_or_number_is_named_not_a_traceback(tmp_path, key):
+    """PyYAML reads `on:` or `1:` as True or 1: sorting the unknown keys raised TypeError."""
+    path = tmp_path / "lmkv.yaml"
+    path.write_text(f"chunk_size: 256\nchunk_sise: 3\n{key}: 3\n")  # (with a typo: both unknown)
+    with pytest.raises(ConfigError, match="keys must be names"):
+        load_config(path, env={})
+
+
+def test_a_disk_directory_under_home_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(env={}, local_disk="~/lmkv-disk", max_local_disk_size=1)
+    assert cfg.local_disk == f"{tmp_path}/lmkv-disk"
