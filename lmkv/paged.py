@@ -125,14 +125,15 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst (host, maybe a non-contiguous view) = src (a device tensor of its shape), piece by
-    contiguous piece of ``dst`` where there are few (no pageable temporary). Into pinned
-    memory the copies are asynchronous on the current stream: synchronize it before
-    reading ``dst``."""
+    contiguous piece of ``dst``. Into pinned memory the copies are asynchronous on the
+    current stream, however many pieces (a partial chunk's 2 x layers: a copy through a
+    pageable temporary would wait for every copy queued on the stream): synchronize it
+    before reading ``dst``. Into pageable memory, many pieces go through one temporary."""
     pieces = contiguous_pieces(dst)
-    if len(pieces) > MAX_PIECES:
+    pinned = dst.is_pinned()
+    if len(pieces) > MAX_PIECES and not pinned:
         dst.copy_(src)
         return
-    pinned = dst.is_pinned()
     for idx in pieces:
         dst[idx].copy_(src[idx], non_blocking=pinned)
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from lmkv import cpu_attention
+from lmkv.paged import pinned
 
 from .attention_metadata import AttentionMetadata
 from .blend import blend_prefill
@@ -129,16 +130,20 @@ class ModelRunner:
             tables[i, : len(blocks)] = req.block_table()
             if hi == req.num_tokens:
                 sample_rows.append((starts[-1] - 1, req))
-        dev = self.device  # host-built metadata, copied over without a sync
-        on = lambda values: torch.tensor(values, dtype=torch.int64).to(dev, non_blocking=True)
+        # host-built metadata, copied over without a sync: from pinned memory where the
+        # device is a GPU (a copy from pageable memory would first wait for everything
+        # queued on the engine's stream: this step's loads, the last step's saves)
+        dev = self.device
+        on = lambda t: (pinned(t) if dev.type == "cuda" else t).to(dev, non_blocking=True)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=on(slots),
-            block_tables=tables.to(dev, non_blocking=True),
-            seq_lens=on(seq_lens),
-            query_start_loc=on(starts),
+            slot_mapping=on(torch.tensor(slots, dtype=torch.int64)),
+            block_tables=on(tables),
+            seq_lens=on(torch.tensor(seq_lens, dtype=torch.int64)),
+            query_start_loc=on(torch.tensor(starts, dtype=torch.int64)),
             num_decodes=sum(1 for s in batch if s.num_new_tokens == 1),
             host_seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
             host_query_start_loc=torch.tensor(starts, dtype=torch.int64),
             launcher=self.launcher,
         )
-        return on(ids), on(pos), meta, sample_rows
+        return (on(torch.tensor(ids, dtype=torch.int64)), on(torch.tensor(pos, dtype=torch.int64)),
+                meta, sample_rows)

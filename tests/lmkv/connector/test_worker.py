@@ -659,3 +659,47 @@ def test_loads_and_saves_on_cuda_pages_through_copy_streams(layerwise, async_sav
     buf.release()
     worker.close()
     engine.close()
+
+
+def test_a_partial_chunk_saved_into_pinned_memory_is_copied_without_blocking(monkeypatch):
+    """A prompt's partial last chunk (save_unfull_chunk) saved from GPU pages is a view of
+    2 x layers pieces of its pinned slot: past MAX_PIECES it went over in one blocking copy
+    through a pageable temporary, a wait for every save copy queued on the stream."""
+    chunk = torch.zeros(2, 30, 256, 2, 8)  # 30 layers, chunk_size 256, a pinned pool slot
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: True)
+    dst, stage = chunk[:, :, :100], torch.randn(2, 30, 100, 2, 8)  # (stage: the device's)
+    flags: list[bool] = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src, non_blocking=False: (
+        flags.append(bool(non_blocking)), real(t, src, non_blocking))[1])
+    paged.copy_to_host(dst, stage)
+    assert torch.equal(dst, stage) and flags and all(flags)
+
+
+def test_an_eager_steps_metadata_goes_to_a_gpu_from_pinned_memory(monkeypatch):
+    """ids, positions, slots, block tables, sequence lengths and query starts went to the
+    GPU from pageable tensors: each such copy first waits for everything queued on the
+    engine's stream (this step's loads, the last step's saves)."""
+    from lmkv_engines.minimal.model_runner import ModelRunner
+    from lmkv_engines.minimal.request import Request
+    from lmkv_engines.minimal.sampling_params import SamplingParams
+    from lmkv_engines.minimal.scheduler import ScheduledRequest
+
+    pins = _FakePins(monkeypatch)
+    sent: list[tuple[tuple[int, ...], bool]] = []
+    real_to = torch.Tensor.to
+
+    def to(t, *args, **kwargs):
+        dev = args[0] if args else kwargs.get("device")
+        if isinstance(dev, torch.device) and dev.type == "cuda":  # (no GPU: recorded only)
+            sent.append((tuple(t.shape), pins.is_pinned(t)))
+            return t
+        return real_to(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    runner = ModelRunner.__new__(ModelRunner)  # (_prepare needs no model)
+    runner.device, runner.block_size, runner.launcher = torch.device("cuda"), 4, None
+    req = Request("r", list(range(10)), SamplingParams(max_tokens=1))
+    req.block_ids = [3, 5, 7]
+    runner._prepare([ScheduledRequest(req, 10)])
+    assert len(sent) == 6 and all(was_pinned for _, was_pinned in sent), sent
