@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..cache import LMKVCache
 from ..compute import KVComputer
+from .segments import separator_tokens, split_segments
 
 log = logging.getLogger(__name__)
 
@@ -27,62 +30,107 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Sequence[str | li
                batch_size: int = 8, progress: bool = True) -> PrecomputeReport:
     """Compute and store each document chunk's KV. Idempotent: stored chunks are skipped.
     A chunk counts as stored once every tier below the hot cache holds it (a write that
-    was dropped or failed is a failure: a later process would not find it)."""
+    was dropped or failed is a failure: a later process would not find it), or, with no
+    tier below, once it is still in the hot cache when all are done. Documents are taken
+    ``batch_size`` at a time, end to end (tokenized, computed, stored, and the writes below
+    waited for before the next batch: a tier slower than the computation would otherwise
+    have its queued writes dropped for the slots of the next ones), so memory does not
+    grow with the corpus."""
     if isinstance(documents, str | bytes) or not isinstance(documents, Sequence):
         raise TypeError("documents must be a list of texts or of token id lists, "
                         f"not {type(documents).__name__}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     start = time.perf_counter()
-    token_lists = [_tokens(engine, lmkv, i, d) for i, d in enumerate(documents)]
-    empty = sum(1 for t in token_lists if not t)
+    separator = _separator(engine, lmkv)
+    report = PrecomputeReport(0, 0, 0, 0, 0.0)
+    seen: set[bytes] = set()  # digests of the documents met (repeats are skipped)
+    hot_only: list[list[str]] = []  # with no tier below: the stored chunks' keys
+    empty = 0
+    todo: list[list[int]] = []
+    for i, document in enumerate(documents):
+        tokens = _tokens(engine, lmkv, i, document, separator)
+        digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
+        if not tokens:
+            empty += 1
+        elif digest in seen:
+            report.skipped += 1
+        else:
+            seen.add(digest)
+            # stored means below the hot cache too, where tiers are (as counted below)
+            if lmkv.has_chunk(tokens) and not _not_persisted(lmkv, [tokens]):
+                report.skipped += 1
+            else:
+                todo.append(tokens)
+        if len(todo) == batch_size or (todo and i == len(documents) - 1):
+            _store_batch(engine, lmkv, todo, report, hot_only)
+            todo = []
+            if progress:
+                print(f"precompute: {i + 1}/{len(documents)} documents, {report.stored} chunks "
+                      f"stored, {report.tokens} tokens, {time.perf_counter() - start:.1f}s",
+                      file=sys.stderr, flush=True)
     if empty:
         log.warning("precompute: %d empty documents ignored", empty)
-    todo: list[list[int]] = []
-    seen: set[tuple[int, ...]] = set()
-    for tokens in token_lists:
-        if tokens and tuple(tokens) not in seen:
-            seen.add(tuple(tokens))
-            # stored means below the hot cache too, where tiers are (as counted below)
-            if not lmkv.has_chunk(tokens) or _not_persisted(lmkv, [tokens]):
-                todo.append(tokens)
-    report = PrecomputeReport(0, len(token_lists) - empty - len(todo), 0, 0, 0.0)
-    stored: list[list[int]] = []
-    for i in range(0, len(todo), batch_size):
-        for tokens, kv in _compute(engine, lmkv, todo[i : i + batch_size]):
-            if kv is not None and lmkv.store_chunk(tokens, kv):
-                stored.append(tokens)
-            else:
-                report.failed += 1
-            report.tokens += len(tokens) if kv is not None else 0
-        if progress:
-            done = min(i + batch_size, len(todo))
-            print(f"precompute: {done}/{len(todo)} chunks, {report.tokens} tokens, "
-                  f"{time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
-    lmkv.drain()  # lower tiers written before we report success
-    lost = _not_persisted(lmkv, stored)
-    if lost:
-        log.warning("precompute: %d chunks did not reach every tier below the hot cache "
-                    "(writes dropped or failed, or evicted at once by a tier's size cap: see "
-                    "lmkv_dropped_total, lmkv_errors_total, lmkv_evictions_total)", lost)
-    report.stored, report.failed = len(stored) - lost, report.failed + lost
+    gone = sum(1 for keys in hot_only if not all(map(lmkv.storage.hot.contains, keys)))
+    if gone:
+        log.warning("precompute: %d chunks were evicted from the hot cache by later ones (no "
+                    "tier below holds them): size the hot cache (max_local_cpu_size) for the "
+                    "corpus, or add local_disk", gone)
+    report.stored, report.failed = report.stored - gone, report.failed + gone
     report.seconds = time.perf_counter() - start
     log.info("precompute: %d stored, %d already stored, %d failed, %.1fs", report.stored,
              report.skipped, report.failed, report.seconds)
     return report
 
 
-def _tokens(engine: KVComputer, lmkv: LMKVCache, i: int, document: str | list[int]) -> list[int]:
+def _store_batch(engine: KVComputer, lmkv: LMKVCache, batch: list[list[int]],
+                 report: PrecomputeReport, hot_only: list[list[str]]) -> None:
+    """Compute and store ``batch``, then wait for the writes below and count what they lost."""
+    stored = []
+    for tokens, kv in _compute(engine, lmkv, batch):
+        if kv is not None and lmkv.store_chunk(tokens, kv):
+            stored.append(tokens)
+        else:
+            report.failed += 1
+        report.tokens += len(tokens) if kv is not None else 0
+    if not lmkv.storage.tiers:
+        hot_only.extend(lmkv.content_keys(tokens) for tokens in stored)
+        report.stored += len(stored)
+        return
+    lmkv.drain()  # lower tiers written before we count them (and before the next batch)
+    lost = _not_persisted(lmkv, stored)
+    if lost:
+        log.warning("precompute: %d chunks did not reach every tier below the hot cache "
+                    "(writes dropped or failed, or evicted at once by a tier's size cap: see "
+                    "lmkv_dropped_total, lmkv_errors_total, lmkv_evictions_total)", lost)
+    report.stored += len(stored) - lost
+    report.failed += lost
+
+
+def _separator(engine: KVComputer, lmkv: LMKVCache) -> list[int]:
+    """The separator's ids as prompts hold them (blending on), else []."""
+    if not lmkv.config.enable_blending:
+        return []
+    return separator_tokens(lambda text: engine.tokenize(text, add_special_tokens=False),
+                            lmkv.config.blend_special_str)
+
+
+def _tokens(engine: KVComputer, lmkv: LMKVCache, i: int, document: str | list[int],
+            separator: list[int]) -> list[int]:
     """A document's token ids as they appear inside a prompt: no special tokens (a BOS)."""
+    sep = lmkv.config.blend_special_str
     if isinstance(document, str):
-        sep = lmkv.config.blend_special_str
         if lmkv.config.enable_blending and sep in document:
             log.warning("precompute: document %d contains the separator %r: prompts split there, "
                         "so it will never be found whole", i, sep)
         return engine.tokenize(document, add_special_tokens=False)
     if not isinstance(document, list | tuple):
         raise TypeError(f"document {i} is a {type(document).__name__}, not a text or a list of ids")
-    return list(document)
+    tokens = list(document)
+    if separator and len(split_segments(tokens, separator)) > 1:
+        log.warning("precompute: document %d holds the separator's ids (%r): prompts split "
+                    "there, so it will never be found whole", i, sep)
+    return tokens
 
 
 def _compute(engine: KVComputer, lmkv: LMKVCache, batch: list[list[int]]):

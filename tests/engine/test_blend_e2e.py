@@ -25,8 +25,8 @@ def _docs(seed=0):
 
 
 def _blend_llm(model_dir, ratio, **kw):
-    cfg = load_config(env={}, chunk_size=32, max_local_cpu_size=0.05, enable_blending=True,
-                      blend_recompute_ratio=ratio, **kw)
+    cfg = load_config(env={}, **{"chunk_size": 32, "max_local_cpu_size": 0.05, "enable_blending": True,
+                                 "blend_recompute_ratio": ratio, **kw})
     return LLM(str(model_dir), lmkv_config=cfg, kv_cache_memory=64 << 20, enable_prefix_caching=False)
 
 
@@ -533,3 +533,62 @@ def test_a_rag_prompt_sent_again_or_continued_reuses_its_blended_pages(tiny_mode
         out = llm.generate([exact], GREEDY)[0]
         assert out.num_cached_tokens == 0
         assert out.output_token_ids == plain.generate([exact], GREEDY)[0].output_token_ids
+
+
+def _many_docs(seed: int, n: int = 60, length: int = 64) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 4000, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def test_precompute_past_the_hot_cache_counts_only_what_stayed(tiny_model_dir):
+    """With no tier below, chunks that later ones evicted from the hot cache were counted
+    stored (60 stored, 15 held): they are failures, and a warning says why."""
+    docs = _many_docs(3)
+    with _blend_llm(tiny_model_dir, 0.15, max_local_cpu_size=0.001) as llm:  # 30 slots
+        report = llm.precompute(docs, progress=False)
+        held = sum(llm.engine.kv_connector.cache.has_chunk(d) for d in docs)
+        assert held < len(docs) and (report.stored, report.failed) == (held, len(docs) - held)
+
+
+def test_precompute_waits_for_a_slow_tier_batch_by_batch(tiny_model_dir, tmp_path):
+    """Writes queued behind a tier slower than the computation were dropped for the next
+    chunks' slots (15 of 60 reached the disk): each batch's writes are waited for."""
+    import time
+
+    docs = _many_docs(4)
+    with _blend_llm(tiny_model_dir, 0.15, max_local_cpu_size=0.001, local_disk=str(tmp_path),
+                    max_local_disk_size=1) as llm:
+        backend = llm.engine.kv_connector.cache.storage.tiers[0].backend
+        real = backend.put
+        backend.put = lambda items: (time.sleep(0.02), real(items))[1]
+        report = llm.precompute(docs, progress=False)
+        assert (report.stored, report.failed) == (len(docs), 0)
+
+
+def test_precompute_takes_the_documents_a_batch_at_a_time(tiny_model_dir):
+    """Every document was tokenized and held before the first was computed."""
+    docs, read = _many_docs(5, n=50, length=40), []
+
+    class Docs(list):
+        def __getitem__(self, i):
+            read.append(i)
+            return list.__getitem__(self, i)
+
+        def __iter__(self):
+            return (self[i] for i in range(len(self)))
+
+    with _blend_llm(tiny_model_dir, 0.15) as llm:
+        real, first = llm.engine.compute_kv, []
+        llm.engine.compute_kv = lambda lists, pre_rope=False: (first.append(len(read)),
+                                                               real(lists, pre_rope))[1]
+        assert llm.precompute(Docs(docs), batch_size=8, progress=False).stored == 50
+        assert first[0] == 8
+
+
+def test_a_token_id_document_holding_the_separator_is_warned_about(tiny_model_dir, caplog):
+    docs, _ = _docs(15)
+    with _blend_llm(tiny_model_dir, 0.15) as llm:
+        doc = docs[0][:30] + llm.engine.blend_separator + docs[0][30:]
+        with caplog.at_level("WARNING"):
+            llm.precompute([doc], progress=False)
+    assert any("holds the separator's ids" in r.getMessage() for r in caplog.records)
