@@ -16,7 +16,7 @@ from .registry import redact_url
 
 def _split_prefix(url: str) -> tuple[str, str]:
     parts = urlparse(url)
-    query = parse_qs(parts.query)
+    query = parse_qs(parts.query, keep_blank_values=True)  # (key_prefix= : no prefix)
     prefix = query.pop("key_prefix", ["lmkv:"])[0]
     rest = urlencode({k: v[0] for k, v in query.items()})
     return urlunparse(parts._replace(query=rest)), prefix
@@ -25,15 +25,21 @@ def _split_prefix(url: str) -> tuple[str, str]:
 class RedisBackend(StorageBackend):
     def __init__(self, url: str, timeout: float = 2.0, max_value_size: int = 1 << 30):
         import redis
-        from redis.exceptions import RedisClusterException
+        from redis.exceptions import AskError, MovedError, RedisClusterException, TryAgainError
 
         # RedisClusterException (no node reachable, ...) is not a RedisError
         self._errors = (redis.RedisError, RedisClusterException, OSError)
+        self._moved = (MovedError, AskError, TryAgainError)
         url, self.prefix = _split_prefix(url)
         self.max_value_size = max_value_size
         scheme = urlparse(url).scheme
+        self.cluster = scheme == "redis-cluster"
+        # a cluster client finds the other nodes (a failover's new primary) by itself: kept
+        # after a failed call; a new one would know only the URL's node, which may be the
+        # one that died
+        self.reconnects = self.cluster
         try:
-            if scheme == "redis-cluster":
+            if self.cluster:
                 from redis.backoff import NoBackoff
                 from redis.cluster import RedisCluster
                 from redis.retry import Retry
@@ -51,26 +57,18 @@ class RedisBackend(StorageBackend):
             raise BackendError(f"cannot connect to {redact_url(url)}: {e}") from e
 
     def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for key, value in items:
-                pipe.set(self.prefix + key, value)
-            pipe.execute()
-        except self._errors as e:
-            raise BackendError(f"redis put failed: {e}") from e
+        self._batch("set", [(self.prefix + key, (value,)) for key, value in items])
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each value's first max_value_size + 1 bytes at most (GETRANGE): a longer value is
-        not a chunk's frame, a miss, and never read whole; so is an empty one (none stored)."""
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.getrange(self.prefix + key, 0, self.max_value_size)
-            values = pipe.execute()
-        except self._errors as e:
-            raise BackendError(f"redis get failed: {e}") from e
+        not a chunk's frame, a miss, and never read whole; so is an empty one (none stored),
+        and a key of another Redis type (an error reply for that key alone)."""
+        values = self._batch("getrange", [(self.prefix + k, (0, self.max_value_size)) for k in keys])
         out: list[bytes | None] = []
         for v in values:
+            if isinstance(v, Exception):
+                out.append(None)
+                continue
             if not isinstance(v, bytes):  # not what GETRANGE answers: a bad store
                 raise BackendError(f"redis answered a GETRANGE with a {type(v).__name__}")
             out.append(v if 0 < len(v) <= self.max_value_size else None)
@@ -90,22 +88,41 @@ class RedisBackend(StorageBackend):
         return lengths
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self.prefix + key)
-            return [bool(n) for n in pipe.execute()]
-        except self._errors as e:
-            raise BackendError(f"redis exists failed: {e}") from e
+        found = self._batch("exists", [(self.prefix + key, ()) for key in keys])
+        return [not isinstance(n, Exception) and bool(n) for n in found]
 
     def remove(self, keys: Sequence[str]) -> None:
+        self._batch("delete", [(self.prefix + key, ()) for key in keys])
+
+    def _batch(self, command: str, calls: list[tuple[str, tuple]]) -> list:
+        """``command`` on each (key, args), pipelined: the replies in order, an error reply
+        (a key of another type) as its exception. A cluster's keys go out as one plain
+        pipeline per node, the call failing at the first node that fails: redis-py's own
+        cluster pipeline sends each command that timed out again on its own, one timeout
+        per key of a hung node, on the caller's thread."""
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.delete(self.prefix + key)
-            pipe.execute()
+            if not self.cluster:
+                pipe = self.client.pipeline(transaction=False)
+                for key, args in calls:
+                    getattr(pipe, command)(key, *args)
+                return pipe.execute(raise_on_error=False)
+            by_node: dict[str, tuple[object, list[int]]] = {}
+            for i, (key, _) in enumerate(calls):
+                node = self.client.get_node_from_key(key)
+                by_node.setdefault(node.name, (node, []))[1].append(i)
+            out: list = [None] * len(calls)
+            for node, indexes in by_node.values():
+                pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
+                for i in indexes:
+                    getattr(pipe, command)(calls[i][0], *calls[i][1])
+                for i, reply in zip(indexes, pipe.execute(raise_on_error=False), strict=True):
+                    if isinstance(reply, self._moved):  # the slots moved: map them again
+                        self.client.nodes_manager.initialize()
+                        raise BackendError(f"redis {command}: the cluster's slots moved ({reply})")
+                    out[i] = reply
+            return out
         except self._errors as e:
-            raise BackendError(f"redis delete failed: {e}") from e
+            raise BackendError(f"redis {command} failed: {e}") from e
 
     def close(self) -> None:
         with contextlib.suppress(*self._errors):

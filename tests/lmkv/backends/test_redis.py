@@ -85,6 +85,57 @@ def test_an_unreachable_cluster_fails_the_tier_not_the_caller(tmp_path):
             s.kill()
 
 
+def test_a_hung_cluster_node_costs_a_lookup_one_timeout_not_one_per_key(tmp_path):
+    """With a connection to every node already open, redis-py's cluster pipeline sent each
+    command that timed out on a stopped node again on its own: a lookup of 96 keys held the
+    engine's scheduling thread 9.5 s at remote_timeout 0.3 s. A cluster's keys now go out
+    as one pipeline per node, the call failing at the first node that fails; the client is
+    kept after the failure (it knows every node, a failover's new primary too)."""
+    from lmkv.backends.registry import create_backend
+    from lmkv.storage.tier import Tier
+
+    servers = start_cluster(tmp_path)
+    try:
+        url = f"redis-cluster://127.0.0.1:{servers[0].port}"
+        assert RedisBackend(url, timeout=0.3).reconnects  # (kept by LazyBackend after a failure)
+        tier = Tier("remote", create_backend(url, timeout=0.3))
+        keys = [f"lmkv1@model@chunk-{i}" for i in range(96)]  # spread over the three nodes
+        tier.backend.put([(k, b"v") for k in keys[::2]])
+        assert tier.contains(keys) == [True, False] * 48  # (a connection to every node now)
+        servers[1].proc.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            assert tier.contains(keys) is None  # failed: recomputed, the breaker opens
+        finally:
+            took = time.monotonic() - start
+            servers[1].proc.send_signal(signal.SIGCONT)
+        assert took < 1.5, took
+        tier.close()
+    finally:
+        for s in servers:
+            s.kill()
+
+
+def test_a_key_of_another_type_is_a_miss_for_that_key_alone(redis_server):
+    """A key under the prefix holding a list (another program's): GETRANGE answered
+    WRONGTYPE and the whole batch failed, opening the tier's breaker for every key."""
+    import redis
+
+    backend = RedisBackend(redis_server.url)
+    backend.put([("good", b"x" * 100)])
+    redis.Redis.from_url(redis_server.url).lpush("lmkv:stray", b"a")
+    assert backend.get(["good", "stray", "good"]) == [b"x" * 100, None, b"x" * 100]
+    assert backend.contains(["good", "stray", "none"]) == [True, True, False]
+
+
+def test_an_empty_key_prefix_is_taken_as_written(redis_server):
+    import redis
+
+    backend = RedisBackend(redis_server.url + "?key_prefix=")
+    backend.put([("bare", b"v")])
+    assert redis.Redis.from_url(redis_server.url).get("bare") == b"v"
+
+
 def _read_counter(url: str, stat: str = "total_reads_processed"):
     """A counter of redis-server's stats (by default the client read events processed so
     far: one per request batch it received), read through a connection of its own."""
