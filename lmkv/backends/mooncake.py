@@ -6,8 +6,9 @@ global_segment_size, local_buffer_size, protocol, device_name. Chunks move zero-
 (put_from / get_into) when they live in memory registered with ``register_memory`` (lmkv's
 chunk pool); otherwise through Python bytes and the client's local buffer, which bounds
 them. A put the store declines (full, a quota) is not stored, not a failure. The client's
-calls to the master time out after ``remote_timeout`` (Mooncake's MC_RPC_TIMEOUT_MS, unless
-set: its default is 30 s).
+calls to the master and its transfers without progress time out after ``remote_timeout``
+(Mooncake's MC_RPC_TIMEOUT_MS, MC_TCP_PROGRESS_TIMEOUT_SEC and MC_TCP_STATUS_TIMEOUT_SEC,
+unless set: its defaults are 30 s).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import os
 import socket
 import urllib.error
@@ -31,7 +33,8 @@ TOO_SMALL = -600  # get_into's buffer is smaller than the object (INVALID_PARAMS
 # puts the store declines for want of room (NO_AVAILABLE_HANDLE: full until its eviction
 # runs; TENANT_QUOTA_EXCEEDED) or because another client writes the key now
 # (OBJECT_ALREADY_EXISTS): the chunk is not stored, and the store is not failing
-NOT_STORED = {-200: "the store is full", -705: "another client is writing the key",
+NOT_STORED = {-200: "the store has no room for it (full, or no storage segment mounted)",
+              -705: "another client is writing the key",
               -1700: "the tenant's quota is used up"}
 _UNITS = (("kb", 1 << 10), ("mb", 1 << 20), ("gb", 1 << 30), ("tb", 1 << 40), ("k", 1 << 10),
           ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40), ("b", 1))
@@ -100,17 +103,26 @@ def _check_metadata_server(url: str, timeout: float) -> None:
 def _bound_master_calls(timeout: float) -> None:
     """Mooncake's calls to its master (and each of setup()'s 20 tries, which hold the GIL)
     wait MC_RPC_TIMEOUT_MS, 30 s unless set: a hung master stopped a lookup for 30 s and the
-    whole engine for 10 minutes. Set it to ``timeout`` where the operator did not (read when
-    a client is made; it moves metadata only, the chunks go over the transfer engine)."""
-    global _rpc_timeout_ours
-    if "MC_RPC_TIMEOUT_MS" not in os.environ or _rpc_timeout_ours:
-        _rpc_timeout_ours = True
-        os.environ["MC_RPC_TIMEOUT_MS"] = str(max(1, round(timeout * 1000)))
-        log.info("lmkv: Mooncake's calls to its master time out after %s ms (remote_timeout; "
-                 "MC_RPC_TIMEOUT_MS sets it)", os.environ["MC_RPC_TIMEOUT_MS"])
+    whole engine for 10 minutes; and its TCP transfers of the chunks wait for a storage
+    process that stopped answering MC_TCP_PROGRESS_TIMEOUT_SEC and MC_TCP_STATUS_TIMEOUT_SEC,
+    30 s each unless set (a read held the I/O worker and the tier's lock that long). Set
+    them from ``timeout`` where the operator did not (read when a client is made)."""
+    bounds = {"MC_RPC_TIMEOUT_MS": str(max(1, round(timeout * 1000))),
+              "MC_TCP_PROGRESS_TIMEOUT_SEC": str(max(1, math.ceil(timeout))),
+              "MC_TCP_STATUS_TIMEOUT_SEC": str(max(1, math.ceil(timeout)))}
+    set_here = [name for name, value in bounds.items()
+                if name not in os.environ or name in _timeouts_ours]
+    for name in set_here:
+        _timeouts_ours.add(name)
+        os.environ[name] = bounds[name]
+    if set_here:
+        log.info("lmkv: Mooncake's calls to its master time out after %s ms and its transfers "
+                 "after %s s without progress (remote_timeout; %s set them)",
+                 os.environ["MC_RPC_TIMEOUT_MS"], os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"],
+                 ", ".join(bounds))
 
 
-_rpc_timeout_ours = False  # MC_RPC_TIMEOUT_MS was set here, not by the operator
+_timeouts_ours: set[str] = set()  # the variables set here, not by the operator
 
 
 def _address(view: memoryview) -> int:

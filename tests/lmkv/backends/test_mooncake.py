@@ -151,8 +151,9 @@ def test_a_hung_master_costs_remote_timeout_per_call_not_30_s(store, monkeypatch
 
     import lmkv.backends.mooncake as mooncake
 
-    monkeypatch.delenv("MC_RPC_TIMEOUT_MS", raising=False)
-    monkeypatch.setattr(mooncake, "_rpc_timeout_ours", False)
+    for name in ("MC_RPC_TIMEOUT_MS", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(mooncake, "_timeouts_ours", set())
     backend = mooncake.MooncakeBackend(store.url, timeout=0.25)
     assert os.environ["MC_RPC_TIMEOUT_MS"] == "250"
     backend.put([("k", b"v" * 100)])
@@ -179,6 +180,45 @@ def test_a_hung_master_costs_remote_timeout_per_call_not_30_s(store, monkeypatch
             assert time.monotonic() < deadline
             time.sleep(0.2)
     backend.close()
+
+
+def test_a_hung_storage_process_holds_a_read_about_remote_timeout_not_30_s(tmp_path, monkeypatch):
+    """Only the calls to the master were bounded: a storage process that stopped answering
+    held a read (the I/O worker, the tier's lock) for Mooncake's own 30 s. lmkv sets its TCP
+    transfer timeouts from remote_timeout too, where the operator has not."""
+    import signal
+    import time
+
+    import lmkv.backends.mooncake as mooncake
+    from lmkv.backends.registry import create_backend
+    from lmkv.layout import KVLayout
+    from lmkv.memory import MemoryPool
+    from lmkv.storage.tier import Tier
+    from tests.mooncake_store import MooncakeStore
+
+    for name in ("MC_RPC_TIMEOUT_MS", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(mooncake, "_timeouts_ours", set())
+    own = MooncakeStore(tmp_path / "mc", segment="256 MB").start()
+    try:
+        layout = KVLayout(2, 2, 16, torch.float16, 16)
+        pool = MemoryPool(layout, 8 * (64 + layout.chunk_bytes))
+        tier = Tier("remote", create_backend(own.url, 0.5), "raw")
+        tier.backend.register_memory(memoryview(pool.storage.numpy()).cast("B"))
+        src = pool.allocate()
+        src.kv.normal_()
+        assert tier.write("k", tier.encode("k", src))
+        assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] == "1"
+        _stop(own.procs[1].pid)  # the storage process
+        try:
+            start = time.monotonic()
+            assert tier.read(["k"], [pool.allocate()]) == [False]
+            assert time.monotonic() - start < 5  # (30 s before)
+        finally:
+            os.kill(own.procs[1].pid, signal.SIGCONT)
+        tier.close()
+    finally:
+        own.kill()
 
 
 def test_sizes_in_the_config_read_as_mooncakes_own_loader_reads_them(monkeypatch, tmp_path):
