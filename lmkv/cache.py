@@ -242,10 +242,8 @@ class LMKVCache:
                          check_layer=self.config.blend_check_layer,
                          pre_rope=self.config.blend_store_pre_rope)
         try:
-            for seg in split_segments(tokens, separator)[:-1]:
-                if seg.length == 0:
-                    continue
-                keys = self.content_keys(tokens[seg.start : seg.end])
+            for seg, keys in zip(self._stored_segments(tokens, separator),
+                                 self.segment_keys(tokens, separator), strict=True):
                 pieces = self.fetch(keys)
                 if len(pieces) < len(keys):
                     for buf in pieces:
@@ -258,6 +256,16 @@ class LMKVCache:
             plan.release()
             return None
         return plan if plan.segments else None
+
+    def segment_keys(self, tokens: list[int], separator: list[int]) -> list[list[str]]:
+        """The content keys of each segment a blend may reuse (every non-empty one but the
+        last, the query) of a prompt split at ``separator``."""
+        return [self.content_keys(tokens[seg.start : seg.end])
+                for seg in self._stored_segments(tokens, separator)]
+
+    @staticmethod
+    def _stored_segments(tokens: list[int], separator: list[int]) -> list:
+        return [seg for seg in split_segments(tokens, separator)[:-1] if seg.length]
 
     def _serve_metrics(self):
         """lmkv's registry over HTTP on its own port: for engines whose /metrics lmkv cannot

@@ -37,6 +37,20 @@ class Arrival(Protocol):
     def release(self) -> None: ...
 
 
+class _AllArrived:
+    """Several runs of chunks being read up for one request (a RAG prompt's documents)."""
+
+    def __init__(self, arrivals: list[Arrival]):
+        self.arrivals = arrivals
+
+    def done(self) -> bool:
+        return all(a.done() for a in self.arrivals)
+
+    def release(self) -> None:
+        for a in self.arrivals:
+            a.release()
+
+
 class ChunkIndex(Protocol):
     """What the scheduler role asks of lmkv's cache object that holds the chunks (LMKVCache).
     With enable_blending it also needs ``blend_plan``, which only a cache object in the same
@@ -53,6 +67,7 @@ class ChunkIndex(Protocol):
     def unpin(self, keys: list[str]) -> None: ...
     def prefetch(self, keys: list[str]) -> None: ...
     def bring_up(self, keys: list[str], parent: str | None = None) -> Arrival | None: ...
+    def segment_keys(self, tokens: list[int], separator: list[int]) -> list[list[str]]: ...
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None: ...
     def record_blend(self, prompt_tokens: int, hit_tokens: int) -> None: ...
     def drain(self) -> None: ...
@@ -141,6 +156,8 @@ class SchedulerConnector:
         the engine knows it: lmkv never loads the chunks under that hit)."""
         st = self._state(request)
         self.cache.prefetch(st.keys[num_computed_tokens // self.cache.chunk_size :])
+        for keys in self._document_keys(request):  # a RAG prompt's documents, each a run
+            self.cache.prefetch(keys)
 
     def loads_arriving(self, request: Any, num_computed_tokens: int = 0) -> bool:
         """Whether chunks the request would load past ``num_computed_tokens`` (the engine's
@@ -156,8 +173,12 @@ class SchedulerConnector:
         if st.bringing_since is None:
             st.bringing_since = time.monotonic()  # (asked once, even if this raises)
             first = num_computed_tokens // self.cache.chunk_size
-            keys = st.keys[first:]
-            st.bringing = self.cache.bring_up(keys, st.keys[first - 1] if first else None) if keys else None
+            runs = [(st.keys[first:], st.keys[first - 1] if first else None)]
+            runs += [(keys, None) for keys in self._document_keys(request)]
+            arrivals = [a for keys, parent in runs
+                        if keys and (a := self.cache.bring_up(keys, parent)) is not None]
+            st.bringing = (None if not arrivals else arrivals[0] if len(arrivals) == 1
+                           else _AllArrived(arrivals))
         return (st.bringing is not None and time.monotonic() - st.bringing_since < ARRIVING_WAIT
                 and not st.bringing.done())
 
@@ -276,7 +297,17 @@ class SchedulerConnector:
                 plan = None
         st.plan = plan
         st.blended = plan is not None
+        if plan is not None:
+            self._let_go(st)  # the plan holds its chunks now
         return plan
+
+    def _document_keys(self, request: Any) -> list[list[str]]:
+        """With blending, the content keys of the documents of a prompt that has them (a
+        blend reads them, not its prefix chunks), one run each; else none."""
+        prompt = request.prompt_token_ids
+        if not self.blending or len(split_segments(prompt, self.blend_separator)) < 2:
+            return []
+        return self.cache.segment_keys(prompt, self.blend_separator)
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:

@@ -592,3 +592,39 @@ def test_a_token_id_document_holding_the_separator_is_warned_about(tiny_model_di
         with caplog.at_level("WARNING"):
             llm.precompute([doc], progress=False)
     assert any("holds the separator's ids" in r.getMessage() for r in caplog.records)
+
+
+def test_a_rag_prompt_whose_documents_are_on_a_slow_tier_does_not_stall_the_running_ones(
+        tiny_model_dir, tmp_path):
+    """A RAG prompt arrives while another request decodes, its documents on a slow lower
+    tier: they are prefetched at arrival and the prompt waits while they come up, as a
+    prefix prompt does (before, admitting it fetched them on the scheduling thread, one
+    document after another, and every running request waited: 2.0 s steps here)."""
+    import time
+
+    docs, query = _docs(14)
+    with _blend_llm(tiny_model_dir, 0.15, local_disk=str(tmp_path), max_local_disk_size=0.1) as llm:
+        separator = llm.engine.blend_separator
+        llm.precompute(docs, progress=False)
+        prompt = join_segments([[7, 8], *docs, query], separator)
+        want = llm.generate([prompt], GREEDY)[0]  # (read from the hot cache)
+        lmkv = llm.engine.kv_connector.cache
+        lmkv.storage.hot.clear()
+        disk = lmkv.storage.tiers[0].backend
+        real = disk.get_into_many
+        disk.get_into_many = lambda *a, **k: (time.sleep(0.5), real(*a, **k))[1]
+        engine = llm.engine
+        engine.add_request("other", list(range(300, 340)),
+                           SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True))
+        while not engine.scheduler.running:
+            engine.step()
+        engine.add_request("rag", prompt, GREEDY)  # its documents' prefetch starts now
+        steps, done = [], None
+        while done is None:
+            start = time.perf_counter()
+            done = next((o for o in engine.step() if o.finished), None)
+            steps.append(time.perf_counter() - start)
+        engine.abort_request("other")
+        assert done.request_id == "rag" and done.output_token_ids == want.output_token_ids
+        assert done.num_external_tokens == want.num_external_tokens == sum(map(len, docs))
+        assert max(steps) < 0.4, f"a step waited {max(steps):.2f} s for the slow tier"
