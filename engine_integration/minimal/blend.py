@@ -58,8 +58,10 @@ def blend_prefill(model: LlamaForCausalLM, kv_cache: torch.Tensor, tokens: list[
         v = attn.v_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
         if i == plan.check_layer and rows is None and ratio > 0:
             stored = _stored_kv(m.rope, plan, n, kv_cache.dtype, dev, launcher)
-            deviation = ((k - stored[0, i]).pow(2).sum((1, 2))
-                         + (v - stored[1, i]).pow(2).sum((1, 2)))  # [n]
+            # in float32: squares of fp16 keys summed over heads overflow to inf, and the
+            # choice among such tokens would be arbitrary
+            deviation = ((k.float() - stored[0, i].float()).pow(2).sum((1, 2))
+                         + (v.float() - stored[1, i].float()).pow(2).sum((1, 2)))  # [n]
             chosen = select(deviation, cached.to(dev), ratio).cpu()  # the host's one read
             recomputed = int((chosen & cached).sum())
             if not bool(chosen.all()):

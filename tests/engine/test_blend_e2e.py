@@ -628,3 +628,34 @@ def test_a_rag_prompt_whose_documents_are_on_a_slow_tier_does_not_stall_the_runn
         assert done.request_id == "rag" and done.output_token_ids == want.output_token_ids
         assert done.num_external_tokens == want.num_external_tokens == sum(map(len, docs))
         assert max(steps) < 0.4, f"a step waited {max(steps):.2f} s for the slow tier"
+
+
+def test_the_deviation_that_picks_the_recomputed_tokens_does_not_overflow_in_float16(tiny_model_dir):
+    """Summed over heads, squares of float16 keys overflowed to inf: among such tokens the
+    choice was arbitrary. The deviation is taken in float32."""
+    from lmkv_engines.minimal.blend import blend_prefill
+
+    docs, query = _docs(3)
+    cfg = load_config(env={}, chunk_size=32, max_local_cpu_size=0.05, enable_blending=True)
+    with LLM(str(tiny_model_dir), lmkv_config=cfg, kv_cache_memory=64 << 20,
+             enable_prefix_caching=False, dtype="float16") as llm:
+        eng = llm.engine
+        with torch.no_grad():
+            check = eng.model.model.layers[llm.engine.kv_connector.cache.config.blend_check_layer]
+            k_proj = check.self_attn.k_proj.weight  # the check layer's keys in the hundreds
+            k_proj.mul_(30 / k_proj.abs().max())
+        llm.precompute(docs, progress=False)
+        prompt = join_segments([docs[1], docs[0], query], eng.blend_separator)
+        n, attn = len(prompt), eng.model.model.layers[0].self_attn
+        seen = []
+        plan = eng.kv_connector.cache.blend_plan(prompt, eng.blend_separator)
+        kv = torch.zeros(len(eng.model.model.layers), 2, n, 1, attn.num_kv_heads, attn.head_dim,
+                         dtype=torch.float16)
+        try:
+            blend_prefill(eng.model, kv, prompt, torch.arange(n), plan,
+                          select=lambda deviation, cached, ratio: seen.append((deviation, cached))
+                          or torch.ones_like(cached))
+        finally:
+            plan.release()
+        deviation, cached = seen[0]
+        assert bool(cached.any()) and bool(torch.isfinite(deviation[cached]).all())
