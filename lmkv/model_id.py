@@ -4,7 +4,7 @@ The bundled engine and vLLM serving one model directory (same dtype, chunk size 
 tensor-parallel split) therefore share entries; checkpoints whose weights differ in any
 byte do not. Every weight byte is hashed (xxh3-128) once per file version: the digest is
 remembered under $LMKV_CACHE_DIR/fingerprints (default ~/.cache/lmkv), keyed by the
-file's path, size, modification time and inode.
+file's path, size, modification and change times and inode.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ import xxhash
 
 log = logging.getLogger(__name__)
 
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+# the weights an engine loads: safetensors where there are any, else PyTorch's files
+# (not a trainer's optimizer, scheduler, RNG or argument files beside them)
+SAFETENSORS, PYTORCH = ("*.safetensors", "*.gguf"), ("*.bin", "*.pt", "*.pth")
+NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")
 READ_BYTES = 16 << 20
 LOG_ABOVE = 1 << 30  # a file this large is hashed with a log line (a first start takes seconds)
 
@@ -37,16 +40,19 @@ def model_fingerprint(model_dir: str | Path) -> str:
         h.update(file_digest(model_dir).encode())
         return h.hexdigest()
     h.update((model_dir / "config.json").read_bytes())
-    files = sorted({p for pattern in WEIGHT_PATTERNS for p in model_dir.glob(pattern)})
+    files = sorted({p for pattern in SAFETENSORS for p in model_dir.glob(pattern)}) or sorted(
+        p for pattern in PYTORCH for p in model_dir.glob(pattern) if not p.name.startswith(NOT_WEIGHTS))
     for path in files:
         h.update(f"{path.name}:{file_digest(path)}".encode())
     return h.hexdigest()
 
 
 def file_digest(path: Path) -> str:
-    """xxh3-128 of ``path``'s bytes, remembered per file version (path, size, mtime, inode)."""
+    """xxh3-128 of ``path``'s bytes, remembered per file version (path, size, mtime, ctime,
+    inode: a file rewritten in place with its mtime restored changes its ctime)."""
     st = path.stat()
-    version = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_dev}"
+    version = (f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
+               f"|{st.st_dev}")
     memo = _memo_dir() / hashlib.blake2b(version.encode(), digest_size=16).hexdigest()
     if (known := _recall(memo)) is not None:
         return known

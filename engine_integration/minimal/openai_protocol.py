@@ -7,7 +7,7 @@ do); what this engine cannot honour is refused with a ValueError naming the fiel
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictInt, field_validator, model_validator
 
@@ -87,7 +87,8 @@ class GenerationRequest(BaseModel):
     top_p: FiniteFloat | None = None
     top_k: int | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOPS)
+    # (the bound on the list alone: on the union it would count a string's characters)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     n: int = 1
     stream: bool = False
     # OpenAI features this server does not have: refused when asked for

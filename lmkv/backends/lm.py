@@ -261,7 +261,7 @@ class LMBackend(StorageBackend):
         reply = self._read_response(sock, deadline)
         if reply.code == wire.Code.FAIL and reply.length == 0:  # not stored
             return None
-        if reply.code != wire.Code.SUCCESS:  # not a reply: the stream is out of step
+        if reply.code != wire.Code.SUCCESS or reply.length < 0:  # the stream is out of step
             self._fail_with(f"{self._where()} answered with code {reply.code}, length "
                             f"{reply.length}: out of step")
         return reply.length

@@ -38,6 +38,7 @@ class RedisBackend(StorageBackend):
         # after a failed call; a new one would know only the URL's node, which may be the
         # one that died
         self.reconnects = self.cluster
+        self._remap = False  # the cluster's slot map is to be read again before the next batch
         try:
             if self.cluster:
                 from redis.backoff import NoBackoff
@@ -57,21 +58,18 @@ class RedisBackend(StorageBackend):
             raise BackendError(f"cannot connect to {redact_url(url)}: {e}") from e
 
     def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
-        self._batch("set", [(self.prefix + key, (value,)) for key, value in items])
+        self._checked("set", self._batch("set", [(self.prefix + k, (v,)) for k, v in items]))
 
     def get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each value's first max_value_size + 1 bytes at most (GETRANGE): a longer value is
         not a chunk's frame, a miss, and never read whole; so is an empty one (none stored),
-        and a key of another Redis type (an error reply for that key alone)."""
+        and a key of another Redis type or one whose slot is moving (that key alone)."""
         values = self._batch("getrange", [(self.prefix + k, (0, self.max_value_size)) for k in keys])
         out: list[bytes | None] = []
-        for v in values:
-            if isinstance(v, Exception):
-                out.append(None)
-                continue
-            if not isinstance(v, bytes):  # not what GETRANGE answers: a bad store
+        for v in self._misses("getrange", values):
+            if v is not None and not isinstance(v, bytes):  # not what GETRANGE answers
                 raise BackendError(f"redis answered a GETRANGE with a {type(v).__name__}")
-            out.append(v if 0 < len(v) <= self.max_value_size else None)
+            out.append(v if v is not None and 0 < len(v) <= self.max_value_size else None)
         return out
 
     def get_into_many(self, keys: Sequence[str], outs: Sequence[memoryview],
@@ -89,23 +87,45 @@ class RedisBackend(StorageBackend):
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         found = self._batch("exists", [(self.prefix + key, ()) for key in keys])
-        return [not isinstance(n, Exception) and bool(n) for n in found]
+        return [bool(n) for n in self._misses("exists", found)]
 
     def remove(self, keys: Sequence[str]) -> None:
-        self._batch("delete", [(self.prefix + key, ()) for key in keys])
+        self._checked("delete", self._batch("delete", [(self.prefix + key, ()) for key in keys]))
+
+    def _checked(self, command: str, replies: list) -> None:
+        """A write's replies: any error (out of memory, read-only, no permission) fails it."""
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise BackendError(f"redis {command} failed: {reply}")
+
+    def _misses(self, command: str, replies: list) -> list:
+        """A read's replies, the error replies that concern one key alone (another type;
+        a slot being moved: the next batch maps them again) as None; others fail it."""
+        out = []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                if not (isinstance(reply, self._moved) or str(reply).startswith("WRONGTYPE")):
+                    raise BackendError(f"redis {command} failed: {reply}")
+                reply = None
+            out.append(reply)
+        return out
 
     def _batch(self, command: str, calls: list[tuple[str, tuple]]) -> list:
-        """``command`` on each (key, args), pipelined: the replies in order, an error reply
-        (a key of another type) as its exception. A cluster's keys go out as one plain
-        pipeline per node, the call failing at the first node that fails: redis-py's own
-        cluster pipeline sends each command that timed out again on its own, one timeout
-        per key of a hung node, on the caller's thread."""
+        """``command`` on each (key, args), pipelined: the replies in order, error replies as
+        exceptions (the callers decide). A cluster's keys go out as one plain pipeline per
+        node, the call failing at the first node that fails: redis-py's own cluster pipeline
+        sends each command that timed out again on its own, one timeout per key of a hung
+        node, on the caller's thread. After a node failed or a slot moved, the next batch
+        first maps the cluster again (a failover's new primary)."""
         try:
             if not self.cluster:
                 pipe = self.client.pipeline(transaction=False)
                 for key, args in calls:
                     getattr(pipe, command)(key, *args)
                 return pipe.execute(raise_on_error=False)
+            if self._remap:
+                self._remap = False
+                self.client.nodes_manager.initialize()
             by_node: dict[str, tuple[object, list[int]]] = {}
             for i, (key, _) in enumerate(calls):
                 node = self.client.get_node_from_key(key)
@@ -115,10 +135,13 @@ class RedisBackend(StorageBackend):
                 pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
                 for i in indexes:
                     getattr(pipe, command)(calls[i][0], *calls[i][1])
-                for i, reply in zip(indexes, pipe.execute(raise_on_error=False), strict=True):
-                    if isinstance(reply, self._moved):  # the slots moved: map them again
-                        self.client.nodes_manager.initialize()
-                        raise BackendError(f"redis {command}: the cluster's slots moved ({reply})")
+                try:
+                    replies = pipe.execute(raise_on_error=False)
+                except self._errors:
+                    self._remap = True  # (a dead primary answers nothing, never MOVED)
+                    raise
+                for i, reply in zip(indexes, replies, strict=True):
+                    self._remap = self._remap or isinstance(reply, self._moved)
                     out[i] = reply
             return out
         except self._errors as e:

@@ -175,8 +175,15 @@ class SchedulerConnector:
             first = num_computed_tokens // self.cache.chunk_size
             runs = [(st.keys[first:], st.keys[first - 1] if first else None)]
             runs += [(keys, None) for keys in self._document_keys(request)]
-            arrivals = [a for keys, parent in runs
-                        if keys and (a := self.cache.bring_up(keys, parent)) is not None]
+            arrivals: list[Arrival] = []
+            try:
+                for keys, parent in runs:
+                    if keys and (arrival := self.cache.bring_up(keys, parent)) is not None:
+                        arrivals.append(arrival)
+            except BaseException:  # the runs started hold their chunks: let them go
+                for arrival in arrivals:
+                    arrival.release()
+                raise
             st.bringing = (None if not arrivals else arrivals[0] if len(arrivals) == 1
                            else _AllArrived(arrivals))
         return (st.bringing is not None and time.monotonic() - st.bringing_since < ARRIVING_WAIT
@@ -193,6 +200,7 @@ class SchedulerConnector:
         token, not a chunk."""
         st = self._state(request)
         self._unpin(st)
+        st.found = (0, False)  # (none kept from an earlier lookup, if this one fails)
         if st.salted and num_computed_tokens:
             # the engine's hit may hold blended KV: what is computed over it is not exact
             st.blended = True

@@ -547,11 +547,13 @@ class StorageManager:
         return buf
 
     def _freeing_write(self) -> _Write | None:
-        """The latest queued write whose chunk only it and the hot cache hold (dropping it
-        frees or unpins a slot; others are in use by loads anyway), taken off the queued
-        ones; None if there is none. Under the lock."""
+        """The latest queued write whose chunk only it (and the hot cache, where the chunk
+        is hot) holds: dropping it frees or unpins a slot (others are in use by loads or a
+        save under way anyway), taken off the queued ones; None if there is none. Under
+        the lock."""
         for write in reversed(self._queued):
-            if write.buf.ref_count <= 2:
+            hot = self.hot.entries.get(write.key) is write.buf
+            if write.buf.ref_count <= 1 + hot:
                 del self._queued[write]
                 return write
         return None

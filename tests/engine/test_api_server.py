@@ -665,3 +665,13 @@ def test_chat_content_parts_the_server_cannot_read_get_a_message_naming_why(serv
         r = httpx.post(f"{server}/v1/chat/completions",
                        json={"messages": [{"role": "user", "content": [part]}]})
         assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+
+
+def test_one_stop_string_longer_than_the_list_bound_is_taken():
+    """The bound of 16 stop strings sat on the union: it counted a string's characters."""
+    from lmkv_engines.minimal.openai_protocol import CompletionRequest
+
+    assert CompletionRequest.model_validate({"prompt": "hi", "stop": "### End of answer"}).stop == (
+        "### End of answer")
+    with pytest.raises(ValueError, match="at most 16"):
+        CompletionRequest.model_validate({"prompt": "hi", "stop": ["a"] * 17})

@@ -105,3 +105,37 @@ def test_ranks_starting_at_once_hash_a_file_once(tmp_path, monkeypatch):
     for t in threads:
         t.join()
     assert len(set(digests)) == 1 and len(digests) == 4 and hashed == [1]
+
+
+def test_only_the_weights_an_engine_loads_are_hashed(tiny_model_dir, tmp_path, monkeypatch):
+    """A trainer's files beside the weights (optimizer state, arguments) are no part of the
+    model: copies that differ in them share an id (and are not read at start)."""
+    monkeypatch.setenv("LMKV_CACHE_DIR", str(tmp_path / "cache"))
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, copy)
+    (copy / "optimizer.pt").write_bytes(os.urandom(1000))
+    (copy / "training_args.bin").write_bytes(os.urandom(100))
+    assert model_fingerprint(copy) == model_fingerprint(tiny_model_dir)
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    (bins / "config.json").write_text("{}")
+    (bins / "pytorch_model.bin").write_bytes(bytes(1000))
+    (bins / "training_args.bin").write_bytes(b"a")
+    before = model_fingerprint(bins)
+    (bins / "training_args.bin").write_bytes(b"b")
+    assert model_fingerprint(bins) == before
+
+
+def test_a_file_rewritten_in_place_with_its_time_restored_is_hashed_again(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setenv("LMKV_CACHE_DIR", str(tmp_path / "cache"))
+    weights = tmp_path / "w.gguf"
+    weights.write_bytes(bytes(1000))
+    first = model_fingerprint(weights)
+    st = weights.stat()
+    time.sleep(0.01)
+    with open(weights, "r+b") as f:  # same size, same inode (rsync --inplace -t, cp -p)
+        f.write(b"\x01")
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert model_fingerprint(weights) != first

@@ -211,6 +211,15 @@ def test_an_oversized_reply_costs_no_memory_and_a_value_sent_is_a_miss_for_its_k
     fake.close()
 
 
+def test_a_negative_reply_length_is_out_of_step():
+    """A length of -5 read as a slice bound took all but 5 bytes of the slot as a value."""
+    fake = FakeServer(reply_once(wire.pack_response(wire.Code.SUCCESS, -5, 4, 6)))
+    backend = LMBackend(fake.url, timeout=1)
+    with pytest.raises(BackendError, match="out of step"):
+        backend.get_into_many(["k@1"], [memoryview(bytearray(100))])
+    fake.close()
+
+
 def test_a_call_that_raises_mid_batch_drops_the_connection_so_no_reply_is_misread():
     """Replies left unread on the connection (a callback that raised) would be read as the
     answers to the next call's requests: the connection is dropped instead."""

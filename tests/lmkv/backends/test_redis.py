@@ -110,6 +110,14 @@ def test_a_hung_cluster_node_costs_a_lookup_one_timeout_not_one_per_key(tmp_path
             took = time.monotonic() - start
             servers[1].proc.send_signal(signal.SIGCONT)
         assert took < 1.5, took
+        # a dead primary never answers MOVED: after a failed node the next batch maps the
+        # cluster again first (so a failover's new primary is found)
+        client = tier.backend._connected()
+        assert client._remap
+        real, remapped = client.client.nodes_manager.initialize, []
+        client.client.nodes_manager.initialize = lambda *a, **k: (remapped.append(1), real(*a, **k))[1]
+        assert client.contains(keys) == [True, False] * 48 and remapped == [1]
+        assert client.contains(keys) == [True, False] * 48 and remapped == [1]
         tier.close()
     finally:
         for s in servers:
@@ -126,6 +134,27 @@ def test_a_key_of_another_type_is_a_miss_for_that_key_alone(redis_server):
     redis.Redis.from_url(redis_server.url).lpush("lmkv:stray", b"a")
     assert backend.get(["good", "stray", "good"]) == [b"x" * 100, None, b"x" * 100]
     assert backend.contains(["good", "stray", "none"]) == [True, True, False]
+
+
+def test_a_write_the_server_refuses_fails_and_other_error_replies_fail_a_read(redis_server):
+    """Error replies are returned per key now (a key of another type is a miss): one the
+    server gives a write (out of memory under noeviction, read-only, no permission) must
+    still fail it, not count as stored."""
+    import redis
+
+    admin = redis.Redis.from_url(redis_server.url)
+    backend = RedisBackend(redis_server.url)
+    backend.put([("before", b"v")])
+    admin.config_set("maxmemory", "1mb")
+    admin.config_set("maxmemory-policy", "noeviction")
+    with pytest.raises(BackendError, match="OOM|memory"):
+        backend.put([(f"k{i}", b"x" * 100_000) for i in range(50)])
+    admin.config_set("maxmemory", "0")
+    admin.acl_setuser("reader", enabled=True, nopass=True, commands=["+@read", "+ping"], keys=["*"])
+    reader = RedisBackend(redis_server.url.replace("redis://", "redis://reader@"))
+    with pytest.raises(BackendError, match="NOPERM|permission"):
+        reader.put([("k", b"v")])
+    assert reader.get(["before"]) == [b"v"]
 
 
 def test_an_empty_key_prefix_is_taken_as_written(redis_server):

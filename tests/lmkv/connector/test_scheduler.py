@@ -584,3 +584,57 @@ def test_a_request_that_will_load_nothing_is_never_held_back_for_arriving_chunks
             assert not sched.loads_arriving(held, 0) and len(brought) == 3
             assert not sched.loads_arriving(held, 0) and len(brought) == 3  # asked once
         engine.close()
+
+
+def test_a_lookup_that_fails_keeps_nothing_an_earlier_one_found():
+    """What an earlier lookup found was committed at allocation even when the lookup just
+    before it failed: chunks evicted meanwhile were computed and never saved."""
+    engine = _engine()
+    prompt = list(range(7100, 7100 + 3 * CHUNK + 5))
+    _store(engine, prompt)
+    sched = SchedulerConnector(engine, BLOCK)
+    waiting = Request("w", prompt)
+    assert sched.get_num_new_matched_tokens(waiting, 0)[0] == 3 * CHUNK
+    sched.build_connector_meta([])  # not allocated
+    engine.storage.hot.clear()
+    real = engine.pin
+    engine.pin = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a rank did not answer"))
+    with pytest.raises(RuntimeError):
+        sched.get_num_new_matched_tokens(waiting, 0)
+    engine.pin = real
+    waiting.block_ids = list(range(100, 100 + -(-len(prompt) // BLOCK)))
+    sched.update_state_after_alloc(waiting, waiting.block_ids, 0)  # (the engine: 0 external)
+    meta = sched.build_connector_meta([(waiting, len(prompt))])
+    assert [k for s in meta.saves for k in s.keys] == engine.keys(prompt)
+    engine.close()
+
+
+def test_chunks_being_read_up_are_let_go_when_a_later_run_cannot_start():
+    class Arrival:
+        def __init__(self):
+            self.released = False
+
+        def done(self):
+            return False
+
+        def release(self):
+            self.released = True
+
+    started = []
+
+    class Cache:
+        def bring_up(self, keys, parent=None):
+            if started:
+                raise RuntimeError("the I/O worker is gone")
+            started.append(Arrival())
+            return started[0]
+
+    engine = _engine(enable_blending=True)
+    sched = SchedulerConnector(engine, BLOCK, blend_separator=[3, 3])
+    docs = [list(range(7200, 7200 + CHUNK)), list(range(7300, 7300 + CHUNK))]
+    request = Request("rag", docs[0] + [3, 3] + docs[1] + [3, 3] + [5, 6])
+    engine.bring_up = Cache().bring_up
+    with pytest.raises(RuntimeError):
+        sched.loads_arriving(request, 0)
+    assert started and started[0].released
+    engine.close()

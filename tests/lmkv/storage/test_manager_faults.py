@@ -1094,3 +1094,29 @@ def test_a_save_that_finds_no_slot_drops_no_queued_write_whose_chunk_is_in_use()
     assert m.io.drain(5)
     assert sorted(backend.values) == ["a"] + [f"k{i}" for i in range(7)]
     m.close()
+
+
+def test_a_queued_write_of_a_chunk_not_kept_hot_is_dropped_only_once_its_saver_let_go():
+    """A chunk the hot cache did not keep (the policy refused it, or local_cpu: false) has
+    two references while its save is under way, the saver's and the write's: dropping
+    that write freed nothing (and lost the chunk) while the saver still held it."""
+    pool = MemoryPool(LAYOUT, 4 * SLOT, pin=False)
+    backend = Stuck()
+    m = StorageManager(pool, [Tier("t", backend, "raw")], LMKVMetrics(), 16, keep_hot=False,
+                       policy="lru")
+    put_one(pool, m, "a")  # its write holds the worker
+    assert backend.started.wait(5)
+    saving = [pool.allocate() for _ in range(3)]
+    for i, buf in enumerate(saving):
+        m.put(f"k{i}", buf)  # (each saver still holds its buffer)
+    assert m.allocate() is None  # every slot in use: none freed by dropping a write
+    assert metric(m, "lmkv_dropped_total", what="save_t") == 0 and len(m._queued) == 3
+    saving[2].release()  # one saver is done: its write alone holds that slot now
+    buf = m.allocate()
+    assert buf is not None and metric(m, "lmkv_dropped_total", what="save_t") == 1
+    buf.release()
+    for b in saving[:2]:
+        b.release()
+    backend.release.set()
+    assert m.io.drain(5) and sorted(backend.values) == ["a", "k0", "k1"]
+    m.close()
