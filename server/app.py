@@ -213,11 +213,11 @@ def _bind(host: str, port: int, what: str) -> socket.socket:
     connect is refused, so a client, or a TCP readiness probe, sees the store as down
     rather than accepted and left unanswered while the server touches its memory and
     reloads what it persisted."""
-    try:  # (the address's own family: an IPv6 address or a name that resolves to one)
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]
+    try:  # the address's own family (a name's IPv4 address where it has one, as before)
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as e:
         raise _listen_error(e, host, port, what) from e
+    family, _, _, _, address = next((f for f in found if f[0] == socket.AF_INET), found[0])
     try:
         sock = socket.socket(family, socket.SOCK_STREAM)
     except OSError as e:

@@ -333,3 +333,13 @@ def test_an_ipv6_address_is_served_and_a_name_that_does_not_resolve_is_a_clear_e
                          timeout=60)
     assert out.returncode == 1 and "Unknown error" not in out.stderr
     assert "cannot listen on no-such-host.invalid:1234: " in out.stderr.strip().splitlines()[-1]
+
+
+def test_localhost_listens_on_its_ipv4_address_as_before(spawn_server):
+    """A name resolving to ::1 and 127.0.0.1 listened on the first (often ::1): clients of
+    lm://127.0.0.1 were refused."""
+    server = spawn_server("--max-memory", "8MiB", host="localhost")
+    backend = LMBackend(f"lm://127.0.0.1:{server.port}")
+    backend.put([("k@1", b"v")])
+    assert backend.get(["k@1"]) == [b"v"]
+    backend.close()
