@@ -4,9 +4,9 @@ body must arrive within a time (else HTTP 408).
 
 A declared Content-Length above the limit is refused before any byte is read. Every body
 is read here, up to the limit (one sent without a length, chunked, is refused once it
-passes it), taking its bytes of the budget as they arrive, then handed to the app; a
-request holds them until its response ends. (Taking a declared length's bytes before they
-arrived let a few connections that send headers and no body hold the whole budget.)"""
+passes it), taking its bytes of the budget as they arrive (a connection that sends
+headers and no body holds none), then handed to the app; a request holds them until its
+response ends."""
 
 from __future__ import annotations
 
