@@ -348,17 +348,22 @@ def _precompute(config: EngineConfig, files: list[str], split_on: str | None,
         if not lmkv_config.enable_blending:
             print("engine precompute: warning: enable_blending is off in this config; an engine "
                   "serving with it does not reuse these chunks", file=sys.stderr)
-        chunks = []
-        for name in files:
-            try:
-                with open(name, encoding="utf-8") as f:
-                    text = f.read().removesuffix("\n")  # the file's last line end, not its text
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-            parts = text.split(split_on) if split_on else [text]
-            chunks += [p for p in parts if p.strip()]
+        missing = [name for name in files if not os.path.isfile(name)]
+        if missing:
+            raise ValueError(f"no such file: {', '.join(missing)}")
+
+        def chunks():  # one file read at a time, as precompute takes them
+            for name in files:
+                try:
+                    with open(name, encoding="utf-8") as f:
+                        text = f.read().removesuffix("\n")  # the last line end is not text
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+                parts = text.split(split_on) if split_on else [text]
+                yield from (p for p in parts if p.strip())
+
         with LLM(lmkv_config=lmkv_config, **asdict(config)) as llm:
-            report = llm.precompute(chunks, batch_size=batch_size)
+            report = llm.precompute(chunks(), batch_size=batch_size)
     except (OSError, ValueError) as e:
         print(f"engine precompute: error: {e}", file=sys.stderr)
         return 1

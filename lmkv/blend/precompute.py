@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass
 
 from ..cache import LMKVCache
@@ -26,7 +26,7 @@ class PrecomputeReport:
     seconds: float
 
 
-def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Sequence[str | list[int]],
+def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Iterable[str | list[int]],
                batch_size: int = 8, progress: bool = True) -> PrecomputeReport:
     """Compute and store each document chunk's KV. Idempotent: stored chunks are skipped.
     A chunk counts as stored once every tier below the hot cache holds it (a write that
@@ -35,10 +35,10 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Sequence[str | li
     ``batch_size`` at a time, end to end (tokenized, computed, stored, and the writes below
     waited for before the next batch: a tier slower than the computation would otherwise
     have its queued writes dropped for the slots of the next ones), so memory does not
-    grow with the corpus."""
-    if isinstance(documents, str | bytes) or not isinstance(documents, Sequence):
-        raise TypeError("documents must be a list of texts or of token id lists, "
-                        f"not {type(documents).__name__}")
+    grow with the corpus (``documents`` may be any iterable: a generator reading files)."""
+    if isinstance(documents, str | bytes) or not isinstance(documents, Iterable):
+        raise TypeError("documents must be a list of texts or of token id lists (or an "
+                        f"iterable of them), not {type(documents).__name__}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     start = time.perf_counter()
@@ -48,6 +48,8 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Sequence[str | li
     hot_only: list[list[str]] = []  # with no tier below: the stored chunks' keys
     empty = 0
     todo: list[list[int]] = []
+    total = f"/{len(documents)}" if isinstance(documents, Sized) else ""
+    i = -1
     for i, document in enumerate(documents):
         tokens = _tokens(engine, lmkv, i, document, separator)
         digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
@@ -62,13 +64,15 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Sequence[str | li
                 report.skipped += 1
             else:
                 todo.append(tokens)
-        if len(todo) == batch_size or (todo and i == len(documents) - 1):
+        if len(todo) == batch_size:
             _store_batch(engine, lmkv, todo, report, hot_only)
             todo = []
             if progress:
-                print(f"precompute: {i + 1}/{len(documents)} documents, {report.stored} chunks "
-                      f"stored, {report.tokens} tokens, {time.perf_counter() - start:.1f}s",
-                      file=sys.stderr, flush=True)
+                _progress(i + 1, total, report, start)
+    if todo:
+        _store_batch(engine, lmkv, todo, report, hot_only)
+    if progress:
+        _progress(i + 1, total, report, start)
     if empty:
         log.warning("precompute: %d empty documents ignored", empty)
     gone = sum(1 for keys in hot_only if not all(map(lmkv.storage.hot.contains, keys)))
@@ -81,6 +85,12 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Sequence[str | li
     log.info("precompute: %d stored, %d already stored, %d failed, %.1fs", report.stored,
              report.skipped, report.failed, report.seconds)
     return report
+
+
+def _progress(done: int, total: str, report: PrecomputeReport, start: float) -> None:
+    print(f"precompute: {done}{total} documents, {report.stored} chunks stored, "
+          f"{report.skipped} already stored, {report.tokens} tokens, "
+          f"{time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
 
 
 def _store_batch(engine: KVComputer, lmkv: LMKVCache, batch: list[list[int]],

@@ -659,3 +659,13 @@ def test_the_deviation_that_picks_the_recomputed_tokens_does_not_overflow_in_flo
             plan.release()
         deviation, cached = seen[0]
         assert bool(cached.any()) and bool(torch.isfinite(deviation[cached]).all())
+
+
+def test_precompute_takes_documents_from_a_generator(tiny_model_dir, caplog):
+    """`engine precompute` hands its files' chunks over one file at a time (a generator):
+    no list of the whole corpus in memory."""
+    docs, _ = _docs(16)
+    with _blend_llm(tiny_model_dir, 0.15) as llm:
+        report = llm.precompute((d for d in docs + docs[:1]), batch_size=2, progress=False)
+        assert (report.stored, report.skipped, report.failed) == (3, 1, 0)
+        assert all(llm.engine.kv_connector.cache.has_chunk(d) for d in docs)
