@@ -22,6 +22,28 @@ def _split_prefix(url: str) -> tuple[str, str]:
     return urlunparse(parts._replace(query=rest)), prefix
 
 
+# what redis-py takes in a URL's query besides the settings it parses itself
+_URL_SETTINGS = {"client_name", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile",
+                 "ssl_keyfile", "ssl_password"}
+
+
+def check_redis_url(url: str) -> None:
+    """ValueError naming a setting of a redis:// URL the client would refuse at its first
+    call (a value it cannot read, a setting it does not know, a database on a cluster)."""
+    from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
+
+    url, _ = _split_prefix(url)
+    cluster = url.startswith("redis-cluster://")
+    settings = parse_url(url.replace("redis-cluster://", "redis://", 1))  # (ValueError: a bad value)
+    known = set(URL_QUERY_ARGUMENT_PARSERS) | _URL_SETTINGS | {"host", "port", "username",
+                                                               "password", "path", "connection_class"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown Redis URL setting(s): {', '.join(unknown)}")
+    if cluster and settings.get("db", 0) != 0:
+        raise ValueError(f"a Redis Cluster has database 0 only, not {settings['db']}")
+
+
 class RedisBackend(StorageBackend):
     def __init__(self, url: str, timeout: float = 2.0, max_value_size: int = 1 << 30):
         import redis

@@ -38,7 +38,7 @@ def check_url(url: str) -> str:
     """The URL's scheme, or ValueError naming what is wrong (at start, not at the first
     call: a tier whose URL can never work would only ever log its failures)."""
     parts = urlparse(url)
-    url = redact_url(url)  # (as the errors name it)
+    raw, url = url, redact_url(url)  # (as the errors name it)
     if parts.scheme not in SCHEMES:
         raise ValueError(f"unsupported scheme {parts.scheme!r} in {url!r} (known: {', '.join(SCHEMES)})")
     if not parts.hostname:
@@ -57,6 +57,13 @@ def check_url(url: str) -> str:
         try:  # the URL's settings and MOONCAKE_CONFIG_PATH's file
             _settings(url)
         except BackendError as e:
+            raise ValueError(f"{e} ({url!r})") from None
+    else:
+        from .redis import check_redis_url
+
+        try:  # its query settings and database, as the client will read them
+            check_redis_url(raw)
+        except ValueError as e:
             raise ValueError(f"{e} ({url!r})") from None
     return parts.scheme
 

@@ -61,3 +61,17 @@ def test_a_password_in_remote_url_is_never_logged_nor_put_in_an_error(caplog):
     shown = [r.getMessage() for r in caplog.records] + [str(raised.value), described, str(bad.value)]
     assert not [m for m in shown if "s3cretpw" in m]
     assert ":***@127.0.0.1" in described
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("redis://h:1?socket_timeout=x", "socket_timeout"),
+    ("redis://h:1?sockettimeout=2", r"unknown Redis URL setting\(s\): sockettimeout"),
+    ("redis-cluster://h:1/2", "database 0 only"),
+])
+def test_a_redis_url_the_client_would_refuse_is_refused_at_start(url, message):
+    """Such settings passed the start-up check and failed every call, logged forever."""
+    from lmkv.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(env={}, remote_url=url)
+    assert check_url("rediss://:pw@h:1/3?key_prefix=a:&socket_timeout=2&ssl_cert_reqs=none") == "rediss"
