@@ -53,6 +53,7 @@ MAX_ARRIVALS = 4096  # reads for waiting requests a worker tracks (more: the old
 # seconds a worker tracks such a read (a request aborted or looked up after ARRIVING_WAIT
 # is never asked about again)
 ARRIVAL_TTL = 2 * ARRIVING_WAIT
+STARTING_SECONDS = 60.0  # a server's socket under its starting name older than this: left by a kill
 POLL_INTERVAL = 0.005  # seconds between asks whether waiting requests' chunks arrived
 
 
@@ -89,6 +90,11 @@ def _sweep_dead_sockets(directory: Path) -> None:
     for path in directory.glob("lmkv-*.sock"):
         if re.fullmatch(r"lmkv-[0-9a-f]{20}\.sock", path.name):
             _unlink_if_dead(path)
+    for path in directory.glob(".lmkv-*"):  # a server's name before its link: left by a kill
+        with contextlib.suppress(OSError):
+            if (re.fullmatch(r"\.lmkv-[0-9a-f]{24}", path.name)
+                    and time.time() - path.lstat().st_mtime > STARTING_SECONDS):
+                path.unlink()
 
 
 class LookupServer:

@@ -463,6 +463,20 @@ def test_a_server_starting_while_another_sweeps_keeps_its_socket_file(tmp_path, 
         engine.close()
 
 
+def test_a_starting_name_left_by_a_killed_server_is_swept_once_old(tmp_path):
+    import os
+    import time
+
+    old, young = tmp_path / (".lmkv-" + "a" * 24), tmp_path / (".lmkv-" + "b" * 24)
+    for path in (old, young):
+        gone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        gone.bind(str(path))
+        gone.close()
+    os.utime(old, (time.time() - 600, time.time() - 600), follow_symlinks=False)
+    lookup_socket._sweep_dead_sockets(tmp_path)
+    assert not old.exists() and young.exists()
+
+
 def test_chunks_that_arrived_for_a_waiting_request_are_still_hot_at_its_lookup(tmp_path, monkeypatch):
     """A hot cache smaller than the waiting requests' chunks (here: 16 slots, LRU): other
     requests' saves between the chunks' arrival and the request's lookup do not evict them
