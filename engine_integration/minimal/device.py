@@ -24,7 +24,10 @@ def check_device(name: str) -> bool:
 
 
 def resolve_device(name: str) -> Device:
-    """The device ``name`` means here. Raises ValueError when it cannot be had."""
+    """The device ``name`` means here, made the process's current CUDA device where it is
+    one (so that lmkv's pinned pool, streams and kernels, which use the current device, make
+    no context on device 0 when the engine runs on another). Raises ValueError when it
+    cannot be had."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "emulate":
@@ -37,7 +40,13 @@ def resolve_device(name: str) -> Device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {name}: no CUDA device is available to torch "
                          "(torch.cuda.is_available() is False); use --device cpu")
-    return Device(torch.device(name), None)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= (count := torch.cuda.device_count()):
+            raise ValueError(f"device {name}: torch sees {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+        torch.cuda.set_device(device)
+    return Device(device, None)
 
 
 def default_dtype(device: Device) -> str:

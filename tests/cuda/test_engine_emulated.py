@@ -144,3 +144,20 @@ def test_decode_graphs_give_the_eager_tokens(tiny_model_dir, monkeypatch):
     replays, _ = _graph_runs(tiny_model_dir, prompts(7, 5, 6), [greedy(6)] * 3, monkeypatch,
                              kv_cache_memory=8 << 20, max_num_batched_tokens=3, max_num_seqs=4)
     assert replays
+
+
+def test_a_cuda_device_by_index_becomes_the_current_device_and_a_missing_one_is_named(monkeypatch):
+    """--device cuda:1: lmkv's pinned pool, streams and kernels use the current device, which
+    stayed cuda:0 (a context there too); an index past the devices is refused by name."""
+    from lmkv_engines.minimal.device import resolve_device
+
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    assert resolve_device("cuda:1").torch == torch.device("cuda:1")
+    assert made_current == [torch.device("cuda:1")]
+    with pytest.raises(ValueError, match="2 CUDA device"):
+        resolve_device("cuda:2")
+    resolve_device("cuda")  # (no index: the current device, whatever it is)
+    assert len(made_current) == 1
