@@ -13,6 +13,7 @@ unless set: its defaults are 30 s).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -159,7 +160,9 @@ class MooncakeBackend(StorageBackend):
         rc = self.store.setup(s["local_hostname"], s["metadata_server"], s["global_segment_size"],
                               s["local_buffer_size"], s["protocol"], s["device_name"],
                               s["master_server_address"])
-        if rc != 0:
+        if rc != 0:  # (its threads and buffers go; a new client is made at the next try)
+            with contextlib.suppress(Exception):
+                self.store.close()
             raise BackendError(f"Mooncake setup against {url} failed (code {rc})")
         self._regions: list[tuple[int, int]] = []  # registered [start, end) addresses
         self.copy_limit = s["local_buffer_size"]

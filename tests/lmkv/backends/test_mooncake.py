@@ -281,3 +281,24 @@ def test_values_past_the_local_buffer_are_not_stored_or_read_through_copies(stor
     assert backend.get_into("big-zc", memoryview(pool[1].numpy())) == 2 << 20
     assert torch.equal(pool[0], pool[1])
     backend.close()
+
+
+def test_a_client_whose_setup_failed_is_closed(store, monkeypatch):
+    """A failed setup() left its client (threads, buffers) behind at each retry."""
+    import mooncake.store
+
+    import lmkv.backends.mooncake as lmkv_mooncake
+
+    closed = []
+
+    class Failing:
+        def setup(self, *args):
+            return -1
+
+        def close(self):
+            closed.append(1)
+
+    monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", Failing)
+    with pytest.raises(BackendError, match="setup"):
+        lmkv_mooncake.MooncakeBackend(store.url, timeout=1.0)
+    assert closed == [1]
