@@ -60,7 +60,7 @@ async def _request(app, body: bytes, declared: bool, pieces: int = 1) -> dict:
 def test_bodies_past_the_budget_get_503_until_the_ones_held_are_answered(declared):
     async def run():
         inner = _HeldApp()
-        app = BodyLimit(inner, limit=LIMIT, budget=2 * LIMIT)
+        app = BodyLimit(inner, limit=LIMIT, budget=2 * LIMIT, timeout=60)
         held = [asyncio.create_task(_request(app, b"a" * LIMIT, declared, pieces=3))
                 for _ in range(2)]
         while len(inner.bodies) < 2:
@@ -78,6 +78,36 @@ def test_bodies_past_the_budget_get_503_until_the_ones_held_are_answered(declare
         assert ok["status"] == 200 and inner.bodies[-1] == b"c" * LIMIT and app.held == 0
         over = await _request(app, b"d" * (LIMIT + 1), declared, pieces=2)
         assert over["status"] == 413 and app.held == 0
+
+    asyncio.run(run())
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408_and_holds_nothing():
+    """A declared length took its bytes of the budget before any arrived, for as long as
+    the connection stayed open: two such requests held this budget whole."""
+    async def run():
+        inner = _HeldApp()
+        app = BodyLimit(inner, limit=LIMIT, budget=2 * LIMIT, timeout=0.2)
+        # two requests whose headers declare LIMIT bytes, then nothing
+        scope = {"type": "http", "method": "POST", "path": "/",
+                 "headers": [(b"content-length", str(LIMIT).encode())]}
+        sent: list[dict] = []
+
+        async def never():
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            sent.append(message)
+
+        waiting = [asyncio.create_task(app(scope, never, send)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert app.held == 0  # nothing arrived, nothing taken
+        inner.go.set()
+        ok = await _request(app, b"c" * LIMIT, True, pieces=2)
+        assert ok["status"] == 200
+        await asyncio.gather(*waiting)
+        statuses = [m["status"] for m in sent if m["type"] == "http.response.start"]
+        assert statuses == [408, 408] and app.held == 0
 
     asyncio.run(run())
 
