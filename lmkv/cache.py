@@ -242,8 +242,8 @@ class LMKVCache:
                          check_layer=self.config.blend_check_layer,
                          pre_rope=self.config.blend_store_pre_rope)
         try:
-            for seg, keys in zip(self._stored_segments(tokens, separator),
-                                 self.segment_keys(tokens, separator), strict=True):
+            for seg in self._stored_segments(tokens, separator):
+                keys = self.content_keys(tokens[seg.start : seg.end])
                 pieces = self.fetch(keys)
                 if len(pieces) < len(keys):
                     for buf in pieces:

@@ -21,8 +21,13 @@ def switched_off(env: str) -> bool:
     return os.environ.get(env, "").strip().lower() in ("0", "false", "off", "no")
 
 
+def cache_root() -> Path:
+    """$LMKV_CACHE_DIR, default ~/.cache/lmkv: what lmkv builds or works out once per machine."""
+    return Path(os.environ.get("LMKV_CACHE_DIR") or Path.home() / ".cache" / "lmkv")
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("LMKV_CACHE_DIR") or Path.home() / ".cache" / "lmkv") / "native"
+    return cache_root() / "native"
 
 
 def compiler() -> str | None:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import xxhash
 
+from .cc import cache_root
+
 log = logging.getLogger(__name__)
 
 # the weights an engine loads: safetensors where there are any, else PyTorch's files
@@ -108,7 +110,7 @@ def _hashing(memo: Path) -> Iterator[None]:
 
 
 def _memo_dir() -> Path:
-    return Path(os.environ.get("LMKV_CACHE_DIR") or Path.home() / ".cache" / "lmkv") / "fingerprints"
+    return cache_root() / "fingerprints"
 
 
 def _remember(memo: Path, digest: str) -> None:

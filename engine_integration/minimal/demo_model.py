@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -18,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from lmkv.cc import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,7 @@ class DemoGeometry:
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("LMKV_CACHE_DIR") or Path.home() / ".cache" / "lmkv"
-    return Path(root) / "models"
+    return cache_root() / "models"
 
 
 def ensure_demo_model(geometry: DemoGeometry | None = None, cache_dir: Path | None = None) -> Path:

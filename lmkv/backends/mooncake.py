@@ -111,8 +111,7 @@ def _bound_master_calls(timeout: float) -> None:
     bounds = {"MC_RPC_TIMEOUT_MS": str(max(1, round(timeout * 1000))),
               "MC_TCP_PROGRESS_TIMEOUT_SEC": str(max(1, math.ceil(timeout))),
               "MC_TCP_STATUS_TIMEOUT_SEC": str(max(1, math.ceil(timeout)))}
-    set_here = [name for name, value in bounds.items()
-                if name not in os.environ or name in _timeouts_ours]
+    set_here = [name for name in bounds if name not in os.environ or name in _timeouts_ours]
     for name in set_here:
         _timeouts_ours.add(name)
         os.environ[name] = bounds[name]

@@ -52,7 +52,7 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Iterable[str | li
     i = -1
     for i, document in enumerate(documents):
         tokens = _tokens(engine, lmkv, i, document, separator)
-        digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
+        digest = tokens and hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
         if not tokens:
             empty += 1
         elif digest in seen:

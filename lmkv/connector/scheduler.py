@@ -97,6 +97,7 @@ class _RequestState:
     # what the last lookup found stored (chunks, and whether the partial last chunk): not
     # saved again by this request once the engine allocates it (until then they may leave)
     found: tuple[int, bool] = (0, False)
+    documents: list[list[str]] | None = None  # with blending: its documents' keys (_document_keys)
     no_loads: bool = False  # a load into its pages failed: it is recomputed without lmkv
     touched: bool = False  # its engine prefix hit was counted as a use (once per request)
     salted: bool = False  # the engine files its blocks under prefix_cache_salt's blend namespace
@@ -312,10 +313,12 @@ class SchedulerConnector:
     def _document_keys(self, request: Any) -> list[list[str]]:
         """With blending, the content keys of the documents of a prompt that has them (a
         blend reads them, not its prefix chunks), one run each; else none."""
-        prompt = request.prompt_token_ids
-        if not self.blending or len(split_segments(prompt, self.blend_separator)) < 2:
-            return []
-        return self.cache.segment_keys(prompt, self.blend_separator)
+        st = self._state(request)
+        if st.documents is None:  # (asked at arrival and again when it may be admitted)
+            prompt = request.prompt_token_ids
+            st.documents = ([] if not self.blending or len(split_segments(prompt, self.blend_separator)) < 2
+                            else self.cache.segment_keys(prompt, self.blend_separator))
+        return st.documents
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int],
                                  num_external_tokens: int) -> None:

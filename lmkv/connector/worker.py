@@ -167,8 +167,8 @@ class WorkerConnector:
             self._load_error = self._load_error or e
 
     def _load(self, loads, slots, chunks, layer: int | None = None) -> None:
-        for bufs, mappings in zip(chunks, slots, strict=True):
-            for buf, mapping in zip(bufs, mappings, strict=True):
+        for bufs, mappings in zip(chunks, slots, strict=True) if layer in (None, 0) else ():
+            for buf, mapping in zip(bufs, mappings, strict=True):  # (checked once a load)
                 if buf.num_tokens < mapping.shape[0]:  # (a foreign frame under a full chunk's key)
                     raise ValueError(f"a stored chunk holds {buf.num_tokens} tokens, its load "
                                      f"maps {mapping.shape[0]}")

@@ -374,18 +374,25 @@ def test_pins_of_a_request_that_was_not_scheduled_are_given_back_at_once():
     engine.close()
 
 
-def test_chunks_a_lookup_found_are_saved_if_they_left_before_the_request_was_allocated():
-    """A lookup's hit counted the chunks as stored for the request at once: when the engine
-    did not allocate it and they left the hot cache meanwhile, the request computed them
-    and never saved them."""
+def _looked_up_then_evicted(first_token: int):
+    """A request whose lookup found its 3 stored chunks, not allocated that step (its pins
+    given back), the chunks then evicted by other requests' saves."""
     engine = _engine()
-    prompt = list(range(7000, 7000 + 3 * CHUNK + 5))
+    prompt = list(range(first_token, first_token + 3 * CHUNK + 5))
     _store(engine, prompt)
     sched = SchedulerConnector(engine, BLOCK)
     waiting = Request("w", prompt)
     assert sched.get_num_new_matched_tokens(waiting, 0)[0] == 3 * CHUNK
-    sched.build_connector_meta([])  # not allocated this step: the pins go back
-    engine.storage.hot.clear()  # other requests' saves evict the chunks meanwhile
+    sched.build_connector_meta([])
+    engine.storage.hot.clear()
+    return engine, sched, waiting, prompt
+
+
+def test_chunks_a_lookup_found_are_saved_if_they_left_before_the_request_was_allocated():
+    """A lookup's hit counted the chunks as stored for the request at once: when the engine
+    did not allocate it and they left the hot cache meanwhile, the request computed them
+    and never saved them."""
+    engine, sched, waiting, prompt = _looked_up_then_evicted(7000)
     offered, meta = _schedule(sched, waiting, computed=0)  # found nothing: computes it all
     assert offered == 0
     assert [k for s in meta.saves for k in s.keys] == engine.keys(prompt)
@@ -589,14 +596,7 @@ def test_a_request_that_will_load_nothing_is_never_held_back_for_arriving_chunks
 def test_a_lookup_that_fails_keeps_nothing_an_earlier_one_found():
     """What an earlier lookup found was committed at allocation even when the lookup just
     before it failed: chunks evicted meanwhile were computed and never saved."""
-    engine = _engine()
-    prompt = list(range(7100, 7100 + 3 * CHUNK + 5))
-    _store(engine, prompt)
-    sched = SchedulerConnector(engine, BLOCK)
-    waiting = Request("w", prompt)
-    assert sched.get_num_new_matched_tokens(waiting, 0)[0] == 3 * CHUNK
-    sched.build_connector_meta([])  # not allocated
-    engine.storage.hot.clear()
+    engine, sched, waiting, prompt = _looked_up_then_evicted(7100)
     real = engine.pin
     engine.pin = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a rank did not answer"))
     with pytest.raises(RuntimeError):
