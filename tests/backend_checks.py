@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
 
 
 def check_batched_reads(backend, outs: list[memoryview]) -> None:
@@ -20,3 +22,20 @@ def check_batched_reads(backend, outs: list[memoryview]) -> None:
                                     lambda i, n: seen.append((i, n, bytes(outs[i][:n]))))
     assert lengths == [8192, None, 1000]
     assert sorted(seen) == [(0, 8192, b), (2, 1000, a)]
+
+
+def silent_dns(monkeypatch, name: str) -> tuple[threading.Event, list[str]]:
+    """``name`` resolves to 127.0.0.1 only once the returned event is set: until then its
+    lookups wait, as on a DNS server that does not answer (numeric-only lookups answer at
+    once, as the system resolver's do). Also returns the list of lookups of ``name`` made."""
+    answer, asked, real = threading.Event(), [], socket.getaddrinfo
+
+    def lookup(host, *args, **kwargs):
+        if host == name and not kwargs.get("flags", 0) & socket.AI_NUMERICHOST:
+            asked.append(host)
+            answer.wait(30)
+            host = "127.0.0.1"
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    return answer, asked

@@ -19,6 +19,7 @@ from typing import NamedTuple, NoReturn
 from urllib.parse import urlsplit
 
 from lmkv.backends import lm_wire as wire
+from lmkv.backends import net
 from lmkv.backends.base import Arrived, BackendError, StorageBackend
 from lmkv.backends.lm_socket import MIN_TIMEOUT, SocketTimeouts
 from lmkv.logs import LogThrottle
@@ -57,9 +58,9 @@ def parse_lm_url(url: str) -> LMAddress:
 class LMBackend(StorageBackend):
     """One persistent TCP connection to an lm:// server, used serially.
 
-    Every call is bounded: ``connect_timeout`` for connecting (default the smaller of
-    CONNECT_TIMEOUT and ``timeout``: a link that cannot connect within a call's time would
-    not answer one either), ``timeout`` for each request
+    Every call is bounded: ``connect_timeout`` for connecting, the name lookup included
+    (default the smaller of CONNECT_TIMEOUT and ``timeout``: a link that cannot connect
+    within a call's time would not answer one either), ``timeout`` for each request
     and its reply, from the first byte sent to the last byte received, within
     lm_socket.DEADLINE_SLACK (in a batch read, each reply from the end of the one before; a
     batch of EXISTs as a whole; in a batch write, each value, so a link must carry a chunk's
@@ -215,7 +216,7 @@ class LMBackend(StorageBackend):
             self.close()
         if self._sock is None:
             try:
-                sock = socket.create_connection(self.address, timeout=self.connect_timeout)
+                sock = net.connect(*self.address, self.connect_timeout)
             except OSError as exc:
                 raise BackendError(f"cannot connect to {self._where()}: {exc}") from exc
             # Blocking socket with kernel timeouts: a reply is received with one

@@ -19,13 +19,13 @@ import json
 import logging
 import math
 import os
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from urllib.parse import parse_qs, urlparse
 
 from ..logs import LogThrottle
+from . import net
 from .base import Arrived, BackendError, StorageBackend, report
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,9 @@ def _check_metadata_server(url: str, timeout: float) -> None:
     if not url.startswith("http://"):
         return  # etcd and the like: not probed
     try:
+        parts = urlparse(url)
+        net.resolve(parts.hostname or "", parts.port or 80, timeout)  # (urllib's timeout
+        # leaves the name lookup out: a DNS server that does not answer would hold it)
         direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # not a proxy's answer
         direct.open(f"{url}?key=lmkv-probe", timeout=timeout).close()
     except urllib.error.HTTPError:
@@ -150,7 +153,7 @@ class MooncakeBackend(StorageBackend):
         s = _settings(url)
         host, port = s["master_server_address"].rsplit(":", 1)
         try:  # setup() against a dead master blocks for ~90 s: fail fast instead
-            socket.create_connection((host, int(port)), timeout=timeout).close()
+            net.connect(host, int(port), timeout).close()
         except OSError as e:
             raise BackendError(f"Mooncake master {host}:{port} unreachable: {e}") from e
         _check_metadata_server(s["metadata_server"], timeout)

@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Sequence
 from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
 
+from . import net
 from .base import Arrived, BackendError, StorageBackend, report
 from .registry import redact_url
 
@@ -61,6 +62,13 @@ class RedisBackend(StorageBackend):
         # one that died
         self.reconnects = self.cluster
         self._remap = False  # the cluster's slot map is to be read again before the next batch
+        parts = urlparse(url)
+        if parts.hostname:  # redis-py's own lookups take no timeout: a DNS server that does
+            # not answer fails this client within ``timeout`` (the next one looks up again)
+            try:
+                net.resolve(parts.hostname, parts.port or 6379, timeout)
+            except OSError as e:
+                raise BackendError(f"cannot connect to {redact_url(url)}: {e}") from e
         try:
             if self.cluster:
                 from redis.backoff import NoBackoff

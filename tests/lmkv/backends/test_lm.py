@@ -292,6 +292,35 @@ def test_connecting_takes_no_longer_than_a_call_may():
     assert LMBackend("lm://127.0.0.1:1", timeout=30).connect_timeout == 3.0
 
 
+def test_a_name_the_dns_does_not_answer_for_costs_the_connect_bound(spawn_server, monkeypatch):
+    """The system resolver takes no timeout: a DNS server that does not answer held each
+    connect for its retries (10 s and more). The lookup is bounded by connect_timeout, and
+    calls that come while it hangs share the one lookup; once the name resolves, the same
+    backend connects to the real server."""
+    server = spawn_server("--max-memory", "4MiB")
+    port = int(server.url.rsplit(":", 1)[1])
+    from tests.backend_checks import silent_dns
+
+    answer, asked = silent_dns(monkeypatch, "kvstore.example")
+    backend = LMBackend(f"lm://kvstore.example:{port}", timeout=0.4)
+    try:
+        for _ in range(3):
+            start = time.monotonic()
+            with pytest.raises(BackendError, match="did not resolve within 0.4 s"):
+                backend.contains(["k@1"])
+            assert time.monotonic() - start < 0.4 + 0.5
+        assert asked == ["kvstore.example"]  # one lookup in flight, shared
+    finally:
+        answer.set()
+    deadline = time.monotonic() + 5
+    while lm.net._lookups and time.monotonic() < deadline:  # the hung lookup ends
+        time.sleep(0.01)
+    backend.put([("k@1", b"v")])
+    assert backend.get(["k@1"]) == [b"v"]
+    assert len(asked) == 2
+    backend.close()
+
+
 def test_get_into_caller_buffer(spawn_server):
     server = spawn_server("--max-memory", "8MiB")
     backend = LMBackend(server.url)

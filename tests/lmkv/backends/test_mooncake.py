@@ -80,6 +80,22 @@ def test_dead_master_fails_fast():
         MooncakeBackend("mooncakestore://127.0.0.1:1/", timeout=0.5)
 
 
+def test_a_master_name_the_dns_does_not_answer_for_fails_fast(monkeypatch):
+    import time
+
+    from lmkv.backends.mooncake import MooncakeBackend
+    from tests.backend_checks import silent_dns
+
+    answer, _ = silent_dns(monkeypatch, "master.example")
+    start = time.monotonic()
+    try:
+        with pytest.raises(BackendError, match="did not resolve within 0.5 s"):
+            MooncakeBackend("mooncakestore://master.example:1/", timeout=0.5)
+        assert time.monotonic() - start < 0.5 + 0.5
+    finally:
+        answer.set()
+
+
 def test_a_get_that_returns_nothing_for_a_stored_value_is_a_failure_not_a_miss():
     """Mooncake's client answers a failed transfer (a stopped storage process, after its own
     timeout) with empty bytes: a BackendError, so the tier's breaker opens instead of every

@@ -10,7 +10,7 @@ import torch
 
 from lmkv.backends.base import BackendError
 from lmkv.backends.redis import RedisBackend
-from tests.backend_checks import check_batched_reads
+from tests.backend_checks import check_batched_reads, silent_dns
 from tests.redis_server import RedisServer, start_cluster
 
 
@@ -41,6 +41,22 @@ def test_dead_server_raises_backend_error_quickly(redis_server):
     redis_server.kill()
     with pytest.raises(BackendError):
         backend.get(["k"])
+
+
+def test_a_name_the_dns_does_not_answer_for_fails_within_the_timeout(redis_server, monkeypatch):
+    """redis-py looks names up without a timeout (a DNS server that does not answer held a
+    call 10 s and more): a client is made only once its name resolved within ``timeout``."""
+    answer, _ = silent_dns(monkeypatch, "redis.example")
+    url = redis_server.url.replace("127.0.0.1", "redis.example")
+    assert url != redis_server.url
+    start = time.monotonic()
+    with pytest.raises(BackendError, match="did not resolve within 0.4 s"):
+        RedisBackend(url, timeout=0.4)
+    assert time.monotonic() - start < 0.4 + 0.5
+    answer.set()
+    backend = RedisBackend(url, timeout=0.4)
+    backend.put([("k", b"v")])
+    assert backend.get(["k"]) == [b"v"]
 
 
 def test_redis_cluster(tmp_path):
