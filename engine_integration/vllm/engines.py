@@ -48,6 +48,12 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
             "requests only in the bundled engine: set lmkv config key codec_check_every: 0 to serve "
             "lossy KV ungated, or keep the tiers lossless (local_disk_codec / remote_serde)")
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if getattr(mc, "use_mla", False):  # (one latent vector per token: no K and V to page)
+        raise ConfigError("lmkv's vLLM connector stores K and V per KV head; this model uses "
+                          "multi-head latent attention (MLA), which it does not support")
+    if getattr(mc, "is_hybrid", False) or getattr(mc, "is_attention_free", False):
+        raise ConfigError("lmkv's vLLM connector stores attention KV; this model has "
+                          "state-space (Mamba-like) layers, whose state it cannot store")
     pp = getattr(pc, "pipeline_parallel_size", 1)
     if pp > 1:
         raise ConfigError(f"lmkv's vLLM connector runs with pipeline_parallel_size 1 (got {pp}); "

@@ -14,9 +14,11 @@ from lmkv_engines.vllm.engines import engine_spec
 
 
 def _vllm_config(model: str, block_size: int = 128, world_size: int = 1, cache_dtype: str = "auto",
-                 kv_role: str = "kv_both", tp: int = 1, pp: int = 1):
+                 kv_role: str = "kv_both", tp: int = 1, pp: int = 1, **model_config):
     mc = SimpleNamespace(model=model, revision=None, dtype=torch.float32, get_num_layers=lambda pc: 2,
-                         get_num_kv_heads=lambda pc: 1, get_head_size=lambda: 64)
+                         get_num_kv_heads=lambda pc: 1, get_head_size=lambda: 64, use_mla=False,
+                         is_hybrid=False, is_attention_free=False)
+    vars(mc).update(model_config)
     return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(
                                world_size=world_size, tensor_parallel_size=tp, pipeline_parallel_size=pp),
                            cache_config=SimpleNamespace(block_size=block_size, cache_dtype=cache_dtype),
@@ -54,6 +56,9 @@ def test_hub_names_are_keyed_by_name_and_revision():
     ({}, {"world_size": 2, "pp": 2}, "pipeline_parallel_size 1"),
     ({}, {"cache_dtype": "fp8"}, "kv_cache_dtype fp8"),
     ({"enable_blending": True}, {}, "enable_blending"),
+    ({}, {"use_mla": True}, "multi-head latent attention"),
+    ({}, {"is_hybrid": True}, "state-space"),
+    ({}, {"is_attention_free": True}, "state-space"),
     ({"remote_url": "nope://x"}, {}, "remote_url"),
     ({"local_disk": "/tmp/x", "max_local_disk_size": 1, "local_disk_codec": "cachegen"}, {},
      "codec_check_every: 0"),
