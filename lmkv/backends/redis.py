@@ -52,7 +52,8 @@ class RedisBackend(StorageBackend):
 
         # RedisClusterException (no node reachable, ...) is not a RedisError
         self._errors = (redis.RedisError, RedisClusterException, OSError)
-        self._moved = (MovedError, AskError, TryAgainError)
+        self._moved = (MovedError, AskError, TryAgainError)  # a key's slot moved or moving
+        self._stale_map = (MovedError, TryAgainError)
         url, self.prefix = _split_prefix(url)
         self.max_value_size = max_value_size
         scheme = urlparse(url).scheme
@@ -171,11 +172,41 @@ class RedisBackend(StorageBackend):
                     self._remap = True  # (a dead primary answers nothing, never MOVED)
                     raise
                 for i, reply in zip(indexes, replies, strict=True):
-                    self._remap = self._remap or isinstance(reply, self._moved)
+                    self._remap = self._remap or isinstance(reply, self._stale_map)
                     out[i] = reply
+            self._follow_asks(command, calls, out)
             return out
         except self._errors as e:
             raise BackendError(f"redis {command} failed: {e}") from e
+
+    def _follow_asks(self, command: str, calls: list[tuple[str, tuple]], out: list) -> None:
+        """Commands answered ASK (their slot is moving, and the key is not, or no longer,
+        on the node that had it) sent again to the node it names, each after an ASKING, one
+        pipeline per node; the slot map stays (the slot still belongs to the first node).
+        A node the client does not know yet leaves the reply as it was (a miss, or a failed
+        write) and the map is read again before the next batch."""
+        from redis.exceptions import AskError
+
+        by_node: dict[str, tuple[object, list[int]]] = {}
+        for i, reply in enumerate(out):
+            if isinstance(reply, AskError):
+                node = self.client.get_node(host=reply.host, port=reply.port)
+                if node is None:
+                    self._remap = True  # a node the client has not seen yet
+                else:
+                    by_node.setdefault(node.name, (node, []))[1].append(i)
+        for node, indexes in by_node.values():
+            pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
+            for i in indexes:
+                pipe.execute_command("ASKING")
+                getattr(pipe, command)(calls[i][0], *calls[i][1])
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except self._errors:
+                self._remap = True
+                raise
+            for i, reply in zip(indexes, replies[1::2], strict=True):
+                out[i] = reply
 
     def close(self) -> None:
         with contextlib.suppress(*self._errors):

@@ -74,6 +74,40 @@ def test_redis_cluster(tmp_path):
             s.kill()
 
 
+def test_keys_of_a_slot_being_migrated_are_read_and_written_where_the_cluster_says(tmp_path):
+    """While a slot moves between nodes (resharding), its node answers ASK for keys it does
+    not hold: they were misses (read) and failed batches (write) until the move ended.
+    They are now sent, after ASKING, to the node the slot is moving to."""
+    import subprocess
+
+    servers = start_cluster(tmp_path)
+
+    def cli(server, *args):
+        return subprocess.run(["redis-cli", "-p", str(server.port), *args], check=True,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        backend = RedisBackend(f"redis-cluster://127.0.0.1:{servers[0].port}")
+        moved, stays = "lmkv:on-the-move", "lmkv:stays"
+        slot = int(cli(servers[0], "cluster", "keyslot", moved))
+        assert int(cli(servers[0], "cluster", "keyslot", stays)) != slot
+        source = next(s for s in servers if backend.client.get_node_from_key(moved).port == s.port)
+        target = next(s for s in servers if s is not source)
+        backend.put([("stays", b"old")])
+        cli(target, "cluster", "setslot", str(slot), "importing", cli(source, "cluster", "myid"))
+        cli(source, "cluster", "setslot", str(slot), "migrating", cli(target, "cluster", "myid"))
+        backend.put([("on-the-move", b"value"), ("stays", b"new")])  # (ASK: to the target)
+        assert cli(target, "cluster", "countkeysinslot", str(slot)) == "1"  # written there
+        assert backend.get(["on-the-move", "stays", "nope"]) == [b"value", b"new", None]
+        assert backend.contains(["on-the-move", "nope"]) == [True, False]
+        backend.remove(["on-the-move"])
+        assert backend.contains(["on-the-move"]) == [False]
+        backend.close()
+    finally:
+        for s in servers:
+            s.kill()
+
+
 def test_an_unreachable_cluster_fails_the_tier_not_the_caller(tmp_path):
     """redis-py's RedisClusterException is no RedisError: it must still become a
     BackendError (a recompute, a log line, the breaker), and a stopped node costs one
