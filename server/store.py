@@ -13,7 +13,8 @@ Readers pin an entry with ``acquire``/``release`` while they send it; an entry t
 overwritten or deleted while pinned is unlinked at once and its pages return to the arena
 when the last reader releases it. Eviction skips pinned entries.
 
-The event loop and the persistence thread both call in, so every method takes the lock.
+The connection threads, the persistence thread and the admin endpoints all call in, so
+every method takes the lock.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@
     engine calibrate [--error 0.12] ...            the cachegen codec's table for a model
     engine export --out DIR [--model FILE.gguf]    a GGUF model as a Hugging Face directory
 
-Every command reads ``LMKV_CONFIG_FILE`` when it is set (lmkv on); precompute needs it.
+serve, generate and precompute run with lmkv when ``LMKV_CONFIG_FILE`` is set (precompute
+needs it); calibrate takes lmkv's settings from it and ``LMKV_<KEY>`` variables; export
+does not read them.
 """
 
 from __future__ import annotations
@@ -308,7 +310,9 @@ def _calibrate(config: EngineConfig, settings: CalibrationSettings, args: argpar
         text = Path(args.text).read_text(encoding="utf-8") if args.text else None
         engine_args = {k: v for k, v in asdict(config).items()
                        if k not in ("model", "enable_prefix_caching")}
-        table, path = calibrate_model(config.model, _lmkv_config() or load_config(), settings,
+        # (lmkv's settings name the table: the file's when LMKV_CONFIG_FILE is set, and
+        # LMKV_<KEY> variables either way, as the serve that will use the table reads them)
+        table, path = calibrate_model(config.model, load_config(), settings,
                                       args.prompts, args.length, text, args.out, **engine_args)
     except (OSError, ValueError) as e:
         print(f"engine calibrate: error: {e}", file=sys.stderr)

@@ -47,6 +47,8 @@ import numpy as np
 import torch
 import xxhash
 
+from lmkv.cc import cache_root
+
 log = logging.getLogger(__name__)
 
 QMAX = 16383  # |symbol| < QMAX (cachegen.encode refuses a chunk beyond it)
@@ -222,7 +224,7 @@ def default_path(scope_prefix: str) -> Path:
     lives unless ``cachegen_calibration`` names a file: one file per scope, so a table is
     only ever used for the KV it was measured on."""
     name = scope_prefix.replace("@", "_").replace("/", "_")
-    return Path.home() / ".cache" / "lmkv" / "calibration" / f"{name}.safetensors"
+    return cache_root() / "calibration" / f"{name}.safetensors"
 
 
 def _serialize(step, mean, delta, target, group_size: int, basis=None, bands=None,

@@ -1,4 +1,4 @@
-"""A circuit breaker per remote tier: after a failure the tier is skipped for a while
+"""A circuit breaker per tier below the hot cache: after a failure the tier is skipped for a while
 (doubling on each consecutive failure, up to a ceiling), so a dead store costs one
 timeout per interval instead of one per chunk. ``trial``: a probe made after the interval
 answered (the tier's reads run it apart from its callers); calls go through again, and the

@@ -80,7 +80,10 @@ def test_remote_serde_cachegen_through_redis(tiny_model_dir, reference, tmp_path
         server.kill()
 
 
-def test_calibrate_cli_writes_where_the_engine_looks(tiny_model_dir, monkeypatch, tmp_path, capsys):
+def test_calibrate_cli_writes_where_the_engine_looks(tiny_model_dir, monkeypatch, tmp_path, capsys,
+                                                    caplog):
+    """engine calibrate names the table by lmkv's settings from LMKV_<KEY> variables (with
+    or without LMKV_CONFIG_FILE), and does not warn that they are not used."""
     from lmkv_engines.minimal.cli import main
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the default table path is under ~
@@ -89,6 +92,7 @@ def test_calibrate_cli_writes_where_the_engine_looks(tiny_model_dir, monkeypatch
     assert main(["calibrate", "--model", str(tiny_model_dir), "--prompts", "2", "--length", "128",
                  "--error", "0.01", "--kv-cache-memory", "64MiB"]) == 0
     path = next((tmp_path / "home" / ".cache" / "lmkv" / "calibration").glob("*.safetensors"))
+    assert "not used" not in caplog.text
     out = capsys.readouterr().out
     assert path.name in out and "decorrelating transform: " in out  # says which coding it chose
     assert "keys: measured before RoPE and coded un-rotated" in out
