@@ -461,8 +461,11 @@ class StorageManager:
         them would wait for it), read the leading stored chunks of ``keys`` into the hot
         cache in a job ahead of queued saves and prefetches (behind loads the engine waits
         for), not waited for. The chunks stay held there until the returned arrival is
-        released (see ARRIVAL_HOLD). None where none is held, while the I/O worker is stuck
-        in a tier call (a fetch then takes hot chunks only, at once), or with lmkv closing.
+        released (see ARRIVAL_HOLD); the job reads nothing if the arrival was released, or
+        its deadline passed, before it ran. None where none is held, while the I/O worker is
+        stuck in a tier call (a fetch then takes hot chunks only, at once), when io_queue_size
+        read-ups are queued already (counted, lmkv_dropped_total{what="bring_up"}), or with
+        lmkv closing.
         ``parent`` as for fetch."""
         self._sweep_held()
         if self.io_stuck():
@@ -474,6 +477,8 @@ class StorageManager:
         arrival = BroughtUp(self)
 
         def run() -> None:
+            if arrival.released or time.monotonic() > deadline:
+                return  # let go (looked up, aborted) or too late before it ran: not read
             cap = self._held_cap  # kept while it runs (other holds give way to it: _slot)
             try:
                 bufs = self._load_run(keys, prefetch=True, parent=parent, deadline=deadline,
@@ -487,6 +492,9 @@ class StorageManager:
         try:
             arrival.future = self.io.submit(run, soon=True)
         except RuntimeError:  # the worker is closed
+            return None
+        if arrival.future is None:  # as many read-ups queued as io_queue_size: this
+            self.metrics.dropped.labels("bring_up").inc()  # request's load reads them
             return None
         return arrival
 

@@ -633,8 +633,8 @@ def test_chunks_brought_up_but_never_let_go_are_let_go_after_a_while(monkeypatch
 
 
 def test_chunks_let_go_before_they_arrive_are_not_held():
-    """A request looked up (or gone) while its chunks were still on their way: the read
-    still puts them in the hot cache, but holds none of them."""
+    """A request looked up (or gone) before its read-up ran: the read-up reads nothing and
+    holds nothing (the prefetch still brings the chunks up)."""
     pool, (tier,), m = manager(slots=8, policy="lru")
     seed(pool, tier, ["a", "b"])
     gate = threading.Event()
@@ -646,6 +646,8 @@ def test_chunks_let_go_before_they_arrive_are_not_held():
     finally:
         gate.set()
     arrival.future.result(5)
+    assert not m.hot.contains("a")  # the read-up ran first, and read nothing
+    assert m.io.drain(5)
     assert m.hot.contains("a") and not m._held and not m._held_slots
     pool.check_integrity()
     m.close()
@@ -1119,4 +1121,33 @@ def test_a_queued_write_of_a_chunk_not_kept_hot_is_dropped_only_once_its_saver_l
         b.release()
     backend.release.set()
     assert m.io.drain(5) and sorted(backend.values) == ["a", "k0", "k1"]
+    m.close()
+
+
+def test_read_ups_for_requests_that_let_go_are_not_read_and_their_queue_is_bounded():
+    """Each waiting request overlapping a queued prefetch queued a read-up job, with no
+    bound, and each job still read its chunks after its request had let go (looked up,
+    aborted): 50 requests behind one busy tier call queued 51 jobs and read 201 chunks
+    nobody wanted, ahead of every queued save. (Found by a review.)"""
+    pool, (tier,), m = manager(slots=64, queue=4, policy="lru")
+    runs = [["p", *(f"u{i}_{j}" for j in range(4))] for i in range(50)]
+    seed(pool, tier, ["p"] + [k for r in runs for k in r[1:]])
+    gate = threading.Event()
+    m.io.submit(gate.wait)  # the worker is busy (a slow tier call)
+    while m.io.pending():
+        time.sleep(0.001)
+    m.prefetch(["p"])  # one prefetch queued: its key is in flight
+    arrivals = [m.bring_up(keys) for keys in runs]  # 50 waiting requests sharing "p"
+    queued = [a for a in arrivals if a is not None]
+    assert len(queued) == 4 and m.io.pending() == 1 + 4
+    assert metric(m, "lmkv_dropped_total", what="bring_up") == 46
+    queued[0].release()  # let go before its job ran
+    reads = metric(m, "lmkv_tier_hits_total", tier="t0")
+    gate.set()
+    assert m.io.drain(10)
+    assert metric(m, "lmkv_tier_hits_total", tier="t0") - reads == 1 + 3 * 4  # p, 3 read-ups
+    assert all(k in m.hot.entries for r in runs[1:4] for k in r)
+    assert not any(k in m.hot.entries for k in runs[0][1:])
+    for a in queued[1:]:
+        a.release()
     m.close()
