@@ -4,10 +4,9 @@ Three queues: urgent work (a load the scheduler is waiting for) runs first, then
 (chunks read up for a request the engine keeps waiting for them), then background work
 (saves, prefetches). Urgent work also runs between the batches of a long soon or
 background job, and soon work between those of a background job (one level deep each:
-soon jobs never run inside each other, so they run in the order they came). Soon and
-background work are bounded, each queue to ``max_background`` jobs: when one is full the
-job is dropped (a lost save or prefetch costs a recompute later, a read-up not queued a
-read when the request is admitted; never a stall of the engine).
+soon jobs never run inside each other, so they run in the order they came). Background
+work is bounded: when the queue is full it is dropped (a lost save or prefetch costs a
+recompute later, never a stall of the engine).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ log = logging.getLogger(__name__)
 class IOWorker:
     def __init__(self, max_background: int, name: str = "lmkv-io"):
         self._urgent: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
-        self._soon: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue(max_background)
+        self._soon: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._background: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue(max_background)
         self._wake = threading.Semaphore(0)
         self._lock = threading.Lock()  # submit vs close: nothing is queued after the stop
@@ -38,17 +37,18 @@ class IOWorker:
 
     def submit(self, fn: Callable[[], Any], urgent: bool = False, soon: bool = False) -> Future | None:
         """Queue ``fn`` (urgent, soon, or else background); returns its future, or None if
-        soon or background work was dropped (its queue is full). RuntimeError once the
-        worker is closed."""
+        background work was dropped. RuntimeError once the worker is closed."""
         fut: Future = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("I/O worker is closed")
             if urgent:
                 self._urgent.put((fn, fut))
+            elif soon:
+                self._soon.put((fn, fut))
             else:
                 try:
-                    (self._soon if soon else self._background).put_nowait((fn, fut))
+                    self._background.put_nowait((fn, fut))
                 except queue.Full:
                     return None
             self._wake.release()

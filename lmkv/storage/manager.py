@@ -462,9 +462,9 @@ class StorageManager:
         cache in a job ahead of queued saves and prefetches (behind loads the engine waits
         for), not waited for. The chunks stay held there until the returned arrival is
         released (see ARRIVAL_HOLD); the job reads nothing if the arrival was released, or
-        its deadline passed, before it ran. None where none is held, while the I/O worker is
-        stuck in a tier call (a fetch then takes hot chunks only, at once), when io_queue_size
-        read-ups are queued already (counted, lmkv_dropped_total{what="bring_up"}), or with
+        its deadline passed, before it ran (one job per waiting request, asked once each: a
+        request let go costs its queue entry only). None where none is held, while the I/O
+        worker is stuck in a tier call (a fetch then takes hot chunks only, at once), or with
         lmkv closing.
         ``parent`` as for fetch."""
         self._sweep_held()
@@ -492,9 +492,6 @@ class StorageManager:
         try:
             arrival.future = self.io.submit(run, soon=True)
         except RuntimeError:  # the worker is closed
-            return None
-        if arrival.future is None:  # as many read-ups queued as io_queue_size: this
-            self.metrics.dropped.labels("bring_up").inc()  # request's load reads them
             return None
         return arrival
 

@@ -51,6 +51,8 @@ class Tier:
     # but cannot deliver chunks in time must not have it reset by them)
     _read_failed: float | None = field(default=None, init=False, repr=False)
     _closed: bool = field(default=False, init=False, repr=False)
+    # a lookup gave up waiting LOCK_WAIT for a call that hangs: the next ones do not wait
+    _busy: bool = field(default=False, init=False, repr=False)
     _probe_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -146,17 +148,21 @@ class Tier:
 
     def contains(self, keys: list[str]) -> list[bool] | None:
         """Which keys the tier holds; None if it could not be asked (nor within LOCK_WAIT
-        seconds, while another call to the backend hangs)."""
+        seconds, while another call to the backend hangs; after one such wait, at once until
+        that call has ended: a lookup runs on the engine's scheduling thread)."""
         if not self.reachable("contains"):
             return None
         if self.backend.concurrent_contains:
             return self._contains(keys)
-        if not self._lock.acquire(timeout=LOCK_WAIT):
-            self._quiet.log(log, logging.WARNING, "busy", "lmkv: %s did not answer a lookup "
-                            "within %.0f s (a call to it hangs); counted as a miss", self.name,
-                            LOCK_WAIT)
+        if not self._lock.acquire(timeout=0 if self._busy else LOCK_WAIT):
+            if not self._busy:
+                self._busy = True
+                self._quiet.log(log, logging.WARNING, "busy", "lmkv: %s did not answer a "
+                                "lookup within %.0f s (a call to it hangs); lookups count it "
+                                "as a miss until that call ends", self.name, LOCK_WAIT)
             self.metrics.errors.labels(self.name, "busy").inc()
             return None
+        self._busy = False
         try:
             if not self.available:  # the call it waited for failed: do not ask again now
                 return None
