@@ -18,7 +18,8 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
+
+from lmkv.http_limits import bounded_http
 
 from .admin import build_admin_app
 from .arena import PageArena
@@ -119,7 +120,7 @@ async def _serve(config: ServerConfig, store: Store, listener: Listener,
                 log_level=config.log_level.lower(),
                 access_log=False,
                 lifespan="off",
-                http=_AdminHTTP,
+                http=bounded_http(ADMIN_CONNECTIONS),  # (nothing waits for ever)
                 backlog=ADMIN_CONNECTIONS,  # also what one pass of asyncio's accept loop takes
             )
         )
@@ -164,48 +165,6 @@ def _fit_open_files(config: ServerConfig) -> ServerConfig:
     log.warning("--max-connections lowered from %d to %d: the process may open at most %d "
                 "files (ulimit -n; raise it to serve more)", config.max_connections, fit, soft)
     return dataclasses.replace(config, max_connections=fit)
-
-
-class _AdminHTTP(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, with the admin port's connections bounded: beyond
-    ADMIN_CONNECTIONS a new one is closed at once; one that sends nothing is closed after
-    the keep-alive timeout (uvicorn times out only connections that had a request), and one
-    whose request head does not arrive whole within that time from its first byte is closed
-    too (uvicorn waits for the rest of a head for ever: a client sending one byte held a
-    connection slot until it went away)."""
-
-    _head_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        if len(self.connections) > ADMIN_CONNECTIONS:
-            transport.close()
-            return
-        self.timeout_keep_alive_task = self.loop.call_later(
-            self.timeout_keep_alive, self.timeout_keep_alive_handler)
-
-    def data_received(self, data: bytes) -> None:
-        waiting = self.cycle  # the request before these bytes (None: none yet)
-        between = waiting is None or waiting.response_complete
-        super().data_received(data)
-        if self.cycle is not waiting:  # a request head arrived: it is being served
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-        elif between and self._head_timer is None and not self.transport.is_closing():
-            # part of a head: the whole of it is due by the deadline (more bytes do not move it)
-            self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_late, waiting)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_timer is not None:  # not hold the connection's buffers for the timeout
-            self._head_timer.cancel()
-            self._head_timer = None
-        super().connection_lost(exc)
-
-    def _head_late(self, waiting: RequestResponseCycle | None) -> None:
-        self._head_timer = None
-        if self.cycle is waiting and not self.transport.is_closing():  # still no request
-            self.transport.close()
 
 
 def _bind(host: str, port: int, what: str) -> socket.socket:

@@ -392,6 +392,8 @@ def serve(config: ServerConfig) -> None:
         raise StartupError(str(e)) from e
     import uvicorn
 
+    from lmkv.http_limits import bounded_http
+
     server = APIServer(engine, config)
     log.info("serving %s on http://%s:%d", server.model_name, config.host, config.port)
     interrupt = signal.signal(signal.SIGINT, _stopped)  # while serving, Ctrl-C stops cleanly
@@ -399,6 +401,9 @@ def serve(config: ServerConfig) -> None:
         _uvicorn_server(uvicorn.Config(
             server.app, host=config.host, port=config.port, log_level=config.log_level,
             timeout_graceful_shutdown=config.graceful_shutdown_timeout,
+            # idle connections closed after keep-alive's 5 s, a request head due within the
+            # body's time: a client that connects and sends nothing holds no descriptor
+            http=bounded_http(config.max_connections, config.request_body_timeout),
         ), server.async_engine).run(sockets=[sock])
     except SystemExit as e:
         if e.code != 0:

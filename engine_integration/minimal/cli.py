@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-body-timeout", type=float,
                        default=ServerConfig.request_body_timeout, metavar="SECONDS",
                        help="how long a request's whole body may take to arrive; a slower one "
-                            "gets HTTP 408 (default %(default)s)")
+                            "gets HTTP 408, and a connection whose request head has not "
+                            "arrived whole by then is closed (default %(default)s)")
     serve.add_argument("--graceful-shutdown-timeout", type=float,
                        default=ServerConfig.graceful_shutdown_timeout, metavar="SECONDS",
                        help="on SIGTERM or SIGINT, how long requests in flight may run on "

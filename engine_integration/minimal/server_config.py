@@ -8,6 +8,7 @@ from .config import EngineConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DEFAULT_REQUEST_BODIES = 256 << 20
+SPARE_CONNECTIONS = 64  # connections open beyond the requests held (health checks, metrics)
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class ServerConfig:
     # bytes of the bodies of all requests being handled at once; a request past it gets 503
     # (None: 256 MiB, or max_request_body if that is larger)
     max_request_bodies: int | None = None
-    # seconds a request's whole body may take to arrive; a slower one gets HTTP 408
+    # seconds a request's whole body may take to arrive; a slower one gets HTTP 408 (and
+    # a connection whose request head has not arrived whole by then is closed)
     request_body_timeout: float = 60.0
     # seconds a stopping server (SIGTERM, SIGINT) gives the requests in flight to finish
     graceful_shutdown_timeout: float = 5.0
@@ -50,6 +52,12 @@ class ServerConfig:
     def max_in_flight(self) -> int:
         """Requests the server holds at once (running, waiting, or being handed over)."""
         return self.engine.max_num_seqs + self.max_pending
+
+    @property
+    def max_connections(self) -> int:
+        """Connections open at once: one per request held, and SPARE_CONNECTIONS (a request
+        past max_in_flight is answered 503 anyway); more are closed as they are accepted."""
+        return self.max_in_flight + SPARE_CONNECTIONS
 
 
 def _check(ok: bool, name: str, want: str) -> None:

@@ -379,6 +379,47 @@ def test_connections_that_send_headers_and_no_body_hold_no_budget_and_time_out(l
             s.close()
 
 
+def test_connections_that_do_nothing_are_closed_and_their_number_is_bounded(tiny_model_dir, tmp_path):
+    """uvicorn times out only connections that had a request and waits for the rest of a
+    request head for ever: connections that sent nothing, or part of a head, were held
+    without limit (at the open-file limit, every new client hung). Idle ones are closed
+    after 5 s, half-sent heads after --request-body-timeout, and beyond max_num_seqs +
+    max_pending + 64 connections new ones are closed as they come. (Found by a review.)"""
+    import socket
+
+    proc, port = start_serve(tiny_model_dir, tmp_path / "serve.log", "--max-num-seqs", "1",
+                             "--max-pending", "0", "--request-body-timeout", "2")
+
+    def closed(s: socket.socket, within: float) -> bool:
+        s.settimeout(within)
+        try:
+            return s.recv(1) == b""
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            return True
+
+    conns = []
+    try:
+        for i in range(65):  # the cap: 1 + 0 + 64
+            conns.append(socket.create_connection(("127.0.0.1", port)))
+            if i < 8:
+                conns[-1].sendall(b"GET /heal")  # part of a head, never finished
+        time.sleep(0.3)
+        extra = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        assert all(closed(c, 2) for c in extra)  # past the cap: closed as they came
+        start = time.monotonic()
+        assert all(closed(c, 4) for c in conns[:8])  # heads due within 2 s
+        assert all(closed(c, 6) for c in conns[8:])  # nothing sent: closed after 5 s
+        assert time.monotonic() - start < 8
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    finally:
+        for c in conns:
+            c.close()
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_a_chat_prompt_too_long_in_its_roles_is_refused_before_it_is_tokenized(server):
     """Roles are rendered into the prompt too: a huge role is refused by its size at once,
     as a huge content is (before, it was tokenized first: seconds of the server's time)."""
