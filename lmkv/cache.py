@@ -270,11 +270,11 @@ class LMKVCache:
     def _serve_metrics(self):
         """lmkv's registry over HTTP on its own port: for engines whose /metrics lmkv cannot
         join (vLLM serves it from another process). A port in use is logged, not fatal."""
-        from prometheus_client import start_http_server
+        from lmkv.metrics import serve_metrics
 
         host, port = self.config.metrics_host, self.config.metrics_port
         try:
-            server, _ = start_http_server(port, host, registry=self.metrics.registry)
+            server = serve_metrics(self.metrics.registry, host, port)
         except OSError as e:
             log.error("lmkv: cannot serve metrics on %s:%d (%s); lmkv metrics stay in-process "
                       "(config key metrics_port)", host, port, e)

@@ -90,3 +90,54 @@ class LMKVMetrics:
         self.engine_cached_tokens.inc(engine_tokens)
         total = self.lookup_tokens._value.get()
         self.hit_rate.set(self.hit_tokens._value.get() / total if total else 0.0)
+
+
+METRICS_CONNECTIONS = 16  # scrapes served at once on metrics_port; more are closed at accept
+METRICS_TIMEOUT = 10.0  # seconds a scrape's connection may wait for the client's bytes
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int):
+    """``registry`` over HTTP on ``host:port`` from a daemon thread, for engines whose own
+    /metrics lmkv cannot join; the server (``shutdown()`` and ``server_close()`` stop it).
+    Unlike prometheus_client's start_http_server (a thread per connection, each waiting for
+    its client for ever), at most METRICS_CONNECTIONS connections are served at once and a
+    client that stops sending is dropped after METRICS_TIMEOUT. OSError if the port cannot
+    be bound."""
+    import socket
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+        def process_request(self, request, client_address):
+            if not slots.acquire(blocking=False):  # as many scrapes as it serves: refused
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                slots.release()
+                raise
+
+        def process_request_thread(self, request, client_address):
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                slots.release()
+
+    class Handler(WSGIRequestHandler):
+        timeout = METRICS_TIMEOUT  # (the connection's socket timeout)
+
+        def log_message(self, format, *args):  # noqa: A002 (not each scrape in the log)
+            pass
+
+    server = make_server(host, port, make_wsgi_app(registry), Server, handler_class=Handler)
+    threading.Thread(target=server.serve_forever, name="lmkv-metrics", daemon=True).start()
+    return server

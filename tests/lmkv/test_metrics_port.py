@@ -56,3 +56,31 @@ def test_no_port_no_server():
         assert engine._metrics_server is None
     finally:
         engine.close()
+
+
+def test_connections_that_send_nothing_are_bounded_and_dropped(monkeypatch):
+    """prometheus_client's server started a thread per connection, each waiting for its
+    client for ever: 100 idle connections were 100 threads in the engine's process. At most
+    METRICS_CONNECTIONS are served at once (more are closed as they come) and an idle one
+    is dropped after METRICS_TIMEOUT; scrapes go on. (Found by a review.)"""
+    import threading
+    import time
+
+    from lmkv import metrics
+
+    monkeypatch.setattr(metrics, "METRICS_TIMEOUT", 0.5)
+    port = _free_port()
+    engine = _engine(port)
+    threads = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+    try:
+        time.sleep(0.2)
+        assert threading.active_count() <= threads + metrics.METRICS_CONNECTIONS
+        for s in idle:
+            s.settimeout(3)
+        assert all(s.recv(1) == b"" for s in idle)  # closed: at once or after the timeout
+        assert "lmkv_hit_tokens_total" in _scrape(port)
+    finally:
+        for s in idle:
+            s.close()
+        engine.close()
