@@ -94,10 +94,30 @@ async def serve(config: ServerConfig) -> None:
         await _serve(config, store, listener, persister, admin_sock)
     finally:
         log.info("shutting down")
+        _stop_at_next_signal(persister)
         await asyncio.to_thread(listener.stop)
         if persister is not None:
+            if persister.pending:
+                log.info("writing %d pending values to %s before stopping (SIGTERM or SIGINT "
+                         "again stops without them)", persister.pending, config.persist_dir)
             await asyncio.to_thread(persister.stop)
             log.info("persistence flushed (%d files written)", persister.files_written)
+
+
+def _stop_at_next_signal(persister: Persister | None) -> None:
+    """While the server stops, SIGTERM or SIGINT ends the process at once (a persist
+    directory whose writes hang, an NFS mount gone, held the stop for ever). Files are
+    written atomically: what is not written is lost, nothing is left torn."""
+    loop = asyncio.get_running_loop()
+
+    def now() -> None:
+        left = persister.pending if persister is not None else 0
+        log.error("stopped at a second signal: %d values not persisted", left)
+        logging.shutdown()
+        os._exit(1)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, now)
 
 
 async def _serve(config: ServerConfig, store: Store, listener: Listener,

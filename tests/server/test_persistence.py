@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import time
@@ -183,3 +184,48 @@ def test_a_reload_that_cannot_read_a_file_gives_its_pages_back(tmp_path, monkeyp
     assert (result.loaded, result.corrupt) == (1, 1)
     again.check_integrity()
     assert (tmp_path / "snapshot.tmp").is_dir()
+
+
+def test_a_second_signal_stops_a_server_whose_persist_writes_hang(server_env, tmp_path):
+    """A persist directory whose writes hang (an NFS mount gone) held the stop for ever: the
+    stop waited for the flush, and a second SIGTERM did nothing. Now the stop says what is
+    pending, and a second signal ends the process at once, saying what was not written.
+    (The hang is made in the server process by a sitecustomize module: every write waits
+    until the process ends.)"""
+    import signal
+    import subprocess
+
+    from lmkv_server.launcher import ServerProcess
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import threading\n"
+        "from lmkv_server import persistence\n"
+        "def _sync(self, key):\n"
+        "    threading.Event().wait()\n"
+        "persistence.Persister._sync = _sync\n")
+    env = {**server_env, "PYTHONPATH": f"{hook}{os.pathsep}{server_env.get('PYTHONPATH', '')}"}
+    log = tmp_path / "server.log"
+    server = ServerProcess("--persist-dir", str(tmp_path / "store"), "--max-memory", "16MiB",
+                           env=env, log_path=log).start()
+    try:
+        backend = LMBackend(server.url)
+        backend.put([("first@1", b"x" * 1000), ("next@1", b"y" * 1000)])
+        assert backend.get(["next@1"]) == [b"y" * 1000]
+        backend.close()
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "pending values" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.proc.wait(1)
+        assert server.proc.poll() is None  # still flushing: the write hangs
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(5) == 1
+        text = log.read_text()
+        assert "writing 2 pending values" in text and "again stops without them" in text
+        assert "stopped at a second signal: 2 values not persisted" in text
+    finally:
+        server.kill()
