@@ -410,8 +410,21 @@ def serve(config: ServerConfig) -> None:
             raise
     finally:
         signal.signal(signal.SIGINT, interrupt)  # a second Ctrl-C while lmkv drains interrupts
-        engine.close()  # lmkv finishes its background writes
+        close_engine(engine, server.async_engine)
     log.info("engine serve: stopped")
+
+
+def close_engine(engine: LLMEngine, async_engine: AsyncEngine) -> bool:
+    """lmkv finishes its background writes and lets go of its resources, unless the engine
+    thread is still in a step the stop did not end (a long prefill): lmkv is in use there,
+    so it is left as it is (its queued writes are lost as the process exits) rather than
+    closed under that step. Whether it was closed."""
+    if async_engine.in_step:
+        log.error("engine serve: the engine is still in a step after the stop; exiting without "
+                  "finishing lmkv's queued writes")
+        return False
+    engine.close()
+    return True
 
 
 def _uvicorn_server(config, async_engine: AsyncEngine):

@@ -122,11 +122,18 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread; unfinished requests fail with EngineError."""
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Stop the engine thread; unfinished requests fail with EngineError. False if the
+        thread is still in a step after ``timeout`` seconds."""
         self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
+        return not self.in_step
+
+    @property
+    def in_step(self) -> bool:
+        """Whether the engine thread still runs (a step that has not ended)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def is_alive(self) -> bool:

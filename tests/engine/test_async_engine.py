@@ -337,3 +337,39 @@ def test_an_unexpected_error_answers_500_with_an_id_the_log_has(engine, caplog):
     finally:
         del engine.tokenize
         stop()
+
+
+def test_lmkv_is_not_closed_under_a_step_the_stop_did_not_end(engine, caplog):
+    """The stop waits for the engine thread 30 s; serve then closed lmkv (its I/O worker,
+    hot cache, connector) even while a long step still used it. A step still running is
+    said, and lmkv left as it is. (Found by a review.)"""
+    from lmkv_engines.minimal.api_server import close_engine
+
+    started, release = threading.Event(), threading.Event()
+    real = engine.step
+
+    def slow_step():
+        started.set()
+        release.wait(10)
+        return real()
+
+    engine.step = slow_step
+    closed = []
+    engine.close = lambda: closed.append(True)
+
+    async def main():
+        ae = AsyncEngine(engine, max_in_flight=2)
+        ae.start()
+        outputs = ae.generate("a", [5, 6, 7], GREEDY)
+        task = asyncio.ensure_future(anext(outputs))
+        assert await asyncio.to_thread(started.wait, 5)
+        assert not ae.shutdown(timeout=0.1)  # still in its step
+        with caplog.at_level(logging.ERROR):
+            assert not close_engine(engine, ae)
+        assert not closed and "still in a step" in caplog.text
+        release.set()
+        assert ae.shutdown(timeout=5) and close_engine(engine, ae) and closed
+        with pytest.raises(EngineError):
+            await task
+
+    asyncio.run(main())
