@@ -7,7 +7,7 @@ Values are stored under ``<key_prefix><key>``; the prefix comes from the URL's
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from urllib.parse import parse_qs, urlencode, urlparse, urlunparse
 
 from . import net
@@ -157,23 +157,11 @@ class RedisBackend(StorageBackend):
             if self._remap:
                 self._remap = False
                 self.client.nodes_manager.initialize()
-            by_node: dict[str, tuple[object, list[int]]] = {}
-            for i, (key, _) in enumerate(calls):
-                node = self.client.get_node_from_key(key)
-                by_node.setdefault(node.name, (node, []))[1].append(i)
+            nodes = [self.client.get_node_from_key(key) for key, _ in calls]
             out: list = [None] * len(calls)
-            for node, indexes in by_node.values():
-                pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
-                for i in indexes:
-                    getattr(pipe, command)(calls[i][0], *calls[i][1])
-                try:
-                    replies = pipe.execute(raise_on_error=False)
-                except self._errors:
-                    self._remap = True  # (a dead primary answers nothing, never MOVED)
-                    raise
-                for i, reply in zip(indexes, replies, strict=True):
-                    self._remap = self._remap or isinstance(reply, self._stale_map)
-                    out[i] = reply
+            for i, reply in self._on_nodes(command, calls, nodes):
+                self._remap = self._remap or isinstance(reply, self._stale_map)
+                out[i] = reply
             self._follow_asks(command, calls, out)
             return out
         except self._errors as e:
@@ -187,26 +175,35 @@ class RedisBackend(StorageBackend):
         write) and the map is read again before the next batch."""
         from redis.exceptions import AskError
 
+        nodes = [self.client.get_node(host=r.host, port=r.port) if isinstance(r, AskError)
+                 else None for r in out]
+        self._remap = self._remap or any(isinstance(r, AskError) and n is None
+                                         for r, n in zip(out, nodes, strict=True))
+        for i, reply in self._on_nodes(command, calls, nodes, asking=True):
+            out[i] = reply
+
+    def _on_nodes(self, command: str, calls: list[tuple[str, tuple]], nodes: list,
+                  asking: bool = False) -> Iterator[tuple[int, object]]:
+        """``command`` on each call whose node is given, one pipeline per node, each command
+        after an ASKING with ``asking``: (index, reply) pairs. A node that fails fails the
+        call, and the slot map is read again before the next batch (a dead primary answers
+        nothing, never MOVED)."""
         by_node: dict[str, tuple[object, list[int]]] = {}
-        for i, reply in enumerate(out):
-            if isinstance(reply, AskError):
-                node = self.client.get_node(host=reply.host, port=reply.port)
-                if node is None:
-                    self._remap = True  # a node the client has not seen yet
-                else:
-                    by_node.setdefault(node.name, (node, []))[1].append(i)
+        for i, node in enumerate(nodes):
+            if node is not None:
+                by_node.setdefault(node.name, (node, []))[1].append(i)
         for node, indexes in by_node.values():
             pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
             for i in indexes:
-                pipe.execute_command("ASKING")
+                if asking:
+                    pipe.execute_command("ASKING")
                 getattr(pipe, command)(calls[i][0], *calls[i][1])
             try:
                 replies = pipe.execute(raise_on_error=False)
             except self._errors:
                 self._remap = True
                 raise
-            for i, reply in zip(indexes, replies[1::2], strict=True):
-                out[i] = reply
+            yield from zip(indexes, replies[1::2] if asking else replies, strict=True)
 
     def close(self) -> None:
         with contextlib.suppress(*self._errors):
