@@ -8,6 +8,7 @@ can read a frame into one with O_DIRECT.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -91,6 +92,40 @@ class ChunkBuffer:
         self.pool._release(self)
 
 
+def host_memory_available() -> int | None:
+    """Bytes this process may still fill with memory: the kernel's MemAvailable, or less
+    where a cgroup (a container) limits the process; None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                found.append(int(limit) - int(g.read()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def zeros_in_memory(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """``torch.zeros`` on the CPU (every page touched now) for the memory ``what`` names:
+    ValueError naming it where the machine does not have that much available (each page
+    touched past it would end in the OOM killer) or the allocation fails."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    available = host_memory_available()
+    if available is not None and nbytes > available:
+        raise ValueError(f"{what}: {nbytes / 1e9:.3g} GB asked, but this machine has "
+                         f"{max(available, 0) / 1e9:.3g} GB of memory available; give less")
+    try:
+        return torch.zeros(shape, dtype=dtype)
+    except RuntimeError as e:  # (the allocator's "can't allocate memory")
+        raise ValueError(f"{what}: cannot allocate {nbytes / 1e9:.3g} GB ({e}); give less") from e
+
+
 class MemoryPool:
     def __init__(self, layout: KVLayout, capacity_bytes: int, pin: bool | None = None):
         self.layout = layout
@@ -106,7 +141,8 @@ class MemoryPool:
             )
         pin = torch.cuda.is_available() if pin is None else pin
         # torch.zeros writes every page now: fresh pages copy ~20x slower than touched ones
-        whole = torch.zeros(self.num_slots * self.slot_bytes + DIRECT_ALIGN, dtype=torch.uint8)
+        whole = zeros_in_memory((self.num_slots * self.slot_bytes + DIRECT_ALIGN,), torch.uint8,
+                                "lmkv config key max_local_cpu_size (the hot cache)")
         if pin:
             _page_lock(self, whole)
         start = -whole.data_ptr() % DIRECT_ALIGN

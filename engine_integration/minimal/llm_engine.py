@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmkv.memory import zeros_in_memory
+
 from .blend import continuation_logits
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -99,10 +101,11 @@ class LLMEngine:
         self.model = model.to(device.torch)
         self.model.model.rope.to(device.torch)
         # [L, 2, num_blocks, block_size, Hkv, D]; zeros touches every page now, not mid-request
-        self.kv_cache = torch.zeros(
-            mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-            dtype=self.dtype, device=device.torch,
-        )
+        shape = (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
+        if device.torch.type == "cpu":
+            self.kv_cache = zeros_in_memory(shape, self.dtype, "kv_cache_memory (--kv-cache-memory)")
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=device.torch)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.metrics = metrics or EngineMetrics()
         self.kv_connector = None

@@ -620,6 +620,10 @@ def test_generate_says_so_when_the_model_ends_at_once():
     ("chunk_sise: 256\n", "unknown lmkv config key(s): chunk_sise"),
     ("chunk_size: 24\n", "chunk_size 24 must be a multiple of the engine's block size 16"),
     ("- a\n", "must be a mapping"),
+    # more than the machine has: said by name (was a torch allocator traceback, or the OOM
+    # killer as the pages were touched)
+    ("max_local_cpu_size: 100000\n", "lmkv config key max_local_cpu_size (the hot cache): 1e+05 GB "
+     "asked, but this machine has"),
 ])
 def test_lmkv_config_file_that_cannot_be_used_stops_serve(tiny_model_dir, tmp_path, content,
                                                           message):
@@ -634,6 +638,15 @@ def test_lmkv_config_file_that_cannot_be_used_stops_serve(tiny_model_dir, tmp_pa
     )
     assert out.returncode == 1
     assert message in out.stderr
+
+
+def test_kv_memory_past_what_the_machine_has_stops_the_command_by_name(tiny_model_dir):
+    out = subprocess.run(
+        engine_command("generate", "hi", "--model", str(tiny_model_dir), "--kv-cache-memory", "100TiB"),
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "kv_cache_memory (--kv-cache-memory): 1.1e+05 GB asked, but this machine has" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_a_port_in_use_stops_serve_before_the_model_loads(tmp_path):

@@ -633,3 +633,18 @@ def test_a_disk_tier_it_cannot_fill_is_told_at_start(tmp_path, caplog, monkeypat
     monkeypatch.setattr(Path, "write_bytes", read_only)
     DiskBackend(tmp_path / "ro", capacity_bytes=1 << 20)
     assert "is not writable (Read-only file system)" in caplog.text
+
+
+def test_a_hot_cache_past_the_machines_memory_is_refused_by_name(monkeypatch):
+    """Where the available memory can be read, a larger hot cache is refused before any
+    page is touched; where it cannot, an allocation that fails is said by name too (it
+    was the allocator's RuntimeError)."""
+    from lmkv import memory
+
+    with pytest.raises(ValueError, match=r"max_local_cpu_size \(the hot cache\): .* GB asked, but"):
+        MemoryPool(LAYOUT, 1 << 50)
+    monkeypatch.setattr(memory, "host_memory_available", lambda: None)
+    with pytest.raises(ValueError, match=r"max_local_cpu_size \(the hot cache\): cannot allocate"):
+        MemoryPool(LAYOUT, 1 << 50)
+    monkeypatch.setattr(memory, "host_memory_available", lambda: 10 << 20)
+    assert MemoryPool(LAYOUT, 1 << 20).num_slots > 0
