@@ -177,6 +177,10 @@ class APIServer:
     def _check_length(self, prompt: list[int], max_tokens: int) -> None:
         """Refuse (400) a request whose prompt and max_tokens do not fit the context."""
         limit = self.engine.max_model_len
+        if len(prompt) >= limit:  # no max_tokens would fit: the prompt is what is too long
+            raise APIError(400, f"the prompt has {len(prompt)} tokens but the context holds "
+                           f"{limit} (max_model_len), including at least one generated token",
+                           param="prompt")
         if len(prompt) + max_tokens > limit:
             raise APIError(
                 400, f"this model's context holds {limit} tokens (max_model_len), but "

@@ -244,7 +244,10 @@ BAD_REQUESTS = {
     "max_tokens 0": ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     "max_tokens 0 streamed": ({"prompt": "hi", "max_tokens": 0, "stream": True}, 400,
                               "max_tokens"),
-    "prompt too long": ({"prompt": [5] * MAX_MODEL_LEN}, 400, "max_model_len"),
+    # the prompt is named, not max_tokens (it said "at most 0 can be generated" of max_tokens)
+    "prompt too long": ({"prompt": [5] * MAX_MODEL_LEN}, 400,
+                        f"the prompt has {MAX_MODEL_LEN} tokens but the context holds "
+                        f"{MAX_MODEL_LEN} (max_model_len)"),
     "max_tokens past the context": ({"prompt": [5] * 100, "max_tokens": MAX_MODEL_LEN}, 400,
                                     f"holds {MAX_MODEL_LEN} tokens (max_model_len), but "
                                     f"{100 + MAX_MODEL_LEN} were requested: 100 in the prompt and "
