@@ -86,7 +86,11 @@ def bench_model(name: str | None) -> Path:
 def hf_model(path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """transformers' dense model of a checkpoint directory or a GGUF file (its blocks
     dequantized at load, as the engine does), in ``dtype`` on ``device``."""
-    import transformers
+    try:
+        import transformers
+    except ImportError as e:
+        raise SystemExit(f"{e}: the benchmarks compare with transformers; run `make setup` "
+                         "(lmkv with its test extras) first") from e
 
     if path.is_dir():
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

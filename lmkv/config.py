@@ -202,7 +202,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"cannot read lmkv config file {path}: {e.strerror or e}") from e
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_unique_keys_loader())  # (a SafeLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"lmkv config file {path} is not valid YAML: {e}") from e
     if data is None:
@@ -214,6 +214,31 @@ def read_yaml(path: Path) -> dict[str, Any]:
                           f"{', '.join(map(repr, bad))} (YAML reads on, off, yes, no and "
                           "numbers as booleans and numbers: quote such a key)")
     return data
+
+
+def _unique_keys_loader():
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the
+    last: a key copied into a file and changed in one place only)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):
+                continue  # (a list as a key: the loader refuses it next)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"found the key {key!r} twice",
+                    key_node.start_mark)
+            seen.add(key)
+        return loader.construct_mapping(node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return Loader
 
 
 _FIELDS = {f.name: f for f in fields(LMKVConfig)}

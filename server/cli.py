@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 from lmkv.policy import POLICIES
+from lmkv.sizes import size
 
 from .app import ListenError, run
-from .config import ServerConfig, parse_networks, parse_size
+from .config import ServerConfig, parse_networks
 
 _DEFAULTS = ServerConfig()
 
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("port", type=int)
     p.add_argument(
         "--max-memory",
-        type=parse_size,
+        type=size,
         default=_DEFAULTS.max_memory,
         help="bound on stored values, e.g. 16GiB, 512MB (default 1GiB, touched at start: see "
         "--no-prefault); eviction by --cache-policy beyond",
@@ -38,12 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-value-size",
-        type=parse_size,
+        type=size,
         default=_DEFAULTS.max_value_size,
         help="largest PUT accepted; larger frames close the connection (default 256MiB)",
     )
     p.add_argument(
-        "--page-size", type=parse_size, default=_DEFAULTS.page_size, help="default 256KiB"
+        "--page-size", type=size, default=_DEFAULTS.page_size, help="default 256KiB"
     )
     p.add_argument(
         "--no-prefault",

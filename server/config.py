@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,39 +13,6 @@ from lmkv.policy import DEFAULT_POLICY, POLICIES
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "k": KIB,
-    "kib": KIB,
-    "m": MIB,
-    "mib": MIB,
-    "g": GIB,
-    "gib": GIB,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from ``"4GiB"``, ``"512MB"``, ``"64k"`` or ``"1048576"``.
-
-    KB/MB/GB/TB are decimal; KiB/MiB/GiB/TiB and the bare letters K/M/G/T are binary.
-    """
-    if isinstance(text, int):
-        return text
-    match = _SIZE.fullmatch(text)
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not match or unit is None:
-        raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MB, 1048576)")
-    return int(float(match.group(1)) * unit)
-
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 

@@ -16,32 +16,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from lmkv.codec.calibration import CalibrationSettings
+from lmkv.sizes import size
 
 from .config import EngineConfig
 from .sampling_params import SamplingParams
 from .server_config import LOG_LEVELS, ServerConfig
-
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-    "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "2GiB", "512MiB", "1.5G" (binary), "4GB" (decimal) or a plain number."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = m and _SIZE_UNITS.get(m.group(2).lower())
-    if not m or unit is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 4GB, 1000000000)")
-    return int(float(m.group(1)) * unit)
 
 
 def port_number(text: str) -> int:
@@ -68,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weights and KV memory (default auto: bfloat16 on a GPU, float32 on the CPU)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=EngineConfig.kv_cache_memory,
+    g.add_argument("--kv-cache-memory", type=size, default=EngineConfig.kv_cache_memory,
                    help="paged KV memory, e.g. 2GiB (default 1GiB)")
     g.add_argument("--num-kv-blocks", type=int, help="KV blocks (overrides --kv-cache-memory)")
     g.add_argument("--max-model-len", type=int,
@@ -97,9 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-pending", type=int, default=ServerConfig.max_pending,
                        help="requests that may wait beyond --max-num-seqs; more get HTTP 503 "
                        "(default %(default)s)")
-    serve.add_argument("--max-request-body", type=parse_size, default=ServerConfig.max_request_body,
+    serve.add_argument("--max-request-body", type=size, default=ServerConfig.max_request_body,
                        help="largest request body accepted; larger ones get HTTP 413 (default 8MiB)")
-    serve.add_argument("--max-request-bodies", type=parse_size,
+    serve.add_argument("--max-request-bodies", type=size,
                        help="total size of the bodies of the requests handled at once; a request "
                        "past it gets HTTP 503 (default 256MiB, or --max-request-body if larger)")
     serve.add_argument("--request-body-timeout", type=float,
@@ -281,8 +265,9 @@ def _lmkv_config():
 def _generate(config: EngineConfig, prompt: str, params: SamplingParams, chat: bool) -> int:
     from .llm import LLM
 
+    lmkv_config = _lmkv_config()
     try:
-        with LLM(lmkv_config=_lmkv_config(), **asdict(config)) as llm:
+        with LLM(lmkv_config=lmkv_config, **asdict(config)) as llm:
             if chat:  # the template places BOS and the turn markers
                 text = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
                 out = llm.generate([llm.engine.tokenize(text, add_special_tokens=False)], params)[0]
@@ -292,6 +277,9 @@ def _generate(config: EngineConfig, prompt: str, params: SamplingParams, chat: b
         print(f"engine generate: error: {e}", file=sys.stderr)
         return 1
     print(out.text)
+    if lmkv_config is not None:  # what lmkv did for this prompt
+        print(f"engine generate: {out.num_external_tokens} of {len(out.prompt_token_ids)} prompt "
+              "tokens loaded from lmkv", file=sys.stderr)
     if not out.text.strip() and out.finish_reason == "stop":  # a bare empty line says nothing
         hint = "" if chat else "; an instruct model answers a question given with --chat"
         print(f"engine generate: the model ended the text at once ({len(out.output_token_ids)} "

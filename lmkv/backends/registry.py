@@ -101,8 +101,9 @@ class LazyBackend(StorageBackend):
             for region in self._regions:
                 backend.register_memory(region)
             self._backend = backend
-            self._ready.log(log, logging.INFO, "ready", "lmkv: client for %s ready (a failed "
-                            "request to it is logged apart)", self._url)
+            self._ready.log(log, logging.INFO, "ready", "lmkv: client for %s made (it may "
+                            "connect at its first request; a failed request is logged apart)",
+                            self._url)
         return self._backend
 
     def _call(self, fn):

@@ -49,7 +49,7 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Iterable[str | li
     empty = 0
     todo: list[list[int]] = []
     total = f"/{len(documents)}" if isinstance(documents, Sized) else ""
-    i = -1
+    i = shown = -1  # the last document counted in a progress line
     for i, document in enumerate(documents):
         tokens = _tokens(engine, lmkv, i, document, separator)
         digest = tokens and hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
@@ -69,10 +69,11 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Iterable[str | li
             todo = []
             if progress:
                 _progress(i + 1, total, report, start)
+                shown = i + 1
     if todo:
         _store_batch(engine, lmkv, todo, report, hot_only)
-    if progress:
-        _progress(i + 1, total, report, start)
+    if progress and 0 < shown < i + 1:  # the last batch's line (where it was one batch,
+        _progress(i + 1, total, report, start)  # the caller's summary says it all)
     if empty:
         log.warning("precompute: %d empty documents ignored", empty)
     gone = sum(1 for keys in hot_only if not all(map(lmkv.storage.hot.contains, keys)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -577,6 +578,26 @@ def test_client_disconnect_aborts_the_stream(server):
     after = metrics(server)
     assert after["engine_requests_running"] == 0
     assert after["api_generations_in_flight"] == 0
+
+
+def test_generate_says_how_many_prompt_tokens_lmkv_loaded(tiny_model_dir, tmp_path):
+    """With lmkv on, engine generate says what it loaded (a new user could not tell whether
+    lmkv helped): nothing the first time, the stored chunks from disk the second."""
+    config = tmp_path / "lmkv.yaml"
+    config.write_text(f"chunk_size: 16\nmax_local_cpu_size: 0.01\nlocal_disk: {tmp_path / 'disk'}\n"
+                      "max_local_disk_size: 0.1\n")
+    runs = [subprocess.run(
+        engine_command("generate", "one two three four " * 10, "--model", str(tiny_model_dir),
+                       "--max-tokens", "4", "--temperature", "0", "--kv-cache-memory", "8MiB"),
+        env={**os.environ, "LMKV_CONFIG_FILE": str(config)}, capture_output=True, text=True,
+        timeout=120) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr
+    assert runs[0].stdout == runs[1].stdout
+    first, second = (re.search(r"engine generate: (\d+) of (\d+) prompt tokens loaded from lmkv",
+                               r.stderr) for r in runs)
+    assert first and second, runs[1].stderr
+    n = int(first[2])
+    assert int(first[1]) == 0 and int(second[1]) == (n - 1) // 16 * 16 > 0
 
 
 def test_generate_command_prints_the_offline_text(tiny_model_dir):

@@ -141,14 +141,18 @@ def test_pre_rope_blend_at_ratio_one_reproduces_full_prefill(tiny_model_dir, pla
                                    atol=1e-5, rtol=1e-5)
 
 
-def test_partial_recompute_text_prompts_metrics_and_idempotent_precompute(tiny_model_dir):
+def test_partial_recompute_text_prompts_metrics_and_idempotent_precompute(tiny_model_dir, capsys):
     with _blend_llm(tiny_model_dir, 0.15) as llm:
         tok = llm.tokenizer
         docs = ["def parse(config): return config.items() " * 8, "The exception is raised when " * 10]
-        report = llm.precompute(docs, progress=False)
+        report = llm.precompute(docs, batch_size=1)
         assert (report.stored, report.skipped) == (2, 0)
-        again = llm.precompute(docs, progress=False)
+        lines = capsys.readouterr().err.splitlines()  # a line per batch, the last once
+        assert [line.split(",")[0] for line in lines] == ["precompute: 1/2 documents",
+                                                         "precompute: 2/2 documents"]
+        again = llm.precompute(docs)
         assert (again.stored, again.skipped) == (0, 2)
+        assert "precompute:" not in capsys.readouterr().err  # one batch: no progress line
         text = " # # ".join(["You answer questions.", docs[1], docs[0], "What is raised?"])
         out = llm.generate([text], GREEDY)[0]
         assert out.num_external_tokens == len(tok.encode(docs[0], add_special_tokens=False)) + len(

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from lmkv_engines.minimal.cli import parse_size
+from lmkv.sizes import size as parse_size
 from lmkv_engines.minimal.outputs import hold_back
 
 

@@ -187,6 +187,18 @@ def test_a_yaml_key_read_as_a_boolean_or_number_is_named_not_a_traceback(tmp_pat
         load_config(path, env={})
 
 
+def test_a_key_given_twice_is_refused_naming_it_and_its_line(tmp_path):
+    """Plain YAML keeps the last of two equal keys: a key copied and changed in one place
+    only was taken silently (found by a new-user walkthrough)."""
+    path = tmp_path / "lmkv.yaml"
+    path.write_text("max_local_cpu_size: 2\nchunk_size: 256\nmax_local_cpu_size: 3\n")
+    with pytest.raises(ConfigError, match=r"(?s)found the key 'max_local_cpu_size' twice.*line 3"):
+        load_config(path, env={})
+    path.write_text("max_local_cpu_size: 2\nchunk_size: 256\n? [a, b]\n: 1\n")  # (a list key)
+    with pytest.raises(ConfigError, match="found unhashable key"):  # (YAML's own error)
+        load_config(path, env={})
+
+
 def test_a_disk_directory_under_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = load_config(env={}, local_disk="~/lmkv-disk", max_local_disk_size=1)

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 
+from lmkv.sizes import parse_size
 from lmkv_server.cli import build_parser
-from lmkv_server.config import GIB, MIB, ServerConfig, is_loopback, parse_size
+from lmkv_server.config import GIB, MIB, ServerConfig, is_loopback
 
 
 @pytest.mark.parametrize(
