@@ -8,7 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras="${LMKV_EXTRAS-test}"
-apt_pkgs=(redis-server libibverbs1)  # libibverbs1: Mooncake's native library needs it
+apt_pkgs=()  # only what the extras' tests use: lmkv alone (make serve) needs none
+if [ -n "$extras" ]; then
+    apt_pkgs=(redis-server libibverbs1)  # libibverbs1: Mooncake's native library needs it
+fi
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     missing=()
