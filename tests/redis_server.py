@@ -63,7 +63,30 @@ class RedisServer:
                      str(self.workdir / f"nodes-{self.port}.conf")]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_port(self.port)
+        self._check_it_answers()
         return self
+
+    def _check_it_answers(self, timeout: float = 10.0) -> None:
+        """The port answers as this process (another listener on a port picked earlier, or
+        left by a server killed before, would pass for it while this one exited)."""
+        import redis
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server on port {self.port} exited with "
+                                   f"{self.proc.returncode} (the port taken?)")
+            try:
+                with redis.Redis(port=self.port, socket_timeout=1) as client:
+                    if client.info("server")["process_id"] == self.proc.pid:
+                        return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"port {self.port} is answered by another process than "
+                                   "this redis-server")
+            time.sleep(0.05)
 
     def kill(self) -> None:
         if self.proc is not None:

@@ -52,6 +52,27 @@ def test_second_process_reuses_kv_through_redis_cluster(tiny_model_dir, referenc
             s.kill()
 
 
+def _reads_resume(llm, batch, deadline: float = 15.0) -> None:
+    """``batch`` (prompts whose chunks the store holds) loaded from the remote tier once
+    more: reads resume after the store came back (asked again with the hot cache emptied,
+    each time the breaker may still hold reads off), with the tokens of a run without lmkv."""
+    from lmkv_engines.minimal.llm import LLM
+
+    want = [o.output_token_ids for o in LLM(llm.engine.config.model, kv_cache_memory=64 << 20)
+            .generate(batch, GREEDY)]
+    before = metric(llm, "lmkv_tier_hits_total", tier="remote")
+    end = time.monotonic() + deadline
+    while True:
+        llm.engine.kv_connector.cache.storage.hot.clear()
+        outs = llm.generate(batch, GREEDY)
+        assert [o.output_token_ids for o in outs] == want
+        if metric(llm, "lmkv_tier_hits_total", tier="remote") > before:
+            assert any(o.num_external_tokens for o in outs)
+            return
+        assert time.monotonic() < end, "reads from the store never resumed"
+        time.sleep(0.5)
+
+
 def test_killed_store_costs_recompute_and_reconnects(tiny_model_dir, reference, redis_server):  # noqa: F811
     with lmkv_llm(tiny_model_dir, remote_url=redis_server.url, remote_timeout=0.5, cpu_gb=1e-4) as llm:
         llm.generate(prompts(), GREEDY)
@@ -69,6 +90,7 @@ def test_killed_store_costs_recompute_and_reconnects(tiny_model_dir, reference, 
             llm.generate(prompts(seed=3)[:2], GREEDY)
             llm.engine.kv_connector.cache.storage.io.drain()
             assert redis.Redis(port=redis_server.port).dbsize() > 0  # writing again
+            _reads_resume(llm, prompts(seed=3)[:2])  # and reading
         finally:
             subprocess.run(["redis-cli", "-p", str(redis_server.port), "shutdown", "nosave"],
                            capture_output=True)
@@ -161,6 +183,7 @@ def test_store_down_at_start_is_picked_up_later(tiny_model_dir, reference, tmp_p
             llm.generate(prompts(seed=4)[:2], GREEDY)
             llm.engine.kv_connector.cache.storage.io.drain()
             assert redis.Redis(port=server.port).dbsize() > 0
+            _reads_resume(llm, prompts(seed=4)[:2])
         finally:
             server.kill()
 

@@ -17,9 +17,11 @@ from lmkv.backends.base import BackendError
 from lmkv.backends.disk import DiskBackend
 
 
-def run(script: str) -> str:
+def run(script: str, status: int = 0) -> str:
+    """``script``'s output, run in a new interpreter that must exit with ``status``."""
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
                          text=True, timeout=60)
+    assert out.returncode == status, out.stdout + out.stderr
     return out.stdout + out.stderr
 
 
@@ -36,7 +38,7 @@ def test_a_process_killed_right_after_the_rename_leaves_the_whole_file(tmp_path,
             os._exit(9)  # killed right after the rename (SIGKILL, the OOM killer)
         disk.os.replace = replace
         disk.DiskBackend({str(tmp_path)!r}, 1 << 30).put([("k", bytes(range(256)) * {size // 256})])
-    """)
+    """, status=9)  # (it did die at the rename: a write that renames another way fails here)
     again = DiskBackend(tmp_path, 1 << 30)
     assert again.get(["k"]) == [bytes(range(256)) * (size // 256)]
 

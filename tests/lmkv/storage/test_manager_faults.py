@@ -637,16 +637,20 @@ def test_chunks_let_go_before_they_arrive_are_not_held():
     holds nothing (the prefetch still brings the chunks up)."""
     pool, (tier,), m = manager(slots=8, policy="lru")
     seed(pool, tier, ["a", "b"])
-    gate = threading.Event()
+    gate, after = threading.Event(), threading.Event()
     m.io.submit(gate.wait)
     try:
         m.prefetch(["a", "b"])
         arrival = m.bring_up(["a", "b"])
+        m.io.submit(after.wait, soon=True)  # runs after the read-up, before the prefetch
         arrival.release()
     finally:
         gate.set()
-    arrival.future.result(5)
-    assert not m.hot.contains("a")  # the read-up ran first, and read nothing
+    try:
+        arrival.future.result(5)
+        assert not m.hot.contains("a")  # the read-up ran first, and read nothing
+    finally:
+        after.set()
     assert m.io.drain(5)
     assert m.hot.contains("a") and not m._held and not m._held_slots
     pool.check_integrity()
