@@ -175,13 +175,18 @@ def test_the_last_chunk_fills_the_engines_prefix_hit_up_to_the_last_token(tiny_m
 
 
 def test_many_concurrent_requests_under_memory_pressure(tiny_model_dir, reference):
-    # 4 chunks of hot cache for 6 prompts of 6-7 chunks: constant eviction
+    # 9 chunks of hot cache for 6 prompts of 6-7 chunks (and for their loads): constant
+    # eviction; each prompt then sent twice in a row, after the others pushed its chunks
+    # out (the second finds what the first left hot)
     chunk_bytes = 2 * 2 * CHUNK * 1 * 64 * 4
-    with lmkv_llm(tiny_model_dir, cpu_gb=4.5 * (chunk_bytes + 64) / 1e9) as llm:
-        for _ in range(2):
-            outs = llm.generate(prompts(), GREEDY)
-            assert [o.output_token_ids for o in outs] == reference()
-        assert metric(llm, "lmkv_dropped_total", what="no_memory") >= 0
+    with lmkv_llm(tiny_model_dir, cpu_gb=9.5 * (chunk_bytes + 64) / 1e9) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        for p, want in zip(prompts(), reference(), strict=True):
+            outs = llm.generate([p], GREEDY) + llm.generate([p], GREEDY)
+            assert [o.output_token_ids for o in outs] == [want, want]
+        assert metric(llm, "lmkv_loaded_tokens_total") > 0  # (4 slots: nothing ever loaded)
+        assert metric(llm, "lmkv_evictions_total", tier="hot") > 0
         llm.engine.kv_connector.cache.pool.check_integrity()
     with lmkv_llm(tiny_model_dir) as llm:  # ample memory, 12 requests in one batch
         many = prompts() + prompts(seed=1)
@@ -239,6 +244,15 @@ def test_disk_cap_of_a_few_chunks(tiny_model_dir, reference, tmp_path):
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", disk_gb=3.5 * frame / 1e9) as llm:
         outs = llm.generate(prompts(), GREEDY)
         assert [o.output_token_ids for o in outs] == reference()
+        last = prompts(n=1, length=100, seed=7)  # 3 chunks: what the capped tier can hold
+        first = llm.generate(last, GREEDY)[0]
+        assert first.num_external_tokens == 0  # computed: the tokens to match
+        want = first.output_token_ids
+        llm.engine.kv_connector.cache.storage.io.drain()
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", disk_gb=3.5 * frame / 1e9) as llm:
+        out = llm.generate(last, GREEDY)[0]  # read from the capped directory
+        assert out.output_token_ids == want and out.num_external_tokens == 3 * CHUNK
+        assert metric(llm, "lmkv_tier_hits_total", tier="disk") == 3
 
 
 def test_sigkill_while_writing_leaves_only_intact_entries(tiny_model_dir, reference, tmp_path):
@@ -427,12 +441,17 @@ def test_a_failed_load_keeps_seeded_sampling_reproducible(tiny_model_dir):
         worker = llm.engine.kv_connector.worker
         real = worker.paged.load
 
+        failures = []
+
         def broken(kv, slots, skip, layer=None):
+            failures.append(skip)
             raise OSError("injected load failure")
 
         worker.paged.load = broken
         got = llm.generate([p], seeded)[0]
         worker.paged.load = real
+        assert failures  # the load was tried and failed (not skipped for a seeded request)
+        assert metric(llm, "lmkv_errors_total", tier="connector", kind="load") >= 1
         assert got.num_external_tokens == 0 and got.output_token_ids == want
 
 
