@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -256,25 +257,50 @@ def test_disk_cap_of_a_few_chunks(tiny_model_dir, reference, tmp_path):
 
 
 def test_sigkill_while_writing_leaves_only_intact_entries(tiny_model_dir, reference, tmp_path):
-    disk = tmp_path / "disk"
-    proc = subprocess.Popen(
+    """An engine killed (SIGKILL) half-way through writing a chunk's file: the next engine
+    finds every file written before it whole, no entry for the one cut short (its temporary
+    file swept), and the same tokens. (The kill used to land at a random moment, almost
+    never inside a write: a write straight into the final file passed too.) A
+    sitecustomize module in the child kills it during its 10th disk write."""
+    disk, hook = tmp_path / "disk", tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os, signal
+        from lmkv.backends import disk
+        writes = []
+        class HalfWritten:
+            def __init__(self, f):
+                self.f = f
+            def __enter__(self):
+                return self
+            def __exit__(self, *exc):
+                return self.f.__exit__(*exc)
+            def fileno(self):
+                return self.f.fileno()
+            def write(self, view):
+                writes.append(len(view))
+                if len(writes) == 10:
+                    self.f.write(view[: len(view) // 2])
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return self.f.write(view)
+        def _open(path, mode="r", *args, **kwargs):
+            f = open(path, mode, *args, **kwargs)
+            return HalfWritten(f) if mode == "xb" else f
+        disk.open = _open
+    """))
+    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
         [sys.executable, "-m", "tests.engine.lmkv_workload", str(tiny_model_dir), str(disk), "50"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while len(list(disk.glob("*.kv"))) < 40 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait(timeout=30)
-    assert len(list(disk.glob("*.kv"))) >= 40
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert len(list(disk.glob("*.kv"))) == 9 and len(list(disk.glob(".*.tmp"))) == 1
     with lmkv_llm(tiny_model_dir, disk) as llm:
         outs = llm.generate(prompts(), GREEDY)
         assert [o.output_token_ids for o in outs] == reference()
         assert sum(o.num_external_tokens for o in outs) > 0
+        assert metric(llm, "lmkv_tier_hits_total", tier="disk") == 9
         assert metric(llm, "lmkv_errors_total", tier="disk", kind="corrupt") == 0
-    assert not list(disk.glob("*.tmp"))
+    assert not list(disk.glob(".*.tmp")) and not list(disk.glob("*.tmp"))
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
