@@ -92,10 +92,12 @@ def runs(model_dir, tmp_path_factory) -> dict:
             "local_disk": disk, "max_local_disk_size": 1.0, "remote_url": redis.url,
             "metrics_port": _free_port()}})
         out = {"plain": {r["seed"]: r["tokens"] for r in plain.rounds()}, "first": first.rounds()}
-        # the bundled engine stores prompt set 1 in redis
+        # the bundled engine stores prompt sets 1 and 3 in redis (3: what the remote run
+        # asks for after redis died, which it would otherwise have loaded)
         with _bundled(model_dir, remote_url=redis.url) as llm:
             greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
             out["bundled_wrote"] = [o.output_token_ids for o in llm.generate(prompts(N, LENGTH, 1), greedy)]
+            llm.generate(prompts(N, LENGTH, 3), greedy)
             llm.engine.kv_connector.cache.storage.io.drain()
         # new processes: one on redis only (killed after round 1), one on the disk only
         # (with vLLM's prefix cache on: round 0 leaves it block 0 of each prompt set 0 prompt)
@@ -171,7 +173,7 @@ def test_bundled_engine_reuses_kv_written_by_vllm(runs, model_dir):
 
 
 def test_remote_store_dying_mid_run_costs_a_recompute(runs):
-    after = runs["remote"][3]  # redis was SIGKILLed before this round
+    after = runs["remote"][3]  # redis, which held this round's chunks, was SIGKILLed before it
     assert after["tokens"] == runs["plain"][3] and after["cached"] == [0] * N
     errors = {k: v for k, v in after["lmkv"].items() if k.startswith("lmkv_errors_total[remote")}
     assert sum(errors.values()) > 0, after["lmkv"]
