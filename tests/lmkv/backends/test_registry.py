@@ -30,8 +30,8 @@ class Flaky(StorageBackend):
 
 
 def test_reconnects_after_failures_log_one_line_a_minute(caplog):
-    """Each failed call drops the connection and the next makes a new client: the "ready"
-    line goes out for the first and then at most once a minute (a soak over a lossy link
+    """Each failed call drops the connection and the next makes a new client: the "client
+    made" line goes out for the first and then at most once a minute (a soak over a lossy link
     logged one per reconnect), while every client is still made."""
     made = []
     lazy = LazyBackend(lambda: made.append(1) or Flaky(), "lm://store:1")
@@ -39,7 +39,7 @@ def test_reconnects_after_failures_log_one_line_a_minute(caplog):
         for _ in range(10):
             with contextlib.suppress(BackendError):
                 lazy.contains(["a"])
-    ready = [r for r in caplog.records if "ready" in r.getMessage()]
+    ready = [r for r in caplog.records if "client for lm://store:1 made" in r.getMessage()]
     assert len(made) == 6 and len(ready) == 1
     with pytest.raises(BackendError):  # (the next call fails: Flaky's 11th)
         lazy.contains(["a"])
