@@ -329,7 +329,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         env = lmkv_env(Path(tmp))
-        from lmkv_server.config import parse_size
+        from lmkv.sizes import parse_size
 
         total = parse_size(args.total)
         c_sink = build_c_sink(Path(tmp))

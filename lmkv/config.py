@@ -227,6 +227,8 @@ def _unique_keys_loader():
     def mapping(loader: Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # (<<: the mapping merged in)
+                continue
             key = loader.construct_object(key_node, deep=deep)
             if not isinstance(key, typing.Hashable):
                 continue  # (a list as a key: the loader refuses it next)

@@ -94,7 +94,8 @@ class ChunkBuffer:
 
 def host_memory_available() -> int | None:
     """Bytes this process may still fill with memory: the kernel's MemAvailable, or less
-    where a cgroup (a container) limits the process; None where neither can be read."""
+    where a cgroup (a container) limits the process (its limit less what it uses, the page
+    cache it could drop not counted as used); None where neither can be read."""
     found = []
     try:
         with open("/proc/meminfo") as f:
@@ -103,9 +104,11 @@ def host_memory_available() -> int | None:
         pass
     try:
         with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
-            limit = f.read().strip()
-            if limit != "max":
-                found.append(int(limit) - int(g.read()))
+            limit, used = f.read().strip(), int(g.read())
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.stat") as f:  # (file pages it has not touched
+                stat = dict(line.split() for line in f if line.strip())  # lately: reclaimed)
+            found.append(int(limit) - used + int(stat.get("inactive_file", 0)))
     except (OSError, ValueError):
         pass
     return min(found) if found else None

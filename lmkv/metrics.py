@@ -104,6 +104,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int):
     client that stops sending is dropped after METRICS_TIMEOUT. OSError if the port cannot
     be bound."""
     import socket
+    import sys
     import threading
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -131,6 +132,10 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int):
                 super().process_request_thread(request, client_address)
             finally:
                 slots.release()
+
+        def handle_error(self, request, client_address):
+            if not isinstance(sys.exc_info()[1], OSError):  # (a client gone or idle: said
+                super().handle_error(request, client_address)  # nothing; a defect: printed)
 
     class Handler(WSGIRequestHandler):
         timeout = METRICS_TIMEOUT  # (the connection's socket timeout)

@@ -90,11 +90,14 @@ async def serve(config: ServerConfig) -> None:
         persister.start()
     listener = Listener(sock, store, config)
     listener.start()
+    signalled = False
     try:  # whatever fails from here on, the listener and the persister are stopped
         await _serve(config, store, listener, persister, admin_sock)
+        signalled = True  # (it returns at SIGTERM or SIGINT only)
     finally:
         log.info("shutting down")
-        _stop_at_next_signal(persister)
+        if signalled:
+            _stop_at_next_signal(persister)
         await asyncio.to_thread(listener.stop)
         if persister is not None:
             if persister.pending:

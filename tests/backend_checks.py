@@ -37,5 +37,8 @@ def silent_dns(monkeypatch, name: str) -> tuple[threading.Event, list[str]]:
             host = "127.0.0.1"
         return real(host, *args, **kwargs)
 
+    from lmkv.backends import net
+
     monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    monkeypatch.setattr(net, "_answers", {})  # (no answer kept from before)
     return answer, asked

@@ -265,8 +265,8 @@ def _lmkv_config():
 def _generate(config: EngineConfig, prompt: str, params: SamplingParams, chat: bool) -> int:
     from .llm import LLM
 
-    lmkv_config = _lmkv_config()
     try:
+        lmkv_config = _lmkv_config()
         with LLM(lmkv_config=lmkv_config, **asdict(config)) as llm:
             if chat:  # the template places BOS and the turn markers
                 text = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

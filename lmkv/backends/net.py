@@ -3,7 +3,8 @@ system resolver (getaddrinfo) takes no timeout, and a DNS server that does not a
 its caller through every retry (glibc: 5 s per try, 2 tries per server). A lookup runs on
 a thread of its own and is waited for until the bound; one lookup per name runs at a time,
 and callers that come while it hangs share it, so a dead DNS server costs one thread per
-name, not one per call."""
+name, not one per call. An answer is kept ANSWER_TTL seconds (so a DNS server slower than
+the bound still lets the next call through)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
+ANSWER_TTL = 30.0  # seconds a name's addresses are used without looking it up again
+
 _lookups: dict[tuple[str, int], Future] = {}  # the lookup in flight for each (host, port)
+_answers: dict[tuple[str, int], tuple[float, list[tuple]]] = {}  # (when, addresses)
 _lookups_lock = threading.Lock()
 
 
@@ -26,6 +30,9 @@ def resolve(host: str, port: int, timeout: float) -> list[tuple]:
     except socket.gaierror:
         pass
     with _lookups_lock:
+        when, found = _answers.get((host, port), (0.0, []))
+        if found and time.monotonic() - when < ANSWER_TTL:
+            return found
         lookup = _lookups.get((host, port))
         if lookup is None:
             lookup = _lookups[host, port] = Future()
@@ -44,33 +51,33 @@ def resolve(host: str, port: int, timeout: float) -> list[tuple]:
 
 def _look_up(host: str, port: int, lookup: Future) -> None:
     try:
-        lookup.set_result(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except BaseException as e:  # (a set_exception: every waiter sees it)
-        lookup.set_exception(e)
-    finally:
         with _lookups_lock:
             del _lookups[host, port]
+        lookup.set_exception(e)
+        return
+    with _lookups_lock:
+        del _lookups[host, port]
+        _answers[host, port] = (time.monotonic(), found)
+    lookup.set_result(found)
 
 
 def connect(host: str, port: int, timeout: float) -> socket.socket:
-    """A TCP connection to ``host:port``, the lookup and the connect together within
-    ``timeout`` seconds (each address in the resolver's order, as
-    ``socket.create_connection`` tries them); the socket keeps ``timeout`` as its timeout.
+    """A TCP connection to ``host:port`` as ``socket.create_connection`` makes it (each
+    address in the resolver's order, each given ``timeout`` seconds: an address that drops
+    the connection's packets, a broken IPv6 route, does not keep the next from being tried),
+    the lookup bounded by ``timeout`` too; the socket keeps ``timeout`` as its timeout.
     OSError (TimeoutError included) if none could be made."""
-    deadline = time.monotonic() + timeout
     error: OSError | None = None
     for family, kind, proto, _, address in resolve(host, port, timeout):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
         sock = socket.socket(family, kind, proto)
         try:
-            sock.settimeout(left)
+            sock.settimeout(timeout)
             sock.connect(address)
         except OSError as e:
             sock.close()
             error = e
             continue
-        sock.settimeout(timeout)
         return sock
-    raise error or TimeoutError(f"no connection to {host}:{port} within {timeout:g} s")
+    raise error or OSError(f"{host} has no address")

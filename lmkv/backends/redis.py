@@ -63,6 +63,7 @@ class RedisBackend(StorageBackend):
         # one that died
         self.reconnects = self.cluster
         self._remap = False  # the cluster's slot map is to be read again before the next batch
+        self._new_nodes: dict[tuple[str, int], object] = {}  # ASK targets the map lacks
         parts = urlparse(url)
         if parts.hostname:  # redis-py's own lookups take no timeout: a DNS server that does
             # not answer fails this client within ``timeout`` (the next one looks up again)
@@ -171,16 +172,26 @@ class RedisBackend(StorageBackend):
         """Commands answered ASK (their slot is moving, and the key is not, or no longer,
         on the node that had it) sent again to the node it names, each after an ASKING, one
         pipeline per node; the slot map stays (the slot still belongs to the first node).
-        A node the client does not know yet leaves the reply as it was (a miss, or a failed
-        write) and the map is read again before the next batch."""
+        A MOVED reply there has the map read again before the next batch."""
         from redis.exceptions import AskError
 
-        nodes = [self.client.get_node(host=r.host, port=r.port) if isinstance(r, AskError)
-                 else None for r in out]
-        self._remap = self._remap or any(isinstance(r, AskError) and n is None
-                                         for r, n in zip(out, nodes, strict=True))
+        nodes = [self._node(r.host, r.port) if isinstance(r, AskError) else None for r in out]
         for i, reply in self._on_nodes(command, calls, nodes, asking=True):
+            self._remap = self._remap or isinstance(reply, self._stale_map)
             out[i] = reply
+
+    def _node(self, host: str, port: int):
+        """The cluster node at ``host:port``; one the slot map does not name yet (a node
+        added to take slots holds none until the first has moved) is kept apart, with its
+        connection, for as long as this client lives."""
+        node = self.client.get_node(host=host, port=port)
+        if node is None:
+            node = self._new_nodes.get((host, port))
+        if node is None:
+            from redis.cluster import PRIMARY, ClusterNode
+
+            node = self._new_nodes[host, port] = ClusterNode(host, port, server_type=PRIMARY)
+        return node
 
     def _on_nodes(self, command: str, calls: list[tuple[str, tuple]], nodes: list,
                   asking: bool = False) -> Iterator[tuple[int, object]]:
@@ -208,3 +219,7 @@ class RedisBackend(StorageBackend):
     def close(self) -> None:
         with contextlib.suppress(*self._errors):
             self.client.close()
+        for node in self._new_nodes.values():
+            if node.redis_connection is not None:
+                with contextlib.suppress(*self._errors):
+                    node.redis_connection.close()

@@ -72,8 +72,8 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Iterable[str | li
                 shown = i + 1
     if todo:
         _store_batch(engine, lmkv, todo, report, hot_only)
-    if progress and 0 < shown < i + 1:  # the last batch's line (where it was one batch,
-        _progress(i + 1, total, report, start)  # the caller's summary says it all)
+    if progress and shown < i + 1:  # the last batch's line, once
+        _progress(i + 1, total, report, start)
     if empty:
         log.warning("precompute: %d empty documents ignored", empty)
     gone = sum(1 for keys in hot_only if not all(map(lmkv.storage.hot.contains, keys)))

@@ -30,6 +30,30 @@ LOCK_WAIT = 5.0  # seconds a lookup waits for the backend while another call hol
 PROBE_KEY = "lmkv-probe@" + "0" * 32  # looked up to learn whether a failed backend answers
 
 
+class CountedLock:
+    """A re-entrant lock that counts the times it was taken: ``taken`` tells one holding of
+    it (a call in progress) from the next."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.taken = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking, timeout):
+            self.taken += 1
+            return True
+        return False
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 @dataclass(eq=False)
 class Tier:
     name: str
@@ -44,15 +68,16 @@ class Tier:
     _quiet: LogThrottle = field(default_factory=LogThrottle, init=False, repr=False)
     decoders: Executor | None = None  # decodes a batch's coded frames side by side; None: in turn
     _warned_range: bool = field(default=False, init=False, repr=False)
-    _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
+    _lock: CountedLock = field(default_factory=lambda: CountedLock(), init=False, repr=False)
     _probing: bool = field(default=False, init=False, repr=False)  # a probe thread runs
     # when a read last failed (monotonic), until a read succeeds: within twice the breaker's
     # longest interval of it only a read closes the breaker (a store that answers lookups
     # but cannot deliver chunks in time must not have it reset by them)
     _read_failed: float | None = field(default=None, init=False, repr=False)
     _closed: bool = field(default=False, init=False, repr=False)
-    # a lookup gave up waiting LOCK_WAIT for a call that hangs: the next ones do not wait
-    _busy: bool = field(default=False, init=False, repr=False)
+    # the call (its _lock.taken) a lookup gave up waiting LOCK_WAIT for: lookups do not wait
+    # again while that call holds the lock
+    _hung: int | None = field(default=None, init=False, repr=False)
     _probe_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -154,15 +179,16 @@ class Tier:
             return None
         if self.backend.concurrent_contains:
             return self._contains(keys)
-        if not self._lock.acquire(timeout=0 if self._busy else LOCK_WAIT):
-            if not self._busy:
-                self._busy = True
+        hung = self._hung
+        held = self._lock.taken  # (the call holding the lock now, if one does)
+        if not self._lock.acquire(timeout=0 if hung == held else LOCK_WAIT):
+            if hung != held:
+                self._hung = held
                 self._quiet.log(log, logging.WARNING, "busy", "lmkv: %s did not answer a "
                                 "lookup within %.0f s (a call to it hangs); lookups count it "
                                 "as a miss until that call ends", self.name, LOCK_WAIT)
             self.metrics.errors.labels(self.name, "busy").inc()
             return None
-        self._busy = False
         try:
             if not self.available:  # the call it waited for failed: do not ask again now
                 return None

@@ -74,10 +74,12 @@ def test_redis_cluster(tmp_path):
             s.kill()
 
 
-def test_keys_of_a_slot_being_migrated_are_read_and_written_where_the_cluster_says(tmp_path):
+@pytest.mark.parametrize("to", ["a node of the cluster", "a node just added"])
+def test_keys_of_a_slot_being_migrated_are_read_and_written_where_the_cluster_says(tmp_path, to):
     """While a slot moves between nodes (resharding), its node answers ASK for keys it does
     not hold: they were misses (read) and failed batches (write) until the move ended.
-    They are now sent, after ASKING, to the node the slot is moving to."""
+    They are now sent, after ASKING, to the node the slot is moving to, also to a node
+    added to take slots (one the slot map does not name yet)."""
     import subprocess
 
     servers = start_cluster(tmp_path)
@@ -92,7 +94,17 @@ def test_keys_of_a_slot_being_migrated_are_read_and_written_where_the_cluster_sa
         slot = int(cli(servers[0], "cluster", "keyslot", moved))
         assert int(cli(servers[0], "cluster", "keyslot", stays)) != slot
         source = next(s for s in servers if backend.client.get_node_from_key(moved).port == s.port)
-        target = next(s for s in servers if s is not source)
+        if to == "a node just added":
+            target = RedisServer(tmp_path / "added", cluster=True).start()
+            servers.append(target)
+            cli(source, "cluster", "meet", "127.0.0.1", str(target.port))
+            new_id, deadline = cli(target, "cluster", "myid"), time.monotonic() + 30
+            while (new_id not in cli(source, "cluster", "nodes")  # (gossip)
+                   or "cluster_state:ok" not in cli(target, "cluster", "info")):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        else:
+            target = next(s for s in servers if s is not source)
         backend.put([("stays", b"old")])
         cli(target, "cluster", "setslot", str(slot), "importing", cli(source, "cluster", "myid"))
         cli(source, "cluster", "setslot", str(slot), "migrating", cli(target, "cluster", "myid"))

@@ -797,7 +797,19 @@ def test_a_lookup_returns_while_a_write_to_the_tier_hangs(monkeypatch):
                                                {"tier": "t", "kind": "busy"}) == 6
     backend.release.set()
     assert m.io.drain(5)
-    assert m.tiers[0].contains(["a", "x"]) == [True, False]  # the call ended: it answers again
+    # the call ended: the next one (a call of 0.05 s) is waited for again, not missed
+    tier, taken = m.tiers[0], threading.Event()
+
+    def another_call():
+        with tier._lock:
+            taken.set()
+            time.sleep(0.05)
+
+    caller = threading.Thread(target=another_call)
+    caller.start()
+    assert taken.wait(5)
+    assert tier.contains(["a", "x"]) == [True, False]
+    caller.join()
     m.close()
 
 

@@ -648,3 +648,21 @@ def test_a_hot_cache_past_the_machines_memory_is_refused_by_name(monkeypatch):
         MemoryPool(LAYOUT, 1 << 50)
     monkeypatch.setattr(memory, "host_memory_available", lambda: 10 << 20)
     assert MemoryPool(LAYOUT, 1 << 20).num_slots > 0
+
+
+def test_a_containers_memory_limit_counts_less_its_use_and_not_its_page_cache(monkeypatch):
+    """Under a cgroup limit the memory available is the limit less what the container
+    uses, its inactive page cache (a checkpoint just read) not counted as used."""
+    import io
+
+    from lmkv import memory
+
+    files = {"/proc/meminfo": "MemTotal: 100000000 kB\nMemAvailable: 50000000 kB\n",
+             "/sys/fs/cgroup/memory.max": "20000000000\n",
+             "/sys/fs/cgroup/memory.current": "19000000000\n",
+             "/sys/fs/cgroup/memory.stat": "anon 3000000000\ninactive_file 15000000000\n"}
+    monkeypatch.setattr(memory, "open", lambda path, *a, **k: io.StringIO(files[path]),
+                        raising=False)
+    assert memory.host_memory_available() == 20_000_000_000 - 19_000_000_000 + 15_000_000_000
+    files["/sys/fs/cgroup/memory.max"] = "max\n"
+    assert memory.host_memory_available() == 50_000_000 * 1024
