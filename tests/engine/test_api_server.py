@@ -664,12 +664,17 @@ def test_lmkv_config_file_that_cannot_be_used_stops_serve(tiny_model_dir, tmp_pa
     assert message in out.stderr
 
 
-def test_kv_memory_past_what_the_machine_has_stops_the_command_by_name(tiny_model_dir):
+def test_kv_memory_past_what_the_machine_has_stops_the_command_by_name(tiny_model_dir, tmp_path):
     out = subprocess.run(
         engine_command("generate", "hi", "--model", str(tiny_model_dir), "--kv-cache-memory", "100TiB"),
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr
     assert "kv_cache_memory (--kv-cache-memory): 1.1e+05 GB asked, but this machine has" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = subprocess.run(  # (and a config file that cannot be read, likewise)
+        engine_command("generate", "hi", "--model", str(tiny_model_dir)), capture_output=True,
+        env={**os.environ, "LMKV_CONFIG_FILE": str(tmp_path / "none.yaml")}, text=True, timeout=120)
+    assert out.returncode == 1 and "engine generate: error: cannot read lmkv config file" in out.stderr
     assert "Traceback" not in out.stderr
 
 

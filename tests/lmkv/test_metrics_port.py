@@ -58,7 +58,7 @@ def test_no_port_no_server():
         engine.close()
 
 
-def test_connections_that_send_nothing_are_bounded_and_dropped(monkeypatch):
+def test_connections_that_send_nothing_are_bounded_and_dropped(monkeypatch, capfd):
     """prometheus_client's server started a thread per connection, each waiting for its
     client for ever: 100 idle connections were 100 threads in the engine's process. At most
     METRICS_CONNECTIONS are served at once (more are closed as they come) and an idle one
@@ -80,6 +80,8 @@ def test_connections_that_send_nothing_are_bounded_and_dropped(monkeypatch):
             s.settimeout(3)
         assert all(s.recv(1) == b"" for s in idle)  # closed: at once or after the timeout
         assert "lmkv_hit_tokens_total" in _scrape(port)
+        time.sleep(0.2)
+        assert "Traceback" not in capfd.readouterr().err  # (not one per client dropped)
     finally:
         for s in idle:
             s.close()
