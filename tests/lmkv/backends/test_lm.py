@@ -12,7 +12,7 @@ import struct
 import threading
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -261,15 +261,16 @@ def test_connect_refused():
         backend.contains(["k@1"])
 
 
-def test_connecting_takes_no_longer_than_a_call_may():
-    """A link that drops the connection's packets: the connect gives up within the call's
-    timeout (remote_timeout), not after the fixed connect bound."""
+@contextlib.contextmanager
+def _dropping_port() -> Iterator[int]:
+    """A loopback port whose listener's accept queue is full: the kernel drops the SYNs of
+    a connection to it (a link that drops packets)."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(0)
     port = listener.getsockname()[1]
     queued = []
-    try:  # fill the accept queue: the kernel then drops the next connection's SYNs
+    try:
         for _ in range(8):
             c = socket.socket()
             c.settimeout(0.2)
@@ -279,16 +280,23 @@ def test_connecting_takes_no_longer_than_a_call_may():
                 c.close()
                 break
             queued.append(c)
+        yield port
+    finally:
+        for c in queued:
+            c.close()
+        listener.close()
+
+
+def test_connecting_takes_no_longer_than_a_call_may():
+    """A link that drops the connection's packets: the connect gives up within the call's
+    timeout (remote_timeout), not after the fixed connect bound."""
+    with _dropping_port() as port:
         backend = LMBackend(f"lm://127.0.0.1:{port}", timeout=0.5)
         assert backend.connect_timeout == 0.5
         start = time.monotonic()
         with pytest.raises(BackendError, match="cannot connect"):
             backend.contains(["k@1"])
         assert time.monotonic() - start < 0.5 + 1.0
-    finally:
-        for c in queued:
-            c.close()
-        listener.close()
     assert LMBackend("lm://127.0.0.1:1", timeout=30).connect_timeout == 3.0
 
 
@@ -328,23 +336,8 @@ def test_an_address_that_drops_packets_does_not_keep_the_next_from_being_tried(s
     socket.create_connection does (a review found the first spending the whole bound)."""
     server = spawn_server("--max-memory", "4MiB")
     good = int(server.url.rsplit(":", 1)[1])
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    dropping = listener.getsockname()[1]
-    queued = []
-    try:  # fill the accept queue: the kernel then drops the next connection's SYNs
-        for _ in range(8):
-            c = socket.socket()
-            c.settimeout(0.2)
-            try:
-                c.connect(("127.0.0.1", dropping))
-            except OSError:
-                c.close()
-                break
-            queued.append(c)
-        real = socket.getaddrinfo
-
+    real = socket.getaddrinfo
+    with _dropping_port() as dropping:
         def two_addresses(host, port, *args, **kwargs):
             if host != "two.example":
                 return real(host, port, *args, **kwargs)
@@ -359,10 +352,6 @@ def test_an_address_that_drops_packets_does_not_keep_the_next_from_being_tried(s
         backend.put([("k@1", b"v")])
         assert backend.get(["k@1"]) == [b"v"]
         backend.close()
-    finally:
-        for c in queued:
-            c.close()
-        listener.close()
 
 
 def test_get_into_caller_buffer(spawn_server):
