@@ -7,6 +7,7 @@ LMCache user's YAML works. Unknown keys and bad values fail at load, naming the 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import types
@@ -216,6 +217,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+@functools.cache
 def _unique_keys_loader():
     """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the
     last: a key copied into a file and changed in one place only)."""

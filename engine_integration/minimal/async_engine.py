@@ -122,13 +122,12 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify()
 
-    def shutdown(self, timeout: float = 30.0) -> bool:
-        """Stop the engine thread; unfinished requests fail with EngineError. False if the
-        thread is still in a step after ``timeout`` seconds."""
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread (waiting ``timeout`` seconds at most: ``in_step`` says
+        whether it still runs); unfinished requests fail with EngineError."""
         self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
-        return not self.in_step
 
     @property
     def in_step(self) -> bool:

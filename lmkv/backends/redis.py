@@ -56,15 +56,14 @@ class RedisBackend(StorageBackend):
         self._stale_map = (MovedError, TryAgainError)
         url, self.prefix = _split_prefix(url)
         self.max_value_size = max_value_size
-        scheme = urlparse(url).scheme
-        self.cluster = scheme == "redis-cluster"
+        parts = urlparse(url)
+        self.cluster = parts.scheme == "redis-cluster"
         # a cluster client finds the other nodes (a failover's new primary) by itself: kept
         # after a failed call; a new one would know only the URL's node, which may be the
         # one that died
         self.reconnects = self.cluster
         self._remap = False  # the cluster's slot map is to be read again before the next batch
         self._new_nodes: dict[tuple[str, int], object] = {}  # ASK targets the map lacks
-        parts = urlparse(url)
         if parts.hostname:  # redis-py's own lookups take no timeout: a DNS server that does
             # not answer fails this client within ``timeout`` (the next one looks up again)
             try:
