@@ -59,6 +59,9 @@ class LMKVCache:
             config.describe(), self.pool.num_slots, layout.chunk_bytes / 1e6, config.cache_policy,
             "; quality gate on" if self.gate else "",
         )
+        for tier in self.storage.tiers:  # (a store down at start shows in the log now)
+            if tier.name == "remote":
+                tier.probe_at_start()
 
     def _build_tiers(self) -> list[Tier]:
         tiers = []

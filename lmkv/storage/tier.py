@@ -336,20 +336,47 @@ class Tier:
             self.breaker.failure()
             log.warning("lmkv: cannot probe %s (%s)", self.name, e)
 
-    def _run_probe(self) -> None:
+    def probe_at_start(self) -> None:
+        """Ask the backend once, on a thread of its own, whether it answers, and log what
+        it said: a store that is down at start shows in the log then (and reads wait out
+        the breaker from then on), not at the first request that would have waited on it."""
+        with self._probe_lock:
+            if self._probing or self._closed:
+                return
+            self._probing = True
+        try:
+            threading.Thread(target=self._run_probe, args=(True,), name=f"lmkv-probe-{self.name}",
+                             daemon=True).start()
+        except RuntimeError as e:  # no thread to be had: the first request finds out
+            with self._probe_lock:
+                self._probing = False
+            log.warning("lmkv: cannot probe %s at start (%s)", self.name, e)
+
+    def _run_probe(self, at_start: bool = False) -> None:
         try:
             with self._lock:
                 b = self.breaker
-                if self._closed or b.failures == 0 or b.trial or not b.closed:
+                if self._closed or (not at_start and (b.failures == 0 or b.trial or not b.closed)):
                     return  # closed, or a call decided it meanwhile
                 start = time.perf_counter()
                 try:
                     self.backend.contains([PROBE_KEY])
                 except BackendError as e:
-                    self._failed("probe", e)
+                    if not at_start:
+                        self._failed("probe", e)
+                        return
+                    pause = b.failure()
+                    self.metrics.errors.labels(self.name, "probe").inc()
+                    log.warning("lmkv: the %s tier did not answer at start: %s; its chunks are "
+                                "recomputed until it does (asked again in %.0f s, then after "
+                                "each pause)", self.name, e, pause)
                     return
                 finally:
                     self._timed("probe", start)
+                if at_start:
+                    log.info("lmkv: the %s tier answered at start in %.0f ms", self.name,
+                             1e3 * (time.perf_counter() - start))
+                    return
                 b.trial = True
         except Exception:  # a defect, not the store: reads stay off for another interval
             log.exception("lmkv: probing %s failed", self.name)

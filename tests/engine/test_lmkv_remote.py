@@ -132,8 +132,9 @@ def test_a_hung_mooncake_master_costs_a_recompute_not_a_stalled_engine(tiny_mode
     30 s per call, and a new client's setup() holds the GIL for up to 20 x 30 s (the whole
     engine stood still for 10 minutes here). lmkv keeps its client, which answers again once
     the master does, and probes the metadata server before making one: prompts are
-    recomputed (the same tokens) within a load's FETCH_TIMEOUT, before and after the client
-    is made, and loads come back with the master."""
+    recomputed (the same tokens) within a load's FETCH_TIMEOUT, with a master hung before lmkv
+    starts (its probe at start meets it) and one that hangs later, and loads come back with
+    the master."""
     import signal
 
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
@@ -149,6 +150,8 @@ def test_a_hung_mooncake_master_costs_a_recompute_not_a_stalled_engine(tiny_mode
     try:
         _fill_remote(tiny_model_dir, store.url)
         for connected_first in (False, True):
+            if not connected_first:  # hung before lmkv starts: its probe at start finds it
+                os.kill(master.pid, signal.SIGSTOP)
             with lmkv_llm(tiny_model_dir, remote_url=store.url, remote_timeout=0.5,
                           cpu_gb=1e-4) as llm:  # the hot cache holds 3 of the 38 chunks
                 if connected_first:
@@ -161,7 +164,7 @@ def test_a_hung_mooncake_master_costs_a_recompute_not_a_stalled_engine(tiny_mode
                     os.kill(master.pid, signal.SIGCONT)
                 assert took < 25, f"{took:.0f} s"
                 assert sum(metric(llm, "lmkv_errors_total", tier="remote", kind=k)
-                           for k in ("contains", "get")) + metric(
+                           for k in ("contains", "get", "probe")) + metric(
                                llm, "lmkv_errors_total", tier="io", kind="timeout") >= 1
                 if connected_first:  # the same client, once the master answers again
                     deadline = time.monotonic() + 60

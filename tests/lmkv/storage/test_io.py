@@ -10,9 +10,10 @@ from lmkv.storage.io import IOWorker
 
 def test_urgent_jobs_run_before_soon_ones_and_soon_ones_before_background_work():
     io = IOWorker(16)
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
     order: list[str] = []
-    io.submit(gate.wait)
+    io.submit(lambda: (started.set(), gate.wait()))
+    assert started.wait(5)  # the worker is busy before the rest is queued
     try:
         io.submit(lambda: order.append("save"))
         io.submit(lambda: order.append("bring up 1"), soon=True)

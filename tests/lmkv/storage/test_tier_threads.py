@@ -495,3 +495,37 @@ def test_lookups_that_answer_do_not_reset_the_breaker_of_failing_reads(monkeypat
     assert tier.contains(["a"]) == [False] and tier.breaker.failures == 1
     clock[0] += 2 * tier.breaker.max + 1
     assert tier.contains(["a"]) == [False] and tier.breaker.failures == 0
+
+
+def test_the_remote_tier_is_asked_at_start_and_a_dead_one_is_logged_and_skipped(spawn_server, caplog):
+    """An operator learns at start whether the remote store answers, not at the first
+    request; a dead one is skipped from then on (no request waits for its timeout)."""
+    import logging
+    import socket
+
+    caplog.set_level(logging.INFO, logger="lmkv")
+    server = spawn_server("--max-memory", "64MiB")
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"lm://127.0.0.1:{s.getsockname()[1]}"
+    for url, answers in ((server.url, True), (dead, False)):
+        caplog.clear()
+        cfg = load_config(env={}, chunk_size=64, max_local_cpu_size=0.1, remote_url=url)
+        cache = LMKVCache(cfg, LAYOUT, "model")
+        try:
+            deadline = time.monotonic() + 10
+            while "at start" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if answers:
+                assert "the remote tier answered at start" in caplog.text
+                assert cache.storage.tiers[0].breaker.failures == 0
+            else:
+                assert "the remote tier did not answer at start" in caplog.text
+                assert "Connection refused" in caplog.text
+                errors = {tuple(s.labels.values()): s.value
+                          for s in cache.metrics.errors.collect()[0].samples
+                          if s.name == "lmkv_errors_total"}
+                assert errors == {("remote", "probe"): 1.0}
+                assert not cache.storage.tiers[0].available  # lookups skip it, at once
+        finally:
+            cache.close()
