@@ -80,6 +80,7 @@ class _RequestState:
     # (or was loaded) for this request
     tail: str | None = None
     tail_done: bool = False
+    tail_of: int = 0  # the prompt length ``tail`` was made for (a session's prompt grows)
     pinned: list[str] = field(default_factory=list)  # keys pinned for a load, not yet planned
     pinned_from: int = 0  # chunk index of pinned[0]
     load_from: int = 0  # tokens [load_from, load_to) come from lmkv this step
@@ -237,6 +238,7 @@ class SchedulerConnector:
         found = first + len(lossy) if lossy else below
         st.gap = range(below, first) if lossy else range(0)
         tail: list[bool] = []
+        self._fresh_tail(st, request)
         if (st.tail is not None and first + len(lossy) == full
                 and len(request.prompt_token_ids) - full * c > 1):  # a tail of 1: nothing to load
             # the same prompt again: its partial last chunk
@@ -411,6 +413,7 @@ class SchedulerConnector:
                 ))
                 st.saved_chunks = full
             n = len(request.prompt_token_ids)
+            self._fresh_tail(st, request)
             if (st.tail is not None and not st.tail_done and done >= n
                     and st.saved_chunks >= n // c):  # the prompt's partial last chunk
                 whole = n // c * c
@@ -491,7 +494,16 @@ class SchedulerConnector:
     def _new_state(self, request: Any) -> _RequestState:
         prompt = request.prompt_token_ids
         tail = self.cache.tail_key(prompt) if self.save_tail and prompt else None
-        return _RequestState(self.cache.keys(prompt), tail=tail)
+        return _RequestState(self.cache.keys(prompt), tail=tail, tail_of=len(prompt))
+
+    def _fresh_tail(self, st: _RequestState, request: Any) -> None:
+        """Make ``st.tail`` the key of the prompt's partial last chunk as the prompt is now:
+        a streaming session extends a request's prompt in place, and the key made for the
+        shorter prompt names other tokens."""
+        prompt = request.prompt_token_ids
+        if st.tail_of != len(prompt) and self.save_tail:
+            st.tail = self.cache.tail_key(prompt) if prompt else None
+            st.tail_of, st.tail_done = len(prompt), False
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """[end - start] int64 paged-memory slots of tokens [start, end)."""

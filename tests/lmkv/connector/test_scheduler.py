@@ -638,3 +638,51 @@ def test_chunks_being_read_up_are_let_go_when_a_later_run_cannot_start():
         sched.loads_arriving(request, 0)
     assert started and started[0].released
     engine.close()
+
+
+def test_a_session_whose_prompt_grows_loads_the_partial_chunk_of_its_prompt_as_it_is_now():
+    """save_unfull_chunk with a streaming session (vLLM extends a request's prompt in place
+    with each new input): the partial last chunk is keyed by the prompt as it is when it is
+    saved or looked up, never by the prompt the request came with. Once keyed by that first
+    prompt, a lookup after a preemption loaded the first prompt's tail at the new one's
+    positions (position 32 got the KV of position 16)."""
+    engine = _engine(save_unfull_chunk=True)
+    sched, worker = SchedulerConnector(engine, BLOCK), WorkerConnector(engine)
+    kv_cache = torch.zeros(2, 2, 200, BLOCK, 1, 4)  # [K/V, layers, blocks, block, heads, dim]
+    worker.register_kv_caches(BlockPagedMemory(kv_cache))
+
+    def at(req, p):  # a token's page row
+        slot = req.block_ids[p // BLOCK] * BLOCK + p % BLOCK
+        return kv_cache[:, :, slot // BLOCK, slot % BLOCK]
+
+    def step(req, num_new):  # the engine computes tokens whose KV is their position
+        meta = sched.build_connector_meta([(req, num_new)])
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv()
+        for p in range(req.num_computed_tokens, req.num_computed_tokens + num_new):
+            at(req, p).fill_(p)
+        assert not worker.failed_loads()
+        worker.wait_for_save()
+        req.num_computed_tokens += num_new
+        return meta
+
+    req = Request("s", list(range(1000, 1030)))  # a chunk and a 14-token tail
+    assert sched.get_num_new_matched_tokens(req, 0)[0] == 0
+    req.block_ids = list(range(10, 22))
+    sched.update_state_after_alloc(req, req.block_ids, 0)
+    step(req, 30)
+    req.prompt_token_ids.extend([7, 8, 9, 10])  # the session's next input: 34 tokens
+    step(req, 4)
+    engine.drain()
+    req.num_computed_tokens, req.block_ids = 0, list(range(50, 62))  # preempted: looked up again
+    offered, _ = sched.get_num_new_matched_tokens(req, 0)
+    assert offered == 33
+    sched.update_state_after_alloc(req, req.block_ids, offered)
+    req.num_computed_tokens = offered
+    meta = sched.build_connector_meta([(req, 34 - offered)])
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv()
+    assert not worker.failed_loads()
+    for p in range(offered):
+        assert torch.all(at(req, p) == p), p
+    worker.wait_for_save()
