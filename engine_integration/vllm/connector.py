@@ -2,7 +2,8 @@
 
     --kv-transfer-config '{"kv_connector": "LMKVConnector", "kv_role": "kv_both",
         "kv_connector_module_path": "lmkv_engines.vllm.connector",
-        "kv_connector_extra_config": {"chunk_size": 256, "local_disk": "/tmp/lmkv"}}'
+        "kv_connector_extra_config": {"chunk_size": 256, "local_disk": "/tmp/lmkv"},
+        "kv_load_failure_policy": "recompute"}'
 
 Configuration: lmkv's usual sources (defaults < YAML at LMKV_CONFIG_FILE < LMKV_* env),
 then ``kv_connector_extra_config`` on top, key for key (unknown keys fail, naming the key).

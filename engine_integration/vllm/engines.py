@@ -4,6 +4,8 @@ the model id, from vLLM's config and kv_connector_extra_config."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +17,8 @@ from lmkv.model_id import model_fingerprint
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+
+log = logging.getLogger(__name__)
 
 _ROLES = {"kv_producer": "producer", "kv_consumer": "consumer"}  # vLLM's kv_role -> lmkv's
 
@@ -54,6 +58,17 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     if getattr(mc, "is_hybrid", False) or getattr(mc, "is_attention_free", False):
         raise ConfigError("lmkv's vLLM connector stores attention KV; this model has "
                           "state-space (Mamba-like) layers, whose state it cannot store")
+    sc = getattr(vllm_config, "speculative_config", None)
+    if sc is not None and getattr(sc, "uses_draft_kv_cache", lambda: False)():
+        raise ConfigError(  # (its layers' KV would be neither stored nor loaded)
+            f"lmkv's vLLM connector stores the target model's KV; speculative decoding with a "
+            f"draft model that keeps KV of its own (method {sc.method!r}) is not supported "
+            "(n-gram and suffix drafting are)")
+    policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        log.warning("lmkv: vLLM's kv_load_failure_policy is %r: a chunk that fails to load fails "
+                    "its request; set it to \"recompute\" in --kv-transfer-config to compute those "
+                    "tokens instead", policy)
     pp = getattr(pc, "pipeline_parallel_size", 1)
     if pp > 1:
         raise ConfigError(f"lmkv's vLLM connector runs with pipeline_parallel_size 1 (got {pp}); "
@@ -71,19 +86,44 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     # so rank 1 of TP=2 and rank 1 of TP=4 hold different heads in chunks of one shape
     layout = KVLayout(mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype,
                       config.chunk_size, world_size=tp)
-    return EngineSpec(config, layout, model_id(mc.model, mc.revision, _variant(mc)), block_size, tp)
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    return EngineSpec(config, layout, model_id(mc.model, mc.revision, _variant(mc), download_dir),
+                      block_size, tp)
 
 
-def model_id(model: str, revision: str | None = None, variant: str = "") -> str:
-    """A local checkpoint directory is identified by its contents (the same id the bundled
-    engine uses); a hub name by name and revision; ``variant``, vLLM's settings that change
-    the KV the same weights give, is added to either."""
+def model_id(model: str, revision: str | None = None, variant: str = "",
+             download_dir: str | None = None) -> str:
+    """A checkpoint is identified by its contents (the same id the bundled engine uses):
+    a local directory, or a hub name's snapshot in the local hub cache (``download_dir``,
+    else the default one), which vLLM downloaded before the connector starts; a hub name
+    with no snapshot there (another loader) by name and revision, with a warning: a branch
+    name such as main names different weights once the repository moves. ``variant``,
+    vLLM's settings that change the KV the same weights give, is added to either."""
     path = Path(model)
-    if (path / "config.json").is_file():
+    if not (path / "config.json").is_file():
+        path = _hub_snapshot(model, revision, download_dir)
+    if path is not None:
         ident = model_fingerprint(path)
     else:
         ident = f"hub:{model}@{revision or 'main'}"
+    if path is None and not re.fullmatch(r"[0-9a-f]{40}", revision or ""):  # (a commit is fixed)
+        log.warning("lmkv: no local snapshot of %s found in the hub cache: its chunks are keyed by "
+                    "the name %s, not by its weights (new weights under that name would be "
+                    "served old chunks): give vLLM a local directory or a commit as --revision",
+                    model, ident)
     return f"{ident}|{variant}" if variant else ident
+
+
+def _hub_snapshot(model: str, revision: str | None, cache_dir: str | None) -> Path | None:
+    """The directory of ``model``'s snapshot at ``revision`` in the local hub cache, or None."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(model, revision=revision, cache_dir=cache_dir,
+                                      local_files_only=True))
+    except Exception:  # (not there, not a hub name, no huggingface_hub)
+        return None
+    return path if (path / "config.json").is_file() else None
 
 
 def _variant(mc: Any) -> str:

@@ -45,9 +45,65 @@ def test_vllm_producer_and_consumer_roles_carry_over(monkeypatch):
     assert engine_spec(_vllm_config("m", kv_role="kv_consumer"), {"kv_role": "both"}).config.kv_role == "both"
 
 
-def test_hub_names_are_keyed_by_name_and_revision():
+def test_hub_names_without_a_local_snapshot_are_keyed_by_name_and_revision(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # (an empty hub cache)
     spec = engine_spec(_vllm_config("org/model"), {})
     assert spec.model_id == "hub:org/model@main"
+    assert "not by its weights" in caplog.text
+    caplog.clear()
+    spec = engine_spec(_vllm_config("org/model", revision="0123456789abcdef0123456789abcdef01234567"), {})
+    assert spec.model_id == "hub:org/model@0123456789abcdef0123456789abcdef01234567"
+    assert "not by its weights" not in caplog.text  # a commit names one set of weights
+
+
+def test_hub_names_are_keyed_by_the_weights_of_their_local_snapshot(monkeypatch, tmp_path, tiny_model_dir):
+    """vLLM downloads a hub model into the hub cache before the connector starts: the chunks
+    are keyed by that snapshot's weights, so new weights pushed under the same branch name
+    (or another host's older snapshot) never share chunks with the old ones."""
+    import shutil
+
+    repo = tmp_path / "hub" / "models--org--model"
+    for sha, byte in (("a" * 40, 1), ("b" * 40, 2)):
+        snap = repo / "snapshots" / sha
+        shutil.copytree(tiny_model_dir, snap)
+        weights = next(snap.glob("*.safetensors"))
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= byte  # one weight differs
+        weights.write_bytes(bytes(data))
+    (repo / "refs").mkdir()
+    ids = []
+    for sha in ("a" * 40, "b" * 40):
+        (repo / "refs" / "main").write_text(sha)
+        config = _vllm_config("org/model")
+        config.load_config = SimpleNamespace(download_dir=str(tmp_path / "hub"))
+        ids.append(engine_spec(config, {}).model_id)
+        assert ids[-1] == model_fingerprint(repo / "snapshots" / sha)
+    assert ids[0] != ids[1]
+
+
+@pytest.mark.parametrize("method, refused", [("eagle", True), ("draft_model", True), ("ngram", False)])
+def test_speculative_decoding_with_a_draft_models_kv_is_refused_by_name(monkeypatch, method, refused):
+    monkeypatch.delenv("LMKV_CONFIG_FILE", raising=False)
+    draft_kv = method in ("eagle", "draft_model")
+    config = _vllm_config("m")
+    config.speculative_config = SimpleNamespace(method=method, uses_draft_kv_cache=lambda: draft_kv)
+    if refused:
+        with pytest.raises(ConfigError, match=f"KV of its own \\(method '{method}'\\)"):
+            engine_spec(config, {})
+    else:
+        engine_spec(config, {})
+
+
+def test_a_load_failure_policy_that_fails_requests_is_warned_about(monkeypatch, caplog):
+    monkeypatch.delenv("LMKV_CONFIG_FILE", raising=False)
+    config = _vllm_config("m")
+    config.kv_transfer_config.kv_load_failure_policy = "fail"
+    engine_spec(config, {})
+    assert "kv_load_failure_policy is 'fail'" in caplog.text
+    caplog.clear()
+    config.kv_transfer_config.kv_load_failure_policy = "recompute"
+    engine_spec(config, {})
+    assert "kv_load_failure_policy" not in caplog.text
 
 
 @pytest.mark.parametrize("extra, vllm, message", [
