@@ -79,6 +79,16 @@ class KeyScope:
         return f"{self.prefix}@{h.hex()}"
 
 
+def in_epoch(ids: list[str], epoch: bytes | None) -> list[str]:
+    """Rank-free chunk ids (hex) renamed for a cache epoch (``epoch`` None: as they are):
+    after an engine's weights change in place, the chunks stored before are never named
+    again. Each id still names its whole prefix, at the same length."""
+    if epoch is None:
+        return ids
+    return [hashlib.blake2b(bytes.fromhex(i), key=epoch, digest_size=len(i) // 2).hexdigest()
+            for i in ids]
+
+
 def tail_id(tokens: list[int], chunk_size: int) -> str | None:
     """The rank-free name of ``tokens``' partial last chunk (``tail_hash``, hex), or None."""
     h = tail_hash(tokens, chunk_size)

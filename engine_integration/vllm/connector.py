@@ -231,6 +231,17 @@ class LMKVConnector(KVConnectorBase_V1):
             self.scheduler.request_finished(view)
         return False, None
 
+    def reset_cache(self) -> bool:
+        """vLLM resets its caches (its prefix cache with reset_connector, as after loading new
+        weights in place): this instance loads no chunk stored before now again (they may
+        hold the old weights' KV; other instances sharing the tiers keep using them)."""
+        if self.scheduler is None:
+            return True
+        self.scheduler.reset()
+        log.warning("lmkv: vLLM reset its caches: chunks stored before now are not loaded by "
+                    "this instance again (its weights may have changed)")
+        return True
+
     # ==== worker role ===================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index

@@ -41,7 +41,7 @@ from typing import Any
 from lmkv.cache import LMKVCache
 from lmkv.config import LMKVConfig
 from lmkv.connector.scheduler import ARRIVING_WAIT, Arrival
-from lmkv.keys import chunk_ids, tail_id
+from lmkv.keys import chunk_ids, in_epoch, tail_id
 
 log = logging.getLogger(__name__)
 
@@ -279,12 +279,19 @@ class LookupClient:
         # reads started for waiting requests, (rank, ticket), not known to be done
         self._waiting: set[tuple[RankConnection, int]] = set()
         self._polled = 0.0
+        self._epoch: bytes | None = None  # new_epoch's: chunks stored before are not named
 
     def keys(self, tokens: list[int]) -> list[str]:
-        return chunk_ids(tokens, self.chunk_size)
+        return in_epoch(chunk_ids(tokens, self.chunk_size), self._epoch)
 
     def tail_key(self, tokens: list[int]) -> str | None:
-        return tail_id(tokens, self.chunk_size)
+        tail = tail_id(tokens, self.chunk_size)
+        return None if tail is None else in_epoch([tail], self._epoch)[0]
+
+    def new_epoch(self) -> None:
+        """Name no chunk stored so far again (the engine's weights changed in place): every
+        rank keeps what it holds, found by nothing from now on (and evicted in time)."""
+        self._epoch = os.urandom(16)
 
     def lookup(self, keys: list[str]) -> int:
         return min(r.call("lookup", keys=keys)["found"] for r in self.ranks)

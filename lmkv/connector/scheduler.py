@@ -71,6 +71,7 @@ class ChunkIndex(Protocol):
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None: ...
     def record_blend(self, prompt_tokens: int, hit_tokens: int) -> None: ...
     def drain(self) -> None: ...
+    def new_epoch(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -100,6 +101,7 @@ class _RequestState:
     found: tuple[int, bool] = (0, False)
     documents: list[list[str]] | None = None  # with blending: its documents' keys (_document_keys)
     no_loads: bool = False  # a load into its pages failed: it is recomputed without lmkv
+    no_saves: bool = False  # known before the cache was reset (reset): it may hold old KV
     touched: bool = False  # its engine prefix hit was counted as a use (once per request)
     salted: bool = False  # the engine files its blocks under prefix_cache_salt's blend namespace
     # its chunks being read up from a lower tier, ahead of queued work, before it is looked
@@ -380,7 +382,7 @@ class SchedulerConnector:
                 if keys:
                     meta.loads.append(LoadSpec(request.request_id, keys, slots, skips))
                 st.pinned = []
-            if st.blended or not self.saves or not request.prompt_token_ids:
+            if st.blended or st.no_saves or not self.saves or not request.prompt_token_ids:
                 continue  # (no prompt: a request whose KV lmkv cannot key, decode chunks included)
             if st.gap:
                 meta.saves.append(SaveSpec(
@@ -466,6 +468,20 @@ class SchedulerConnector:
             self.cache.drain()
         return False, None
 
+    def reset(self) -> None:
+        """The engine's weights may have changed in place (vLLM's reset_cache, after a
+        weight update): no chunk stored so far is loaded again, and requests known now
+        neither load nor save through lmkv (their KV may be the old weights')."""
+        self.cache.new_epoch()
+        self.lossy_keys.clear()
+        self.lossy_tails.clear()
+        for st in self.states.values():
+            self._unpin(st)
+            self._drop_plan(st)
+            self._let_go(st)
+            st.no_loads = st.no_saves = True
+            st.gap = range(0)
+
     def recompute_without_loads(self, request: Any) -> None:
         """A load into ``request``'s pages failed and the engine computes it again from its
         first token: start its state afresh, and load nothing for it from now on. Its
@@ -475,7 +491,7 @@ class SchedulerConnector:
         st = self._new_state(request)
         st.no_loads = True
         if old is not None:
-            st.salted, st.blended = old.salted, old.blended
+            st.salted, st.blended, st.no_saves = old.salted, old.blended, old.no_saves
         self.states[request.request_id] = st
 
     @staticmethod

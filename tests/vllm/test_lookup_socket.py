@@ -602,3 +602,48 @@ def test_a_request_whose_chunks_are_coming_up_is_left_waiting_until_they_are_hot
         remote.close()
         server.close()
         engine.close()
+
+
+def test_after_a_reset_no_chunk_stored_before_is_loaded_and_requests_known_then_store_nothing(served):
+    """vLLM resets its caches after loading new weights in place (reset_cache): lmkv loads no
+    chunk stored before (old weights' KV), and a request known then (it may have computed
+    over the old weights) stores nothing; chunks stored after the reset are found again."""
+    engine, server, remote = served
+    prompt = list(range(700, 700 + 2 * CHUNK + 1))
+    _store(engine, prompt[: 2 * CHUNK])
+    sched = SchedulerConnector(remote, 4)
+
+    def request(rid):
+        class Req:
+            request_id, prompt_token_ids, all_token_ids = rid, prompt, prompt
+            block_ids, num_computed_tokens = list(range(-(-len(prompt) // 4))), 0
+        return Req
+
+    def saved(req, offered):  # allocated and computed to the end: the chunk ids it saves
+        sched.update_state_after_alloc(req, req.block_ids, offered)
+        req.num_computed_tokens = offered
+        meta = sched.build_connector_meta([(req, len(prompt) - offered)])
+        for load in meta.loads:  # (as the worker does)
+            for i in load.keys:
+                engine.take(engine.key_of(i)).release()
+        return [i for s in meta.saves for i in s.keys]
+
+    old = request("old")
+    assert sched.get_num_new_matched_tokens(old, 0)[0] == 2 * CHUNK
+    sched.reset()
+    assert len(engine.pins) == 0  # its pins went back
+    assert sched.get_num_new_matched_tokens(old, 0)[0] == 0
+    assert saved(old, 0) == []
+    new = request("new")
+    assert sched.get_num_new_matched_tokens(new, 0)[0] == 0  # the old weights' chunks
+    ids = saved(new, 0)
+    assert len(ids) == 2
+    for i in ids:  # the worker stores what the step computed, under the new names
+        buf = engine.allocate()
+        buf.kv.normal_()
+        engine.store(engine.key_of(i), buf)
+        buf.release()
+    assert sched.get_num_new_matched_tokens(request("again"), 0)[0] == 2 * CHUNK
+    for rid in ("old", "new", "again"):
+        sched.request_finished(request(rid))
+    engine.pool.check_integrity()

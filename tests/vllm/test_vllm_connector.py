@@ -105,7 +105,8 @@ def runs(model_dir, tmp_path_factory) -> dict:
                        "kill_pid": redis.proc.pid, "kill_after": 2, "lmkv": {
                            "chunk_size": CHUNK, "remote_url": redis.url, "remote_timeout": 1.0,
                            "max_local_cpu_size": 0.1}})
-        local = _Run({"model": str(model_dir), "seeds": [0, 2, 2, 2, 2], "fail": {"1": "save", "3": "load"},
+        local = _Run({"model": str(model_dir), "seeds": [0, 2, 2, 2, 2, 2, 2],
+                      "fail": {"1": "save", "3": "load"}, "reset": {"5": True},
                       "failure_policy": "recompute", "lmkv": {
                           "chunk_size": CHUNK, "max_local_cpu_size": 0.1, "local_disk": disk,
                           "max_local_disk_size": 1.0}})
@@ -172,6 +173,15 @@ def test_bundled_engine_reuses_kv_written_by_vllm(runs, model_dir):
     assert [o.num_external_tokens for o in outs] == _full(0)
 
 
+def test_after_vllm_resets_its_caches_nothing_stored_before_is_loaded(runs):
+    """vLLM's reset_prefix_cache(reset_connector=True), as after new weights are loaded in
+    place: lmkv loads none of the chunks stored before it, and stores and loads anew."""
+    reset, again = runs["local"][5:]
+    want = runs["plain"][2]
+    assert reset["tokens"] == want and reset["cached"] == [0] * N
+    assert again["tokens"] == want and again["cached"] == _full(2)
+
+
 def test_remote_store_dying_mid_run_costs_a_recompute(runs):
     after = runs["remote"][3]  # redis, which held this round's chunks, was SIGKILLed before it
     assert after["tokens"] == runs["plain"][3] and after["cached"] == [0] * N
@@ -180,7 +190,7 @@ def test_remote_store_dying_mid_run_costs_a_recompute(runs):
 
 
 def test_failed_saves_and_loads_cost_a_recompute(runs):
-    _, failed_save, recomputed, failed_load, warm = runs["local"]
+    _, failed_save, recomputed, failed_load, warm = runs["local"][:5]
     want = runs["plain"][2]
     assert failed_save["tokens"] == want and failed_save["cached"] == [0] * N
     assert failed_save["lmkv"]["lmkv_errors_total[connector,save]"] >= 1

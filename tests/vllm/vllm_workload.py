@@ -83,6 +83,8 @@ def main(spec: dict) -> None:
         seed, cut = seed if isinstance(seed, list) else (seed, None)
         batch = [{"prompt_token_ids": p[:cut]}
                  for p in prompts(spec.get("n", 3), spec.get("length", 300), seed)]
+        if str(r) in spec.get("reset", {}):  # as after new weights: lmkv serves nothing stored before
+            assert llm.reset_prefix_cache(reset_connector=True)
         fail = spec.get("fail", {}).get(str(r))
         restore = _inject_failure(fail) if fail else None
         try:
