@@ -25,6 +25,7 @@ import itertools
 import logging
 import mmap
 import os
+import stat
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -85,6 +86,7 @@ class DiskBackend(StorageBackend):
             raise BackendError(f"cannot create the disk tier directory {self.root}: {e}") from e
         self.index: dict[str, int] = {}  # file name -> bytes
         self.spoiled: set[str] = set()  # removed files that could not be deleted: counted, never read
+        self._unreadable_left: set[str] = set()  # unreadable files that could not be deleted
         self.used = 0
         self.num_evictions = 0
         self._pool: ThreadPoolExecutor | None = None  # reader threads, started at the first batch
@@ -384,12 +386,29 @@ class DiskBackend(StorageBackend):
         return [self._claimable(self._name(k)) is not None for k in keys]
 
     def _claimable(self, name: str) -> int | None:
-        """The size of file ``name`` if it may be read: indexed, no larger than a value can
-        be, not a removed file left undeleted."""
+        """The size of file ``name`` if it may be read: indexed (or written since the index
+        was built by another process sharing the directory, such as `engine precompute`
+        beside a running server: taken into the index now), no larger than a value can be,
+        not a removed file left undeleted."""
         size = self.index.get(name)
+        if size is None:
+            size = self._adopt(name)
         if size is None or size > self.max_value_bytes or name in self.spoiled:
             return None
         return size
+
+    def _adopt(self, name: str) -> int | None:
+        """Index file ``name`` if another process wrote it (one stat per miss); its size."""
+        if name in self._unreadable_left:
+            return None
+        try:
+            st = os.stat(self.root / name)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        self._add(name, st.st_size)  # (counted to the cap: the next write evicts to make room)
+        return st.st_size
 
     def remove(self, keys: Sequence[str]) -> None:
         for key in keys:
@@ -414,8 +433,12 @@ class DiskBackend(StorageBackend):
         """A file that cannot be read (a bad block, another owner's permissions, a directory
         in its place): a miss from now on, deleted where the file system lets us, counted
         (``num_unreadable``) and logged. The rest of its batch is served."""
-        with contextlib.suppress(OSError):
+        try:
             (self.root / name).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:  # never taken into the index again (another process's file, say)
+            self._unreadable_left.add(name)
         self._forget(name)
         self.num_unreadable += 1
         self._quiet.log(log, logging.WARNING, "unreadable", "disk tier %s: cannot read %s (%s); "

@@ -674,3 +674,15 @@ def test_precompute_takes_documents_from_a_generator(tiny_model_dir, caplog):
         report = llm.precompute((d for d in docs + docs[:1]), batch_size=2, progress=False)
         assert (report.stored, report.skipped, report.failed) == (3, 1, 0)
         assert all(llm.engine.kv_connector.cache.has_chunk(d) for d in docs)
+
+
+def test_a_running_engine_finds_documents_precomputed_by_another_process(tiny_model_dir, tmp_path):
+    """Documents added while serving (`engine precompute` into the server's disk tier) are
+    reused at once, not only after a restart."""
+    disk = dict(local_disk=str(tmp_path / "disk"), max_local_disk_size=0.1)
+    docs, query = _docs()
+    with _blend_llm(tiny_model_dir, 0.15, **disk) as server:  # serving first
+        with _blend_llm(tiny_model_dir, 0.15, **disk) as other:  # then a precompute beside it
+            assert other.precompute(docs[:1], progress=False).stored == 1
+        prompt = join_segments([[7, 8, 9], docs[0], query], server.engine.blend_separator)
+        assert server.generate([prompt], GREEDY)[0].num_external_tokens == len(docs[0])

@@ -80,3 +80,39 @@ def test_a_temporary_file_of_the_same_name_is_never_written_into(tmp_path, monke
     assert theirs.read_bytes() == b"their bytes" and d.used == 0
     d.put([("k", b"mine")])  # the next write's name is another
     assert d.get(["k"]) == [b"mine"]
+
+
+def test_files_another_process_writes_into_the_directory_are_found_and_counted(tmp_path, monkeypatch):
+    """Two processes on one disk-tier directory (`engine precompute` beside a running
+    server): what one writes after the other built its index is found by the other at its
+    next lookup, counted to its cap and evicted in turn. An unreadable file that cannot be
+    deleted is not taken in again after it failed once."""
+    import builtins
+    import errno
+    from pathlib import Path
+
+    server = DiskBackend(tmp_path, capacity_bytes=3000)
+    writer = DiskBackend(tmp_path, capacity_bytes=3000)
+    writer.put([("a", b"x" * 1000), ("b", b"y" * 1000)])
+    assert server.contains(["a", "b", "c"]) == [True, True, False]
+    assert server.get(["b"]) == [b"y" * 1000] and server.used == 2000
+    server.put([("d", b"z" * 1500)])  # over the cap: one of the adopted files goes
+    assert server.used <= 3000 and server.num_evictions == 1
+    writer.put([("e", b"w" * 10)])
+    bad = str(tmp_path / server._name("e"))
+    real_open, real_unlink = builtins.open, Path.unlink
+
+    def refusing_open(path, *args, **kwargs):
+        if str(path) == bad:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, *args, **kwargs)
+
+    def refusing_unlink(path, *args, **kwargs):
+        if str(path) == bad:
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refusing_open)
+    monkeypatch.setattr(Path, "unlink", refusing_unlink)
+    assert server.get(["e"]) == [None] and server.num_unreadable == 1
+    assert server.contains(["e"]) == [False]  # not taken in again
