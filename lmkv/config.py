@@ -113,7 +113,9 @@ class LMKVConfig:
         _require(0 <= self.codec_min_agreement <= 1, "codec_min_agreement", "must be in [0, 1]")
         _require(0.001 <= self.remote_timeout <= 3600, "remote_timeout",  # (NaN fails too)
                  "must be in [0.001, 3600] seconds")
-        _require(self.blend_check_layer >= 0, "blend_check_layer", "must be >= 0")
+        _require(self.blend_check_layer >= 1, "blend_check_layer", "must be >= 1 (the first "
+                 "layer's KV does not depend on the context: its deviation would pick the "
+                 "tokens to recompute at random)")
         _require(bool(self.blend_special_str), "blend_special_str", "must not be empty")
         _require(0 <= self.metrics_port <= 65535, "metrics_port", "must be a TCP port (0 = off)")
         _require(bool(self.metrics_host) and self.metrics_host.count(":") != 1, "metrics_host",

@@ -277,15 +277,20 @@ def test_the_selection_function_picks_the_recomputed_tokens(tiny_model_dir, plai
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.15])
-def test_a_blended_prefill_reads_no_device_value_after_the_check_layer(tiny_model_dir, monkeypatch, ratio):
+def test_a_blended_prefill_reads_no_device_value_after_the_check_layer(model_cache_dir, monkeypatch, ratio):
     """On a GPU every read of a device value into Python is a host sync: after the check
     layer picked the tokens, the layers read none (the attention's query groups are known on
     the host). Counted here as tensor-to-Python conversions, copies to the host and boolean
     mask indexing once the next layer starts,
     outside the cache writes (on a device their kernel runs, unchecked; the torch reference
     run here looks for skipped slots)."""
+    from lmkv_engines.minimal.demo_model import DemoGeometry, ensure_demo_model
+
+    model_dir = ensure_demo_model(DemoGeometry(  # 3 layers: one after the check layer
+        hidden_size=128, intermediate_size=256, num_layers=3, num_heads=2, num_kv_heads=1,
+        head_dim=64, max_position_embeddings=4096), cache_dir=model_cache_dir)
     docs, query = _docs(2)
-    with _blend_llm(tiny_model_dir, ratio, blend_check_layer=0) as llm:  # 2 layers: one after
+    with _blend_llm(model_dir, ratio, blend_check_layer=1) as llm:
         eng = llm.engine
         llm.precompute(docs, progress=False)
         prompt = join_segments([docs[1], docs[0], docs[2], query], eng.blend_separator)

@@ -72,6 +72,7 @@ def test_lmcache_yaml_is_accepted(tmp_path):
     ("blend_check_layers: 1\n", "blend_check_layers"),  # LMCache's is a list
     ("blend_check_layers: [1]\nblend_check_layer: 2\n", "blend_check_layers"),
     ("blend_recompute_ratios: [2]\n", "blend_recompute_ratio"),
+    ("enable_blending: true\nblend_check_layer: 0\n", "blend_check_layer must be >= 1"),
     ("blend_thresholds: [0.5]\n", "blend_thresholds"),
 ])
 def test_bad_keys_and_values_name_the_key(tmp_path, yaml_text, key):
