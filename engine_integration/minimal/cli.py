@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                               help="compute and store the KV of RAG document chunks (lmkv)")
     pre.add_argument("files", nargs="+", help="text files; each is one chunk unless --split-on")
     pre.add_argument("--split-on", help="split each file into chunks at this string "
-                     "(e.g. a blank line: $'\\n\\n')")
+                     "(e.g. a blank line: $'\\n\\n'); line ends around each chunk are dropped")
     pre.add_argument("--batch-size", type=int, default=8,
                      help="chunks computed together in one engine run (default 8)")
     pre.add_argument("--log-level", choices=LOG_LEVELS, default="warning")
@@ -348,11 +348,13 @@ def _precompute(config: EngineConfig, files: list[str], split_on: str | None,
         def chunks():  # one file read at a time, as precompute takes them
             for name in files:
                 try:
-                    with open(name, encoding="utf-8") as f:
+                    with open(name, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
                         text = f.read().removesuffix("\n")  # the last line end is not text
                 except UnicodeDecodeError as e:
                     raise ValueError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-                parts = text.split(split_on) if split_on else [text]
+                # the line ends around a part (a third newline between paragraphs split at a
+                # blank line) are not part of a document as a prompt holds it
+                parts = [p.strip("\n") for p in text.split(split_on)] if split_on else [text]
                 yield from (p for p in parts if p.strip())
 
         with LLM(lmkv_config=lmkv_config, **asdict(config)) as llm:

@@ -691,3 +691,24 @@ def test_a_running_engine_finds_documents_precomputed_by_another_process(tiny_mo
             assert other.precompute(docs[:1], progress=False).stored == 1
         prompt = join_segments([[7, 8, 9], docs[0], query], server.engine.blend_separator)
         assert server.generate([prompt], GREEDY)[0].num_external_tokens == len(docs[0])
+
+
+def test_cli_chunks_lose_the_line_ends_around_them_and_a_byte_order_mark(tiny_model_dir, tmp_path,
+                                                                         monkeypatch):
+    """`engine precompute --split-on $'\\n\\n'` over paragraphs separated by more than one
+    blank line, in a file that starts with a byte-order mark: each chunk is stored as a
+    prompt holds the paragraph (before, the extra newline and the mark were part of the
+    chunk, which no prompt then matched)."""
+    from lmkv_engines.minimal import cli
+
+    cfg = tmp_path / "l.yaml"
+    cfg.write_text(f"chunk_size: 32\nmax_local_cpu_size: 0.05\nlocal_disk: {tmp_path / 'd'}\n"
+                   "max_local_disk_size: 0.1\nenable_blending: true\n")
+    (tmp_path / "docs.txt").write_text("\ufeffAlpha is first.\n\n\nBeta is second.\n\n", encoding="utf-8")
+    monkeypatch.setenv("LMKV_CONFIG_FILE", str(cfg))
+    assert cli.main(["precompute", "--model", str(tiny_model_dir), "--kv-cache-memory", "32MiB",
+                     str(tmp_path / "docs.txt"), "--split-on", "\n\n"]) == 0
+    with _blend_llm(tiny_model_dir, 0.15, local_disk=str(tmp_path / "d"), max_local_disk_size=0.1) as llm:
+        cache = llm.engine.kv_connector.cache
+        for doc in ("Alpha is first.", "Beta is second."):
+            assert cache.has_chunk(llm.engine.tokenize(doc, add_special_tokens=False)), doc
