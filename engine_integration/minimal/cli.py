@@ -338,9 +338,6 @@ def _precompute(config: EngineConfig, files: list[str], split_on: str | None,
         if not (lmkv_config.local_disk or lmkv_config.remote_url):
             print("engine precompute: warning: no disk or remote tier configured; the chunks "
                   "live only as long as this process", file=sys.stderr)
-        if not lmkv_config.enable_blending:
-            print("engine precompute: warning: enable_blending is off in this config; an engine "
-                  "serving with it does not reuse these chunks", file=sys.stderr)
         missing = [name for name in files if not os.path.isfile(name)]
         if missing:
             raise ValueError(f"no such file: {', '.join(missing)}")

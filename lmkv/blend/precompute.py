@@ -43,6 +43,9 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Iterable[str | li
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     start = time.perf_counter()
     separator = _separator(engine, lmkv)
+    if not lmkv.config.enable_blending:
+        log.warning("precompute: enable_blending is off in this config; an engine serving with "
+                    "it does not reuse these chunks")
     report = PrecomputeReport(0, 0, 0, 0, 0.0)
     seen: set[bytes] = set()  # digests of the documents met (repeats are skipped)
     hot_only: list[list[str]] = []  # with no tier below: the stored chunks' keys
@@ -53,7 +56,9 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Iterable[str | li
     for i, document in enumerate(documents):
         tokens = _tokens(engine, lmkv, i, document, separator)
         digest = tokens and hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
-        if not tokens:
+        if tokens is None:  # holds the separator: never found whole, not stored
+            report.failed += 1
+        elif not tokens:
             empty += 1
         elif digest in seen:
             report.skipped += 1
@@ -127,20 +132,23 @@ def _separator(engine: KVComputer, lmkv: LMKVCache) -> list[int]:
 
 
 def _tokens(engine: KVComputer, lmkv: LMKVCache, i: int, document: str | list[int],
-            separator: list[int]) -> list[int]:
-    """A document's token ids as they appear inside a prompt: no special tokens (a BOS)."""
+            separator: list[int]) -> list[int] | None:
+    """A document's token ids as they appear inside a prompt: no special tokens (a BOS);
+    None (logged) for one that holds the separator, which prompts split (blending on)."""
     sep = lmkv.config.blend_special_str
     if isinstance(document, str):
         if lmkv.config.enable_blending and sep in document:
             log.warning("precompute: document %d contains the separator %r: prompts split there, "
-                        "so it will never be found whole", i, sep)
+                        "so it would never be found whole; not stored", i, sep)
+            return None
         return engine.tokenize(document, add_special_tokens=False)
     if not isinstance(document, list | tuple):
         raise TypeError(f"document {i} is a {type(document).__name__}, not a text or a list of ids")
     tokens = list(document)
     if separator and len(split_segments(tokens, separator)) > 1:
         log.warning("precompute: document %d holds the separator's ids (%r): prompts split "
-                    "there, so it will never be found whole", i, sep)
+                    "there, so it would never be found whole; not stored", i, sep)
+        return None
     return tokens
 
 

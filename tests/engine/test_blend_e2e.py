@@ -595,13 +595,29 @@ def test_precompute_takes_the_documents_a_batch_at_a_time(tiny_model_dir):
         assert first[0] == 8
 
 
-def test_a_token_id_document_holding_the_separator_is_warned_about(tiny_model_dir, caplog):
+def test_a_document_holding_the_separator_is_named_and_not_stored(tiny_model_dir, caplog):
+    """Prompts split at the separator, so such a document is never found whole: it costs
+    neither the compute nor a slot, and counts as failed."""
     docs, _ = _docs(15)
     with _blend_llm(tiny_model_dir, 0.15) as llm:
         doc = docs[0][:30] + llm.engine.blend_separator + docs[0][30:]
+        text = "A document # # that holds the separator."
         with caplog.at_level("WARNING"):
-            llm.precompute([doc], progress=False)
-    assert any("holds the separator's ids" in r.getMessage() for r in caplog.records)
+            report = llm.precompute([doc, text, docs[1]], progress=False)
+        assert (report.stored, report.failed) == (1, 2)
+        assert not llm.engine.kv_connector.cache.has_chunk(doc)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("document 0 holds the separator's ids" in m for m in messages)
+    assert any("document 1 contains the separator ' # # '" in m for m in messages)
+
+
+def test_precompute_with_blending_off_says_so(tiny_model_dir, caplog):
+    docs, _ = _docs(16)
+    cfg = load_config(env={}, chunk_size=32, max_local_cpu_size=0.05)
+    with (LLM(str(tiny_model_dir), lmkv_config=cfg, kv_cache_memory=64 << 20) as llm,
+          caplog.at_level("WARNING")):
+        llm.precompute(docs[:1], progress=False)
+    assert any("enable_blending is off" in r.getMessage() for r in caplog.records)
 
 
 def test_a_rag_prompt_whose_documents_are_on_a_slow_tier_does_not_stall_the_running_ones(
