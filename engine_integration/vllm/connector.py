@@ -231,6 +231,28 @@ class LMKVConnector(KVConnectorBase_V1):
             self.scheduler.request_finished(view)
         return False, None
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks whose load failed leave vLLM's prefix cache, with every later block of the
+        requests holding them (computed over them in that step): with kv_load_failure_policy
+        "recompute" vLLM keeps them cached while their requests recompute them, so a request
+        admitted meanwhile would attend over pages never written. Their holders keep them."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        manager = self._kv_cache_manager
+        if not invalid or manager is None or self.scheduler is None:
+            return
+        evict = set(invalid)
+        for rid in list(self.views.views):
+            blocks = manager.get_block_ids(rid)
+            if len(blocks) != 1:  # (one group: models of several are refused at start)
+                continue
+            first = next((i for i, b in enumerate(blocks[0]) if b in invalid), None)
+            if first is not None:
+                evict.update(blocks[0][first:])
+        manager.evict_blocks(evict)
+        log.warning("lmkv: %d blocks whose load failed (and %d computed over them) left vLLM's "
+                    "prefix cache until they are computed again", len(invalid),
+                    len(evict) - len(invalid))
+
     def reset_cache(self) -> bool:
         """vLLM resets its caches (its prefix cache with reset_connector, as after loading new
         weights in place): this instance loads no chunk stored before now again (they may

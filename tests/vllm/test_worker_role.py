@@ -45,6 +45,12 @@ def test_a_load_failed_on_another_tensor_parallel_rank_stores_nothing_here(seen)
     assert seen["other_rank"] == {"blocks reported": [], "chunks found": 1}
 
 
+def test_blocks_whose_load_failed_leave_vllms_prefix_cache_with_those_computed_over_them(seen):
+    """With kv_load_failure_policy "recompute" vLLM keeps them cached while they are computed
+    again: a request admitted meanwhile would attend over pages never written."""
+    assert seen["evicted"] == [6, 7, 8]
+
+
 def test_layerwise_mode_asks_vllm_for_piecewise_cuda_graphs(seen):
     """A full graph's replay skips the per-layer hooks that wait for each layer's load."""
     assert seen["piecewise"] == {"False": False, "True": True}

@@ -139,7 +139,29 @@ def kv_delivery() -> bool:
     return conn.requires_kv_delivery
 
 
+def failed_blocks_evicted() -> list[int]:
+    """The blocks the scheduler role takes out of vLLM's prefix cache when the workers report
+    a failed load (KVConnectorOutput.invalid_block_ids): request a holds blocks 5-8 and
+    failed at 6, b holds 9-10 and loaded fine (a stand-in of vLLM's KV cache manager, with
+    the two calls the connector makes)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from lmkv_engines.vllm.requests import RequestViews
+
+    evicted: list[int] = []
+    conn = LMKVConnector.__new__(LMKVConnector)
+    conn.scheduler, conn.views = object(), RequestViews()
+    held = {"a": [5, 6, 7, 8], "b": [9, 10]}
+    for rid in held:
+        conn.views.get(SimpleNamespace(request_id=rid))
+    conn._kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (held[rid],),
+                                             evict_blocks=lambda ids: evicted.extend(sorted(ids)))
+    conn.update_connector_output(KVConnectorOutput())  # nothing failed: nothing evicted
+    conn.update_connector_output(KVConnectorOutput(invalid_block_ids={6}))
+    return evicted
+
+
 if __name__ == "__main__":
     print(json.dumps({"deferred": deferred_finalize(), "saves": saves_after_a_failed_load(),
                       "other_rank": another_ranks_failed_load(), "piecewise": piecewise_graphs(),
-                      "kv_delivery": kv_delivery()}))
+                      "kv_delivery": kv_delivery(), "evicted": failed_blocks_evicted()}))
