@@ -143,8 +143,9 @@ class LMKVCache:
     def touch(self, keys: list[str]) -> None:
         """The engine used the leading ``keys`` without lmkv (its own prefix cache held
         them): a use to the hot cache's policy, as a load would be, so that the chunks the
-        prompt continues are not the first it evicts."""
-        self.storage.hot.touch(keys)
+        prompt continues are not the first it evicts; one whose write below was lost is
+        written again."""
+        self.storage.touch(keys)
 
     def fetch(self, keys: list[str], parent: str | None = None) -> list[ChunkBuffer]:
         """The longest loadable prefix of chunks, each retained for the caller (``parent``:

@@ -210,6 +210,22 @@ class StorageManager:
                 del self._unwritten[key]
         self._submit_write(key, buf, tiers)
 
+    def touch(self, keys: list[str]) -> None:
+        """A use of the leading hot ``keys``, whose tokens the engine served from its own
+        memory (a use to the policy, as a load would be); a chunk among them whose write
+        below was lost (a tier down when it was saved) is queued again, as a load of it
+        would: an engine's own prefix cache serves its most used prefixes, which would
+        otherwise never reach a shared tier after an outage."""
+        n = self.hot.touch(keys)
+        if not self._unwritten:
+            return
+        for key in keys[:n]:
+            if key in self._unwritten and (buf := self.hot.hold(key)) is not None:
+                try:
+                    self._write_again(key, buf)
+                finally:
+                    buf.release()
+
     def written_below(self, key: str) -> None:
         """A save of ``key`` found it hot already: if its write below was lost, queue it again."""
         if key not in self._unwritten:

@@ -306,6 +306,27 @@ def test_a_write_dropped_by_a_full_queue_is_written_when_the_hot_chunk_is_next_u
     m.close()
 
 
+def test_a_lost_write_is_written_again_when_the_engine_serves_the_chunk_from_its_own_memory():
+    """An engine's prefix cache serves its most used prefixes itself (lmkv is only told of
+    the use, touch): a chunk whose write below was lost (a shared store down when it was
+    saved) is queued again then, or it never reached the store after the outage."""
+    pool, (tier,), m = manager(queue=1, policy="lru")
+    gate = hold_worker(m)
+    put_one(pool, m, "a")  # dropped
+    put_one(pool, m, "b")  # dropped
+    gate.set()
+    m.io.drain()
+    assert tier.contains(["a", "b"]) == [False, False]
+    for _ in range(2):  # (a queue of one: "b"'s is dropped again the first time)
+        m.touch(["a", "b"])
+        m.io.drain()
+    assert tier.contains(["a", "b"]) == [True, True] and not m._unwritten
+    m.touch(["a", "b"])  # once
+    assert m.io.drain() and m.metrics.registry.get_sample_value(
+        "lmkv_tier_seconds_count", {"tier": "t0", "op": "put"}) == 2
+    m.close()
+
+
 def test_a_key_twice_in_one_fetch_gets_two_references_and_leaks_nothing():
     pool, (tier,), m = manager(slots=6, policy="lru")
     seed(pool, tier, ["b"])
