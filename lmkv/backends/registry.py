@@ -8,7 +8,6 @@ import logging
 from collections.abc import Callable, Sequence
 from urllib.parse import urlparse
 
-from ..logs import LogThrottle
 from .base import Arrived, BackendError, StorageBackend
 
 log = logging.getLogger(__name__)
@@ -88,7 +87,7 @@ class LazyBackend(StorageBackend):
         self._url = url
         self._backend: StorageBackend | None = None
         self._regions: list[memoryview] = []
-        self._ready = LogThrottle()  # reconnects after failures: one line a minute at most
+        self._made = False  # a client was made before (later ones are made after failures)
 
     def _connected(self) -> StorageBackend:
         if self._backend is None:
@@ -101,9 +100,11 @@ class LazyBackend(StorageBackend):
             for region in self._regions:
                 backend.register_memory(region)
             self._backend = backend
-            self._ready.log(log, logging.INFO, "ready", "lmkv: client for %s made (it may "
-                            "connect at its first request; a failed request is logged apart)",
-                            self._url)
+            # (again after each failure, while the store is down: the tier says when it
+            # answers again)
+            log.log(logging.DEBUG if self._made else logging.INFO, "lmkv: client for %s made (it "
+                    "may connect at its first request; a failed request is logged apart)", self._url)
+            self._made = True
         return self._backend
 
     def _call(self, fn):

@@ -16,19 +16,25 @@ class CircuitBreaker:
         self.failures = 0
         self.open_until = 0.0
         self.trial = False
+        self.failing_since = 0.0  # monotonic time of the first failure in a row
 
     @property
     def closed(self) -> bool:
         """True when calls may go through (or a probe is due)."""
         return time.monotonic() >= self.open_until
 
-    def success(self) -> None:
+    def success(self) -> tuple[int, float] | None:
+        """Record a success; after failures, how many there were and for how long (s)."""
+        cleared = (self.failures, time.monotonic() - self.failing_since) if self.failures else None
         self.failures = 0
         self.open_until = 0.0
         self.trial = False
+        return cleared
 
     def failure(self) -> float:
         """Record a failure; returns how long the tier is now skipped."""
+        if not self.failures:
+            self.failing_since = time.monotonic()
         self.failures += 1
         self.trial = False
         # (the exponent is capped: a float power overflows after 1024 failures, ~8 h down)

@@ -161,7 +161,7 @@ class Tier:
                 return False
             finally:  # failed calls too: a timeout shows as the time it took
                 self._timed("put", start)
-            self.write_breaker.success()
+            self._recovered(self.write_breaker, "takes writes")
             evicted = self.backend.num_evictions - before
             declined = self.backend.num_not_stored - declined
         if declined > 0:  # the store answered and kept nothing: logged by the backend
@@ -210,7 +210,7 @@ class Tier:
         failed = self._read_failed
         if not self.backend.concurrent_contains and (
                 failed is None or time.monotonic() - failed > 2 * self.breaker.max):
-            self.breaker.success()
+            self._recovered(self.breaker, "answers")
             self._read_failed = None
         return found
 
@@ -255,7 +255,7 @@ class Tier:
                 dropped = self.backend.num_unreadable - unreadable  # logged by the backend
                 if dropped > 0:
                     self.metrics.errors.labels(self.name, "unreadable").inc(dropped)
-            self.breaker.success()
+            self._recovered(self.breaker, "serves reads")
             self._read_failed = None
         if not raw:
             checked = self._check_all(keys, bufs, values)
@@ -387,6 +387,13 @@ class Tier:
                 closing = self._closed  # close found the probe in the backend: it closes it
             if closing:
                 self._close_backend()
+
+    def _recovered(self, breaker: CircuitBreaker, what: str) -> None:
+        """A call succeeded: close ``breaker``, saying so if calls had failed."""
+        cleared = breaker.success()
+        if cleared is not None:
+            log.info("lmkv: the %s tier %s again (after %d failed calls in %.0f s)", self.name,
+                     what, *cleared)
 
     def _timed(self, op: str, start: float) -> None:
         self.metrics.tier_seconds.labels(self.name, op).observe(time.perf_counter() - start)

@@ -410,6 +410,31 @@ def test_a_failed_write_and_a_failed_read_say_what_is_paused(caplog):
     tier.close()
 
 
+def test_a_tier_that_answers_again_says_so_once(caplog):
+    """After failed calls the warnings stop when the store answers again, as they would if
+    traffic stopped: one line says it answers, after how many failures and how long."""
+
+    class Recovering(OneAtATime):
+        down = True
+
+        def put(self, items):
+            if self.down:
+                raise BackendError("connection refused")
+
+    backend = Recovering()
+    tier = Tier("remote", backend, "raw")
+    for _ in range(2):
+        assert not tier.write("a", memoryview(bytearray(64)))
+        tier.write_breaker.open_until = 0.0  # (its pause over)
+    backend.down = False
+    with caplog.at_level("INFO", logger="lmkv.storage.tier"):
+        assert tier.write("a", memoryview(bytearray(64)))
+        assert tier.write("b", memoryview(bytearray(64)))
+    lines = [r.getMessage() for r in caplog.records if "again" in r.getMessage()]
+    assert len(lines) == 1 and "the remote tier takes writes again (after 2 failed calls in" in lines[0]
+    tier.close()
+
+
 def test_a_read_queued_behind_a_call_that_fails_does_not_call_the_store_again():
     """A load that waited for the tier while another call hung in the store, and failed,
     misses at once: the store that just failed is not asked again (before, the read sent
