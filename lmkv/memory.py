@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_memory import host_memory_available
 from .layout import KVLayout
 
 HEADER_BYTES = 64  # room for the codec frame header in front of each chunk
@@ -90,28 +91,6 @@ class ChunkBuffer:
 
     def release(self) -> None:
         self.pool._release(self)
-
-
-def host_memory_available() -> int | None:
-    """Bytes this process may still fill with memory: the kernel's MemAvailable, or less
-    where a cgroup (a container) limits the process (its limit less what it uses, the page
-    cache it could drop not counted as used); None where neither can be read."""
-    found = []
-    try:
-        with open("/proc/meminfo") as f:
-            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
-            limit, used = f.read().strip(), int(g.read())
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.stat") as f:  # (file pages it has not touched
-                stat = dict(line.split() for line in f if line.strip())  # lately: reclaimed)
-            found.append(int(limit) - used + int(stat.get("inactive_file", 0)))
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
 
 
 def zeros_in_memory(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from lmkv.host_memory import host_memory_available
 from lmkv.http_limits import bounded_http
 
 from .admin import build_admin_app
@@ -61,6 +62,10 @@ async def serve(config: ServerConfig) -> None:
             else "anyone who can reach this port",
         )
     try:
+        nbytes, available = config.num_pages * config.page_size, host_memory_available()
+        if available is not None and nbytes > available:  # (filling it would end in the OOM killer)
+            raise ListenError(f"--max-memory {nbytes / 1e9:.3g} GB is more than this machine (or its "
+                              f"container) has available ({max(available, 0) / 1e9:.3g} GB); give less")
         try:
             arena = PageArena(config.num_pages, config.page_size, config.prefault)
         except (OSError, OverflowError) as e:  # ENOMEM: more than the machine can map

@@ -100,6 +100,23 @@ def test_a_port_in_use_is_a_clear_error_before_the_memory_is_touched(server_env)
     assert "Traceback" not in out.stderr
 
 
+def test_more_memory_than_the_machine_has_available_is_refused_by_name(server_env):
+    """Before: the memory was mapped and touched page by page until the OOM killer ended the
+    server (in a container of 200 MB with --max-memory 512MiB: killed, no message)."""
+    import subprocess
+    import sys
+
+    from lmkv.host_memory import host_memory_available
+
+    available = host_memory_available()
+    assert available is not None
+    out = subprocess.run([sys.executable, "-m", "lmkv_server", "127.0.0.1", "0", "--max-memory",
+                          str(available + (1 << 30))], env=server_env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "more than this machine (or its container) has available" in out.stderr.splitlines()[-1]
+
+
 def test_a_connection_is_refused_until_the_server_can_answer_it(server_env, tmp_path):
     """While the server touches its memory (made to take 3 s here), a client's connect is
     refused, so it counts the store as down and goes on; once the server is up, calls are

@@ -650,19 +650,41 @@ def test_a_hot_cache_past_the_machines_memory_is_refused_by_name(monkeypatch):
     assert MemoryPool(LAYOUT, 1 << 20).num_slots > 0
 
 
-def test_a_containers_memory_limit_counts_less_its_use_and_not_its_page_cache(monkeypatch):
-    """Under a cgroup limit the memory available is the limit less what the container
-    uses, its inactive page cache (a checkpoint just read) not counted as used."""
-    import io
-
+@pytest.mark.parametrize("version", ["v2", "v1", "v1 container view"])
+def test_a_containers_memory_limit_counts_less_its_use_and_not_its_page_cache(tmp_path, version):
+    """Under a memory cgroup limit (on the process's own group or one above it, cgroup v2
+    or v1) the memory available is the limit less what the group uses, its inactive page
+    cache (a checkpoint just read) not counted as used. Only v2's root group was read: in a
+    v1 cgroup of 400 MB lmkv saw the machine's 21 GB and was killed filling its hot cache."""
     from lmkv import memory
 
-    files = {"/proc/meminfo": "MemTotal: 100000000 kB\nMemAvailable: 50000000 kB\n",
-             "/sys/fs/cgroup/memory.max": "20000000000\n",
-             "/sys/fs/cgroup/memory.current": "19000000000\n",
-             "/sys/fs/cgroup/memory.stat": "anon 3000000000\ninactive_file 15000000000\n"}
-    monkeypatch.setattr(memory, "open", lambda path, *a, **k: io.StringIO(files[path]),
-                        raising=False)
-    assert memory.host_memory_available() == 20_000_000_000 - 19_000_000_000 + 15_000_000_000
-    files["/sys/fs/cgroup/memory.max"] = "max\n"
-    assert memory.host_memory_available() == 50_000_000 * 1024
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal: 100000000 kB\nMemAvailable: 50000000 kB\n")
+    if version == "v2":
+        (proc / "self" / "cgroup").write_text("0::/slice/job\n")
+        names, base = ("memory.max", "memory.current", "inactive_file"), root
+    else:
+        (proc / "self" / "cgroup").write_text(
+            "12:cpu,cpuacct:/job\n" + ("5:memory:/slice/job\n" if version == "v1" else
+                                       "5:memory:/docker/abc\n"))
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        base = root / "memory"
+    job = base / "slice" / "job" if version != "v1 container view" else base
+
+    def group(path, limit, used, inactive):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / names[0]).write_text(f"{limit}\n")
+        (path / names[1]).write_text(f"{used}\n")
+        (path / "memory.stat").write_text(f"anon 3000000000\n{names[2]} {inactive}\n")
+
+    unlimited = "max" if version == "v2" else str((1 << 63) - 4096)
+    group(job, 20_000_000_000, 19_000_000_000, 15_000_000_000)
+    if version != "v1 container view":
+        group(base / "slice", 17_000_000_000, 19_000_000_000, 15_000_000_000)  # tighter, above
+    assert memory.host_memory_available(str(proc), str(root)) == (
+        17_000_000_000 if version != "v1 container view" else 20_000_000_000) - 4_000_000_000
+    group(job, unlimited, 19_000_000_000, 0)
+    if version != "v1 container view":
+        group(base / "slice", unlimited, 19_000_000_000, 0)
+    assert memory.host_memory_available(str(proc), str(root)) == 50_000_000 * 1024
