@@ -53,6 +53,9 @@ class KVConnector:
         self.worker = WorkerConnector(self.cache, async_saves=config.kv_role != "producer")
         self.worker.register_kv_caches(BlockPagedMemory(kv_cache, launcher))
         self._checks: dict[str, list[int]] = {}  # quality-gate re-run id -> the tokens served
+        # the engine forgets its prefix cache's pages (set by the engine): when the gate trips,
+        # pages loaded lossy, and those computed over them, must not be served again
+        self.forget_cached_pages: Callable[[], None] = lambda: None
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int] | None:
         """With blending on, a prompt holding the separator: its parts tokenized separately
@@ -76,7 +79,12 @@ class KVConnector:
         if gate is None:
             return None
         if req.request_id in self._checks:
+            tripped = gate.tripped
             gate.record(req.output_token_ids, self._checks.pop(req.request_id))
+            if gate.tripped and not tripped:  # lossless from now on, the engine's pages too
+                self.forget_cached_pages()
+                self.scheduler.lossy_keys.clear()
+                self.scheduler.lossy_tails.clear()
             return None
         if not (req.params.greedy and self.scheduler.served_lossy(req) and gate.sample()):
             return None

@@ -116,6 +116,7 @@ class LLMEngine:
                 lmkv_config, self.model_config, self.dtype, config.block_size, model_dir,
                 self.kv_cache, self.metrics.registry, self.tokenizer.encode, device.launcher,
             )
+            self.kv_connector.forget_cached_pages = self.block_manager.reset_prefix_cache
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,

@@ -152,14 +152,19 @@ def test_missing_calibration_falls_back_to_zstd(tiny_model_dir, reference, tmp_p
         assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference
 
 
-def test_quality_gate_measures_agreement_and_turns_lossless(tiny_model_dir, reference, tmp_path):
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_quality_gate_measures_agreement_and_turns_lossless(tiny_model_dir, reference, tmp_path,
+                                                            prefix_caching):
+    """With the engine's prefix cache on, the pages it holds of KV loaded lossy (and those
+    computed over them) are forgotten when the gate trips: they were served again after it,
+    to 5 of 6 prompts."""
     _table(tiny_model_dir, tmp_path / "default.safetensors", error=CalibrationSettings().error)
     opts = dict(local_disk_codec="cachegen", cachegen_calibration=str(tmp_path / "default.safetensors"),
                 codec_check_every=2, codec_min_agreement=0.99, enable_prefetch=False)
     with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
         llm.generate(prompts(), GREEDY)  # fills the disk tier (and the hot cache, exact KV)
         assert metric(llm, "lmkv_codec_checks_total") == 0  # nothing was served lossy
-    with lmkv_llm(tiny_model_dir, tmp_path / "disk", **opts) as llm:
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", prefix_caching=prefix_caching, **opts) as llm:
         engine = llm.engine.kv_connector.cache
         served = llm.generate(prompts(), GREEDY)  # every prompt is served lossy KV from disk
         agreement = metric(llm, "lmkv_codec_agreement")
