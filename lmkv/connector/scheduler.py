@@ -388,7 +388,7 @@ class SchedulerConnector:
                 meta.saves.append(SaveSpec(
                     request.request_id, [st.keys[i] for i in st.gap],
                     [self._slots(request.block_ids, i * c, (i + 1) * c) for i in st.gap],
-                    st.keys[st.gap[0] - 1] if st.gap[0] else None, st.gap[0] * c))
+                    st.keys[st.gap[0] - 1] if st.gap[0] else None, st.gap[0] * c, lossy=st.lossy))
                 st.gap = range(0)
             # (no further than the tokens known: with speculative decoding and async
             # scheduling the engine counts draft positions ahead of them)

@@ -686,3 +686,33 @@ def test_a_session_whose_prompt_grows_loads_the_partial_chunk_of_its_prompt_as_i
     for p in range(offered):
         assert torch.all(at(req, p) == p), p
     worker.wait_for_save()
+
+
+def test_chunks_saved_from_under_the_engines_hit_are_marked_lossy_where_it_holds_lossy_kv():
+    """Chunks lmkv lacks under the engine's own hit while it holds later ones are saved from
+    the engine's pages: where those pages hold KV another request loaded lossy, the save is
+    marked lossy as the request's other saves are (it was stored as exact KV, to lossless
+    tiers, and served as exact from then on)."""
+    engine = _engine(cache_policy="lru")
+    prompt = list(range(2000, 2000 + 4 * CHUNK))
+    keys = engine.keys(prompt)
+    _store(engine, prompt)
+    sched = SchedulerConnector(_LossyCache(engine), BLOCK)
+    a = Request("a", prompt + [1, 2, 3])
+    _, meta = _schedule(sched, a, computed=0)  # loads all 4 chunks, decoded lossy
+    assert sched.served_lossy(a)
+    for key in meta.loads[0].keys:
+        engine.take(key).release()
+    sched.request_finished(a)
+    for key in keys[:2]:  # lmkv loses chunks 0 and 1
+        engine.storage.hot.entries.pop(key).release()
+        engine.storage.hot.policy.removed(key)
+    b = Request("b", prompt + [4, 5, 6])
+    _, meta = _schedule(sched, b, computed=2 * CHUNK)  # the engine serves a's pages 0 and 1
+    assert sched.served_lossy(b)
+    (gap,) = [s for s in meta.saves if s.keys == keys[:2]]
+    assert gap.lossy
+    for load in meta.loads:
+        for key in load.keys:
+            engine.take(key).release()
+    sched.request_finished(b)
