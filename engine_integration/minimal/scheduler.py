@@ -120,12 +120,18 @@ class Scheduler:
                 num_new = min(num_new, budget)
             if not self.blocks.allocate_slots(req, external + num_new, computed):
                 break
-            self.waiting.popleft()
             req.blend = blend
-            req.status = RequestStatus.RUNNING
             req.num_computed_tokens = computed.num_tokens
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(req, req.block_ids, external)
+            if self.connector is not None and not _allocated(self.connector, req, external):
+                # not admitted: the pages past its hit hold nothing (their hashes go), and
+                # it waits for the next step, where lmkv loads nothing for it
+                self.blocks.forget(req.block_ids[len(computed.blocks):])
+                self.blocks.free(req)
+                _drop_blend(req)
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
             req.num_computed_tokens += external
             if req.num_preemptions == 0:
                 req.num_cached_tokens = computed.num_tokens
@@ -194,6 +200,25 @@ def _arriving(connector, req, num_computed: int) -> bool:
     except Exception:
         log.exception("lmkv: asking whether request %s's chunks are on their way failed; "
                       "looking it up now", req.request_id)
+        return False
+
+
+def _allocated(connector, req, external: int) -> bool:
+    """Tell lmkv the engine took its offer for ``req`` (``external`` tokens loaded); False
+    if that raises: lmkv then loads nothing for the request (logged, counted), which is
+    admitted again without it. One request's failure never fails the step, nor leaves
+    pages registered in the prefix cache that nothing computes."""
+    try:
+        connector.update_state_after_alloc(req, req.block_ids, external)
+        return True
+    except Exception:
+        log.exception("lmkv: taking the load planned for request %s failed; computing it",
+                      req.request_id)
+        connector.cache.count_error("connector", "load")
+        try:
+            connector.recompute_without_loads(req)
+        except Exception:
+            log.exception("lmkv: request %s: dropping its lmkv state failed", req.request_id)
         return False
 
 

@@ -294,6 +294,8 @@ class SchedulerConnector:
             return None
         st = self._state(request)
         self._drop_plan(st)
+        if st.no_loads:  # (a load for it failed: computed without lmkv)
+            return None
         prompt = request.prompt_token_ids
         ratio = self.cache.config.blend_recompute_ratio
 

@@ -728,3 +728,32 @@ def test_cli_chunks_lose_the_line_ends_around_them_and_a_byte_order_mark(tiny_mo
         cache = llm.engine.kv_connector.cache
         for doc in ("Alpha is first.", "Beta is second."):
             assert cache.has_chunk(llm.engine.tokenize(doc, add_special_tokens=False)), doc
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_blend_plan_the_connector_fails_to_take_costs_a_full_prefill(tiny_model_dir, plain, where):
+    """lmkv raising as the engine takes a blend plan (before or after lmkv handed it over):
+    the request is computed without lmkv (plain prefill's tokens, not blended on its next
+    try either) and the plan's chunks go back to the pool."""
+    docs, query = _docs(17)
+    with _blend_llm(tiny_model_dir, 0.15) as llm:
+        eng = llm.engine
+        llm.precompute(docs, progress=False)
+        prompt = join_segments([[300, 301, 302], docs[1], docs[0], query], eng.blend_separator)
+        sched = eng.kv_connector.scheduler
+        real = sched.update_state_after_alloc
+
+        def failing(req, *args):
+            sched.update_state_after_alloc = real
+            if where == "after":
+                real(req, *args)
+            raise RuntimeError("injected")
+
+        sched.update_state_after_alloc = failing
+        out = llm.generate([prompt], GREEDY)[0]
+        assert out.output_token_ids == plain.generate([prompt], GREEDY)[0].output_token_ids
+        assert out.num_external_tokens == 0
+        cache = eng.kv_connector.cache
+        cache.pool.check_integrity()
+        assert cache.pool.num_free + len(cache.storage.hot) == cache.pool.num_slots
+        assert llm.generate([prompt], GREEDY)[0].num_external_tokens > 0  # blended again

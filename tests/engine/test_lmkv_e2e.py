@@ -79,6 +79,35 @@ def test_disk_hit_in_a_new_process(tiny_model_dir, reference, tmp_path):
             _full_chunks(p) // CHUNK for p in prompts())
 
 
+def test_a_load_plan_the_connector_fails_to_take_costs_a_recompute_and_leaves_no_stale_pages(
+        tiny_model_dir, reference, tmp_path):
+    """lmkv raising as the engine takes its offer for a request (update_state_after_alloc):
+    that request is computed without lmkv and the step goes on. Before, it left both queues
+    with its blocks held and their prefix-cache hashes registered for tokens never computed:
+    the same prompt again attended over those pages (other tokens), and its abort raised."""
+    _fill_disk(tiny_model_dir, tmp_path / "disk")
+    with lmkv_llm(tiny_model_dir, tmp_path / "disk", enable_prefetch=False, prefix_caching=True) as llm:
+        sched = llm.engine.kv_connector.scheduler
+        real, calls = sched.update_state_after_alloc, []
+
+        def failing_second(req, *args):
+            calls.append(req.request_id)
+            if len(calls) == 2:
+                raise RuntimeError("injected")
+            return real(req, *args)
+
+        sched.update_state_after_alloc = failing_second
+        outs = llm.generate(prompts(), GREEDY)
+        assert [o.output_token_ids for o in outs] == reference()
+        assert sorted(o.num_external_tokens == 0 for o in outs) == [False] * (len(outs) - 1) + [True]
+        assert metric(llm, "lmkv_errors_total", tier="connector", kind="load") == 1
+        assert [o.output_token_ids for o in llm.generate(prompts(), GREEDY)] == reference()
+        blocks = llm.engine.block_manager
+        blocks.check_integrity()
+        assert blocks.num_free_blocks == blocks.num_blocks and not sched.states
+        llm.engine.kv_connector.cache.pool.check_integrity()
+
+
 def test_prefetch_pulls_queued_requests_from_disk(tiny_model_dir, reference, tmp_path):
     _fill_disk(tiny_model_dir, tmp_path / "disk")
     with lmkv_llm(tiny_model_dir, tmp_path / "disk") as llm:
