@@ -145,6 +145,10 @@ class DiskBackend(StorageBackend):
             self._add(name, size)
         try:
             self._evict_to(self.capacity)
+            if self.num_evictions:
+                log.warning("disk tier %s: %d files (least recently used first) deleted at start "
+                            "to fit its cap (%.3g GB, max_local_disk_size)", self.root,
+                            self.num_evictions, self.capacity / 1e9)
         except BackendError as e:  # a read-only directory fuller than this cap: still read
             log.warning("disk tier %s holds %.3g GB, above its cap (%.3g GB), and cannot shrink "
                         "(%s): its chunks are read; writes fail until files can be deleted",

@@ -83,6 +83,8 @@ class Tier:
     def __post_init__(self) -> None:
         if isinstance(self.codec, str):  # a codec named in a config
             self.codec = get_codec(self.codec)
+        if self.backend.num_evictions:  # (a disk tier trimmed to its cap at start)
+            self.metrics.evictions.labels(self.name).inc(self.backend.num_evictions)
 
     @property
     def lossy(self) -> bool:

@@ -116,3 +116,19 @@ def test_files_another_process_writes_into_the_directory_are_found_and_counted(t
     monkeypatch.setattr(Path, "unlink", refusing_unlink)
     assert server.get(["e"]) == [None] and server.num_unreadable == 1
     assert server.contains(["e"]) == [False]  # not taken in again
+
+
+def test_a_tier_started_with_a_smaller_cap_says_how_many_files_it_deleted(tmp_path, caplog):
+    """A lowered cap (or a process with a smaller one on a shared directory) deletes files at
+    start: a warning says how many, and the tier's eviction metric counts them."""
+    from lmkv.metrics import LMKVMetrics
+    from lmkv.storage.tier import Tier
+
+    DiskBackend(tmp_path, capacity_bytes=10_000).put([(f"k{i}", b"x" * 1000) for i in range(9)])
+    with caplog.at_level("WARNING"):
+        small = DiskBackend(tmp_path, capacity_bytes=3000)
+    assert len(list(tmp_path.glob("*.kv"))) == 3 and small.num_evictions == 6
+    assert "6 files (least recently used first) deleted at start" in caplog.text
+    metrics = LMKVMetrics()
+    Tier("disk", small, "raw", metrics=metrics)
+    assert metrics.registry.get_sample_value("lmkv_evictions_total", {"tier": "disk"}) == 6
