@@ -104,7 +104,8 @@ class Persister:
             counts[outcome] += 1
         loaded, corrupt, no_room = counts.values()
         if no_room:
-            log.warning("%d persisted values did not fit in max_memory; left on disk", no_room)
+            log.warning("%d persisted values (the oldest) did not fit in max_memory; their files "
+                        "were deleted", no_room)
         return LoadResult(loaded, corrupt, no_room)
 
     def start(self) -> None:
@@ -217,6 +218,15 @@ class Persister:
             log.warning("removed %s: the newer value of %r could not be written", path, key[:60])
         self._has_file(key, False)
 
+    def _delete_unloaded(self, path: Path) -> None:
+        try:
+            path.unlink()
+            self.files_deleted += 1
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # left there: read again at the next start
+            log.warning("cannot remove %s: %s", path, exc)
+
     def _load_file(self, path: Path) -> _Outcome:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
@@ -236,12 +246,11 @@ class Persister:
                 return self._corrupt(path, str(exc))
             if self.path_for(key) != path:
                 return self._corrupt(path, "file name does not match its key")
-            self._files.add(key)  # left on disk without room: an eviction of the key deletes it
-            if not self.store.fits(length):
+            pages = self.store.reserve(length, evict=False) if self.store.fits(length) else None
+            if pages is None:  # no room: deleted, so that disk use follows the memory bound
+                self._delete_unloaded(path)
                 return _Outcome.NO_ROOM
-            pages = self.store.reserve(length, evict=False)
-            if pages is None:
-                return _Outcome.NO_ROOM
+            self._files.add(key)
             crc = zlib.crc32(key, zlib.crc32(head[: HEADER.size]))
             try:
                 for segment in self.store.arena.segments(pages, length):

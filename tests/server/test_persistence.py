@@ -141,6 +141,32 @@ def test_the_write_queue_holds_no_key_that_left_without_a_file(tmp_path):
     persister.stop(10)
 
 
+def test_a_reload_into_less_memory_deletes_the_files_that_did_not_fit(tmp_path):
+    """Restarted with a smaller --max-memory, the values that do not fit (the oldest) are
+    not loaded and their files go: they stayed on disk, never evicted, read again at every
+    start (157 files, 21 MB, over an 8 MiB store), and disk use no longer followed memory."""
+    import os
+    from pathlib import Path
+
+    from lmkv_server.arena import PageArena
+    from lmkv_server.persistence import Persister
+    from lmkv_server.store import Store
+
+    store = Store(PageArena(16, 64 << 10, prefault=False))
+    writer = Persister(Path(tmp_path), store)
+    for i in range(8):
+        _put(store, b"k%d" % i, 200_000)  # 4 pages each: all 16
+        writer._sync(b"k%d" % i)
+        os.utime(writer.path_for(b"k%d" % i), ns=(i * 10**9, i * 10**9))  # k7 the newest
+    smaller = Store(PageArena(8, 64 << 10, prefault=False))
+    reader = Persister(Path(tmp_path), smaller)
+    result = reader.load()
+    assert (result.loaded, result.no_room) == (2, 6)
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == sorted(
+        reader.path_for(b"k%d" % i).name for i in (6, 7))
+    assert reader.files_deleted == 6
+
+
 def test_a_reload_that_cannot_read_a_file_gives_its_pages_back(tmp_path, monkeypatch):
     """A read error in one persisted file (a bad sector) skips that file and returns the
     pages reserved for it; a directory or link named like a temporary file is left alone."""
