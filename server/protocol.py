@@ -235,8 +235,11 @@ class Connection:
     def _drop(self, length: int, reason: str) -> None:
         """A PUT that will not be stored: count it, and read past the rest of its payload."""
         self.traffic.dropped[reason] += 1
-        level = logging.WARNING if reason == "too_large" else logging.DEBUG  # busy: load
-        log.log(level, "%s: PUT not stored (%s)", self.peer, reason)
+        if reason == "too_large":  # (a client's setting: one line a minute, all counted)
+            self.quiet.log(log, logging.WARNING, "put_too_large", "%s: PUT not stored (too_large: "
+                           "a value above --max-value-size or --max-memory)", self.peer)
+        else:  # busy: load
+            log.debug("%s: PUT not stored (%s)", self.peer, reason)
         self._drain(length)
 
     def _get(self, key: bytes) -> None:
