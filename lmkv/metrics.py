@@ -67,8 +67,9 @@ class LMKVMetrics:
                                            "Compared tokens equal with and without lossy KV",
                                            registry=r)
         self.codec_agreement = Gauge("lmkv_codec_agreement",
-                                     "agreed / checked tokens of the quality gate since start",
-                                     registry=r)
+                                     "agreed / checked tokens of the quality gate since start "
+                                     "(1 until a token is checked)", registry=r)
+        self.codec_agreement.set(1.0)  # (0 read as total disagreement, where nothing is lossy)
         self.lossless_chunks = Counter("lmkv_codec_lossless_chunks",
                                        "Chunks a lossy tier stored lossless: beyond its table's range",
                                        ["tier"], registry=r)

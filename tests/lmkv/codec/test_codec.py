@@ -404,7 +404,8 @@ def test_rans_payload_decodes_like_zstd(table):
 
 def test_quality_gate_samples_measures_and_falls_back_once():
     metrics = LMKVMetrics()
-    calls = []
+    assert metrics.registry.get_sample_value("lmkv_codec_agreement") == 1.0  # nothing checked:
+    calls = []  # no alert on agreement < codec_min_agreement (it read 0 with no lossy codec)
     gate = QualityGate(every=3, min_agreement=0.9, metrics=metrics,
                        fallback=lambda: calls.append(1) or ["disk"], min_tokens=20)
     assert [gate.sample() for _ in range(7)] == [True, False, False, True, False, False, True]
