@@ -266,12 +266,15 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 # ---- responses ------------------------------------------------------------------------
-def usage(out: RequestOutput) -> dict[str, int]:
+def usage(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI's usage; its cached prompt tokens are those the engine's prefix cache served
+    and those lmkv loaded (for a blended prompt, the reused ones: some of them recomputed)."""
     prompt, completion = len(out.prompt_token_ids), out.num_output_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens + out.num_external_tokens},
     }
 
 

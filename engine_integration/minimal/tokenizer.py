@@ -61,6 +61,13 @@ class Tokenizer:
         return frozenset(held)
 
     @functools.cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The texts of the special tokens (a chat template's turn markers among them):
+        text that holds one is tokenized to that control token."""
+        return tuple(sorted(t.content for t in self._tok.get_added_tokens_decoder().values()
+                            if t.special and t.content))
+
+    @functools.cached_property
     def max_token_chars(self) -> int:
         """The most characters one token stands for (its vocabulary string's length: a byte
         of byte-level BPE is one character there): a text of n characters is at least
