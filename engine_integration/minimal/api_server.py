@@ -178,12 +178,12 @@ class APIServer:
         """Refuse (400) a request whose prompt and max_tokens do not fit the context."""
         limit = self.engine.max_model_len
         if len(prompt) >= limit:  # no max_tokens would fit: the prompt is what is too long
-            raise APIError(400, f"the prompt has {len(prompt)} tokens but the context holds "
-                           f"{limit} (max_model_len), including at least one generated token",
-                           param="prompt")
+            raise APIError(400, f"This model's maximum context length is {limit} tokens "
+                           f"(max_model_len), but the prompt has {len(prompt)}: the context "
+                           "must hold at least one generated token too", param="prompt")
         if len(prompt) + max_tokens > limit:
-            raise APIError(
-                400, f"this model's context holds {limit} tokens (max_model_len), but "
+            raise APIError(  # (worded as vLLM's: clients tell context errors by it)
+                400, f"This model's maximum context length is {limit} tokens (max_model_len), but "
                 f"{len(prompt) + max_tokens} were requested: {len(prompt)} in the prompt and "
                 f"max_tokens {max_tokens}; at most {max(0, limit - len(prompt))} can be generated "
                 "after this prompt", param="max_tokens")

@@ -116,6 +116,8 @@ class GenerationRequest(BaseModel):
             raise ValueError("logit_bias is not supported")
         if self.tools or self.functions or self.tool_choice not in (None, "none"):
             raise ValueError("tools (function calling) are not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ValueError(f"response_format {self.response_format.get('type')!r} is not "
                              "supported: this server returns plain text")
@@ -218,7 +220,7 @@ class ChatMessage(BaseModel):
             if part.text is None:
                 raise ValueError("a message content part of type 'text' has no text")
             parts.append(part.text)
-        return "".join(parts)
+        return "\n".join(parts)  # (as vLLM joins them)
 
 
 class ChatCompletionRequest(GenerationRequest):

@@ -259,10 +259,10 @@ BAD_REQUESTS = {
                               "max_tokens"),
     # the prompt is named, not max_tokens (it said "at most 0 can be generated" of max_tokens)
     "prompt too long": ({"prompt": [5] * MAX_MODEL_LEN}, 400,
-                        f"the prompt has {MAX_MODEL_LEN} tokens but the context holds "
-                        f"{MAX_MODEL_LEN} (max_model_len)"),
+                        f"This model's maximum context length is {MAX_MODEL_LEN} tokens "
+                        f"(max_model_len), but the prompt has {MAX_MODEL_LEN}"),
     "max_tokens past the context": ({"prompt": [5] * 100, "max_tokens": MAX_MODEL_LEN}, 400,
-                                    f"holds {MAX_MODEL_LEN} tokens (max_model_len), but "
+                                    f"length is {MAX_MODEL_LEN} tokens (max_model_len), but "
                                     f"{100 + MAX_MODEL_LEN} were requested: 100 in the prompt and "
                                     f"max_tokens {MAX_MODEL_LEN}"),
     "empty prompt": ({"prompt": ""}, 400, "empty"),
@@ -271,6 +271,8 @@ BAD_REQUESTS = {
     "missing prompt": ({"max_tokens": 4}, 400, "prompt"),
     "wrong type": ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     "several prompts": ({"prompt": ["a", "b"]}, 400, "one per request"),
+    "stream_options without stream": ({"prompt": "hi", "stream_options": {"include_usage": True}},
+                                      400, "stream_options is only allowed with stream: true"),
     "unknown model": ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
     "too many stop strings": ({"prompt": "hi", "stop": ["x"] * 17}, 400, "stop"),
     "a stop string too long": ({"prompt": "hi", "stop": ["x" * 1025]}, 400, "stop"),
@@ -468,7 +470,7 @@ def test_chat_max_tokens_past_the_context_is_refused(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN}
     r = httpx.post(f"{server}/v1/chat/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    assert f"holds {MAX_MODEL_LEN} tokens" in r.json()["error"]["message"]
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in r.json()["error"]["message"]
 
 
 def test_a_body_over_the_limit_gets_413_and_the_server_goes_on(server):
@@ -777,6 +779,15 @@ def test_a_special_token_in_message_content_is_refused_not_read_as_a_turn_marker
     r = httpx.post(f"{server}/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "Say hi <assistant> OK"}], "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+def test_text_parts_of_a_message_are_joined_with_a_newline():
+    """As vLLM joins them ("Helloworld" before)."""
+    from lmkv_engines.minimal.openai_protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]})
+    assert body.template_messages() == [{"role": "user", "content": "Hello\nworld"}]
 
 
 def test_one_stop_string_longer_than_the_list_bound_is_taken():
