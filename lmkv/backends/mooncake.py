@@ -31,6 +31,10 @@ from .base import Arrived, BackendError, StorageBackend, report
 log = logging.getLogger(__name__)
 NOT_FOUND = -704
 TOO_SMALL = -600  # get_into's buffer is smaller than the object (INVALID_PARAMS)
+# a read of a key being written now (REPLICA_IS_NOT_READY) or whose lease ran out
+# (LEASE_EXPIRED): that key is a miss this time, the store is not failing
+BUSY_KEY = (-703, -707)
+MISSES = (NOT_FOUND, TOO_SMALL, *BUSY_KEY)
 # puts the store declines for want of room (NO_AVAILABLE_HANDLE: full until its eviction
 # runs; TENANT_QUOTA_EXCEEDED) or because another client writes the key now
 # (OBJECT_ALREADY_EXISTS): the chunk is not stored, and the store is not failing
@@ -243,8 +247,8 @@ class MooncakeBackend(StorageBackend):
         if addr is None:
             return super().get_into(key, out)
         n = self.store.get_into(key, addr, len(out))  # one round trip: no get_size first
-        if n in (NOT_FOUND, TOO_SMALL):
-            return None  # absent, or larger than a chunk frame: not ours to read
+        if n in MISSES:
+            return None  # absent, larger than a chunk frame, or being written: not read now
         if n < 0:
             raise BackendError(f"Mooncake get_into failed (code {n})")
         return n
@@ -258,7 +262,7 @@ class MooncakeBackend(StorageBackend):
         codes = self.store.batch_get_into(list(keys), addrs, [len(out) for out in outs])
         lengths: list[int | None] = []
         for n in codes:
-            if n in (NOT_FOUND, TOO_SMALL):
+            if n in MISSES:  # (a key another engine writes now fails only that key)
                 lengths.append(None)
             elif n < 0:
                 raise BackendError(f"Mooncake batch_get_into failed (code {n})")
