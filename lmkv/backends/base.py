@@ -36,6 +36,10 @@ class StorageBackend(ABC):
     concurrent_contains: bool = False
     # the client reconnects by itself after a failed call: keep it rather than make a new one
     reconnects: bool = False
+    # a read can see a value that another client overwrites meanwhile (parts of both): a
+    # frame failing its checksum is then no proof the stored value is bad, and is not
+    # removed (the save of the recomputed chunk overwrites it if it is)
+    torn_reads: bool = False
 
     @abstractmethod
     def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:

@@ -141,6 +141,7 @@ class MooncakeBackend(StorageBackend):
     # restarted master included), while making a new client (setup) against a master that
     # hangs holds the interpreter's GIL for up to 20 x 30 s: every thread of the engine stops
     reconnects = True
+    torn_reads = True  # (upsert does not wait for readers' leases)
 
     max_value_size = 1 << 30  # a larger value is a miss, never read
     # values moved through Python bytes pass through the client's local buffer: a larger

@@ -152,6 +152,10 @@ class LazyBackend(StorageBackend):
         return self._backend.num_evictions if self._backend is not None else 0
 
     @property
+    def torn_reads(self) -> bool:
+        return self._backend is not None and self._backend.torn_reads
+
+    @property
     def num_unreadable(self) -> int:
         return self._backend.num_unreadable if self._backend is not None else 0
 

@@ -305,6 +305,8 @@ class Tier:
             self._quiet.log(log, logging.WARNING, "corrupt", "lmkv: a chunk from %s is corrupt (%s); "
                             "it will be recomputed", self.name, error)
             self.metrics.errors.labels(self.name, "corrupt").inc()
+            if self.backend.torn_reads:  # (maybe read while another engine rewrote it)
+                return False
             try:
                 with self._lock:
                     if not self._closed:  # (a closed lazy backend would connect again)

@@ -554,3 +554,32 @@ def test_the_remote_tier_is_asked_at_start_and_a_dead_one_is_logged_and_skipped(
                 assert not cache.storage.tiers[0].available  # lookups skip it, at once
         finally:
             cache.close()
+
+
+@pytest.mark.parametrize("torn", [False, True])
+def test_a_corrupt_frame_is_removed_unless_reads_can_be_torn(torn):
+    """Mooncake's upsert does not wait for readers: a read beside another engine's rewrite of
+    the chunk can hold parts of both (its checksum fails), and removing the key then deleted
+    the good value just written. Such a store keeps it (the recomputed chunk's save
+    overwrites a value that really is bad); others remove it."""
+    from lmkv.codec import FrameError
+
+    class Store(OneAtATime):
+        torn_reads = torn
+
+        def __init__(self):
+            super().__init__()
+            self.removed = []
+
+        def remove(self, keys):
+            self.removed += keys
+
+    from lmkv.backends.registry import LazyBackend
+
+    store = Store()
+    lazy = LazyBackend(lambda: store, "remote://store")  # (as create_backend wraps it)
+    tier = Tier("remote", lazy, "raw")
+    assert tier.contains(["k"]) == [False]  # connected
+    assert not tier._settle("k", b"x", FrameError("checksum mismatch"))
+    assert store.removed == ([] if torn else ["k"])
+    tier.close()
