@@ -24,10 +24,15 @@ SCHEMES = {
 
 def redact_url(url: str) -> str:
     """``url`` as logs and errors show it: a password in it (redis://:PASSWORD@host, or
-    user:PASSWORD@) replaced by ***."""
+    user:PASSWORD@, or a query setting whose name holds "password", as ssl_password)
+    replaced by ***."""
     parts = urlparse(url)
+    if "password" in parts.query.lower():  # (the other settings as they were written)
+        parts = parts._replace(query="&".join(
+            f"{item.partition('=')[0]}=***" if "password" in item.partition("=")[0].lower()
+            else item for item in parts.query.split("&")))
     if parts.password is None:
-        return url
+        return parts.geturl()
     user = f"{parts.username}:" if parts.username else ":"
     host = parts.netloc.rpartition("@")[2]
     return parts._replace(netloc=f"{user}***@{host}").geturl()

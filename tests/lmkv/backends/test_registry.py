@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from lmkv.backends.base import BackendError, StorageBackend
-from lmkv.backends.registry import LazyBackend, check_url, create_backend
+from lmkv.backends.registry import LazyBackend, check_url, create_backend, redact_url
 
 
 class Flaky(StorageBackend):
@@ -62,6 +62,9 @@ def test_a_password_in_remote_url_is_never_logged_nor_put_in_an_error(caplog):
     shown = [r.getMessage() for r in caplog.records] + [str(raised.value), described, str(bad.value)]
     assert not [m for m in shown if "s3cretpw" in m]
     assert ":***@127.0.0.1" in described
+    # a TLS key's passphrase in the query too (it was logged in clear)
+    assert redact_url("rediss://h:6379?ssl_password=s3cret&key_prefix=a:b") == (
+        "rediss://h:6379?ssl_password=***&key_prefix=a:b")
 
 
 @pytest.mark.parametrize(("url", "message"), [
