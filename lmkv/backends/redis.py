@@ -127,7 +127,10 @@ class RedisBackend(StorageBackend):
         """A write's replies: any error (out of memory, read-only, no permission) fails it."""
         for reply in replies:
             if isinstance(reply, Exception):
-                raise BackendError(f"redis {command} failed: {reply}")
+                hint = (" (Redis is full and evicts none of lmkv's keys: lmkv sets no TTL, so "
+                        "under maxmemory-policy noeviction or volatile-* nothing makes room; "
+                        "use allkeys-lru)") if "maxmemory" in str(reply) else ""  # (redis-py drops "OOM")
+                raise BackendError(f"redis {command} failed: {reply}{hint}")
 
     def _misses(self, command: str, replies: list) -> list:
         """A read's replies, the error replies that concern one key alone (another type;

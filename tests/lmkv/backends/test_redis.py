@@ -209,8 +209,9 @@ def test_a_write_the_server_refuses_fails_and_other_error_replies_fail_a_read(re
     backend.put([("before", b"v")])
     admin.config_set("maxmemory", "1mb")
     admin.config_set("maxmemory-policy", "noeviction")
-    with pytest.raises(BackendError, match="OOM|memory"):
+    with pytest.raises(BackendError, match="OOM|memory") as full:
         backend.put([(f"k{i}", b"x" * 100_000) for i in range(50)])
+    assert "use allkeys-lru" in str(full.value)  # (lmkv sets no TTL: volatile-* evicts none)
     admin.config_set("maxmemory", "0")
     admin.acl_setuser("reader", enabled=True, nopass=True, commands=["+@read", "+ping"], keys=["*"])
     reader = RedisBackend(redis_server.url.replace("redis://", "redis://reader@"))
