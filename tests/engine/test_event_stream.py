@@ -243,3 +243,28 @@ def test_a_stop_string_ends_at_the_token_that_completes_it_when_that_token_start
             reasons.append(engine._check_stop(req, token))
         assert reasons[:-1] == [None] * (len(ids) - 1) and reasons[-1] is not None
         assert reasons[-1].value == "stop" and req.output_text == "Answer: "
+
+
+@pytest.mark.parametrize("which", ["demo", "smollm2"])
+def test_an_output_cut_inside_a_character_ends_before_it(which, tiny_model_dir):
+    """max_tokens reached between the tokens of one character ("東", "😀" in byte-level
+    BPE): the final text leaves the incomplete character out (it ended in U+FFFD, streamed
+    and not, where vLLM leaves it out), and the streamed deltas still add up to it."""
+    from lmkv_engines.minimal.sampling_params import OutputKind
+
+    tok = _tokenizer(which, tiny_model_dir)
+    cut = None
+    for text in ("Tokyo 東京", "smile 😀"):
+        ids = tok.encode(text, add_special_tokens=False)
+        for n in range(1, len(ids)):
+            if tok.decode(ids[:n]).endswith("\ufffd"):
+                cut = ids[:n]
+                break
+        if cut:
+            break
+    if cut is None:
+        pytest.skip(f"the {which} tokenizer keeps these characters in one token")
+    final = _outputs(tok, cut, OutputKind.CUMULATIVE, ())[-1]
+    assert not final.text.endswith("\ufffd") and tok.decode(cut).startswith(final.text)
+    deltas = _outputs(tok, cut, OutputKind.DELTA, ())
+    assert "".join(d.text for d in deltas) == final.text
