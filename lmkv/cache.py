@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -125,12 +124,6 @@ class LMKVCache:
         """The key of ``tokens``' partial last chunk (save_unfull_chunk), or None."""
         h = tail_hash(tokens, self.chunk_size)
         return None if h is None else self.scope.key(h)
-
-    def new_epoch(self) -> None:
-        """Name no chunk stored so far again (the engine's weights changed in place): the
-        tiers keep them, found by nothing from now on (and evicted in time)."""
-        s = self.scope
-        self.scope = KeyScope(f"{s.model}|epoch:{os.urandom(16).hex()}", s.layout, s.namespace)
 
     def key_of(self, chunk_id: str) -> str:
         """The key of a rank-free chunk id (``lmkv.keys.chunk_ids``) in this cache's scope."""

@@ -165,11 +165,7 @@ class Persister:
         path = self.path_for(key)
         entry = self.store.acquire(key, touch=False)
         if entry is None:
-            try:
-                path.unlink()
-                self.files_deleted += 1
-            except FileNotFoundError:
-                pass
+            self._delete(path)
             self._has_file(key, False)
             return
         try:
@@ -218,14 +214,13 @@ class Persister:
             log.warning("removed %s: the newer value of %r could not be written", path, key[:60])
         self._has_file(key, False)
 
-    def _delete_unloaded(self, path: Path) -> None:
+    def _delete(self, path: Path) -> None:
+        """Delete a value's file (gone already is fine), counted; OSError if it cannot be."""
         try:
             path.unlink()
             self.files_deleted += 1
         except FileNotFoundError:
             pass
-        except OSError as exc:  # left there: read again at the next start
-            log.warning("cannot remove %s: %s", path, exc)
 
     def _load_file(self, path: Path) -> _Outcome:
         with open(path, "rb", buffering=0) as f:
@@ -248,7 +243,10 @@ class Persister:
                 return self._corrupt(path, "file name does not match its key")
             pages = self.store.reserve(length, evict=False) if self.store.fits(length) else None
             if pages is None:  # no room: deleted, so that disk use follows the memory bound
-                self._delete_unloaded(path)
+                try:
+                    self._delete(path)
+                except OSError as exc:  # left there: read again at the next start
+                    log.warning("cannot remove %s: %s", path, exc)
                 return _Outcome.NO_ROOM
             self._files.add(key)
             crc = zlib.crc32(key, zlib.crc32(head[: HEADER.size]))

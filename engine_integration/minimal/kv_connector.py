@@ -83,8 +83,7 @@ class KVConnector:
             gate.record(req.output_token_ids, self._checks.pop(req.request_id))
             if gate.tripped and not tripped:  # lossless from now on, the engine's pages too
                 self.forget_cached_pages()
-                self.scheduler.lossy_keys.clear()
-                self.scheduler.lossy_tails.clear()
+                self.scheduler.forget_lossy()
             return None
         if not (req.params.greedy and self.scheduler.served_lossy(req) and gate.sample()):
             return None

@@ -369,7 +369,7 @@ class LLMEngine:
         if reason is not None:  # the final text: the whole output decoded at once, cut at
             text = self.tokenizer.decode(req.output_token_ids)  # the first stop string in it
             held = req.held_text  # a character whose bytes the output ends before all came
-            if held and held == "\ufffd" * len(held) and text.endswith(held):
+            if held and not held.strip("\ufffd") and text.endswith(held):
                 text = text[: -len(held)]  # (it never completes: left out, as vLLM does)
             hits = [i for s in p.stop if (i := text.find(s)) >= 0]
             req.output_text = text[: min(hits)] if hits else text

@@ -31,10 +31,9 @@ from .base import Arrived, BackendError, StorageBackend, report
 log = logging.getLogger(__name__)
 NOT_FOUND = -704
 TOO_SMALL = -600  # get_into's buffer is smaller than the object (INVALID_PARAMS)
-# a read of a key being written now (REPLICA_IS_NOT_READY) or whose lease ran out
-# (LEASE_EXPIRED): that key is a miss this time, the store is not failing
-BUSY_KEY = (-703, -707)
-MISSES = (NOT_FOUND, TOO_SMALL, *BUSY_KEY)
+# a read's codes that are a miss of that key alone, not a failing store: absent, too large
+# for a chunk, being written now (REPLICA_IS_NOT_READY), its lease ran out (LEASE_EXPIRED)
+MISSES = (NOT_FOUND, TOO_SMALL, -703, -707)
 # puts the store declines for want of room (NO_AVAILABLE_HANDLE: full until its eviction
 # runs; TENANT_QUOTA_EXCEEDED) or because another client writes the key now
 # (OBJECT_ALREADY_EXISTS): the chunk is not stored, and the store is not failing

@@ -71,6 +71,7 @@ class ChunkIndex(Protocol):
     def record_lookup(self, prompt_tokens: int, hit_tokens: int, engine_tokens: int = 0) -> None: ...
     def record_blend(self, prompt_tokens: int, hit_tokens: int) -> None: ...
     def drain(self) -> None: ...
+    # (SchedulerConnector.reset only, which vLLM's connector calls: its LookupClient has it)
     def new_epoch(self) -> None: ...
 
 
@@ -475,14 +476,19 @@ class SchedulerConnector:
         weight update): no chunk stored so far is loaded again, and requests known now
         neither load nor save through lmkv (their KV may be the old weights')."""
         self.cache.new_epoch()
-        self.lossy_keys.clear()
-        self.lossy_tails.clear()
+        self.forget_lossy()
         for st in self.states.values():
             self._unpin(st)
             self._drop_plan(st)
             self._let_go(st)
             st.no_loads = st.no_saves = True
             st.gap = range(0)
+
+    def forget_lossy(self) -> None:
+        """Forget which chunks were loaded lossy (the engine's pages that held them are gone:
+        its prefix cache was reset)."""
+        self.lossy_keys.clear()
+        self.lossy_tails.clear()
 
     def recompute_without_loads(self, request: Any) -> None:
         """A load into ``request``'s pages failed and the engine computes it again from its
