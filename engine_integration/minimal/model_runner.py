@@ -64,11 +64,22 @@ class ModelRunner:
         if not sample_rows:
             return sampled
         rows, reqs = zip(*sample_rows, strict=True)
-        logits = self.model.compute_logits(hidden[list(rows)])
+        logits = self.model.compute_logits(self._rows(hidden, rows))
         # the step's host sync: the greedy rows' token ids (and the sampling rows' logits)
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         sampled.update((r.request_id, t) for r, t in zip(reqs, tokens, strict=True))
         return sampled
+
+    def _rows(self, hidden: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+        """``hidden``'s rows ``rows`` (ascending), queued without a host sync: a slice when
+        they are consecutive (a decode batch, one prompt), else an index from pinned memory
+        (a list index is a pageable copy, which waits for the forward pass queued before it)."""
+        if rows[-1] - rows[0] == len(rows) - 1:
+            return hidden[rows[0]: rows[-1] + 1]
+        index = torch.tensor(rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            index = pinned(index).to(self.device, non_blocking=True)
+        return hidden.index_select(0, index)
 
     def _decode_graph(self, graphs: DecodeGraphs, batch: list[ScheduledRequest]):
         """A step of one-token sequences through the captured graphs."""
