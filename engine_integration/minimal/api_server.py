@@ -10,7 +10,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -120,16 +120,24 @@ class APIServer:
     # ---- generation -----------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
+        prompts: list[list[int]] = []
         try:
             body.check_supported()
-            prompt = body.single_prompt()
+            texts = body.prompts()
+            limit = self.async_engine.max_in_flight
+            if len(texts) > limit:
+                raise ValueError(f"prompt holds {len(texts)} prompts: more than this server "
+                                 f"takes in flight at once ({limit}, --max-num-seqs + "
+                                 "--max-pending)")
             params = body.sampling_params(body.max_tokens)
-            if isinstance(prompt, str):
-                prompt = await self._tokenized(self.engine.tokenize, prompt, len(prompt))
+            for text in texts:
+                prompts.append(text if isinstance(text, list) else
+                               await self._tokenized(self.engine.tokenize, text, len(text)))
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        self._check_length(prompt, params.max_tokens)
-        return await self._generate(request, body, prompt, params, chat=False)
+        for prompt in prompts:
+            self._check_length(prompt, params.max_tokens)
+        return await self._generate(request, body, prompts, params, chat=False)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
@@ -149,7 +157,7 @@ class APIServer:
             )
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        return await self._generate(request, body, prompt, params, chat=True)
+        return await self._generate(request, body, [prompt], params, chat=True)
 
     async def _tokenized(self, tokenize, text, chars: int) -> list[int]:
         """``tokenize(text)`` off the event loop and the engine thread, TOKENIZERS at a
@@ -214,70 +222,82 @@ class APIServer:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
 
     async def _generate(
-        self, request: Request, body: GenerationRequest, prompt: list[int],
+        self, request: Request, body: GenerationRequest, prompts: list[list[int]],
         params: SamplingParams, chat: bool,
     ) -> Response:
+        """One engine request per prompt (choice i answers prompts[i]); all are aborted when
+        one is refused or fails, or the client goes away."""
         if await request.is_disconnected():  # gone while it waited to be tokenized: no prefill
             return Response(status_code=499)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         # a stream sends what is new after each step; a response needs the finished output only
-        kind = OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY
-        outputs = self.async_engine.generate(rid, prompt, replace(params, output_kind=kind))
-        first = await _first_output(outputs, request)  # refusals: 4xx/5xx before any byte
-        if first is None:
-            return Response(status_code=499)  # the client went away; nobody reads this
-        if body.stream:
-            events = self._events(rid, created, body, first, outputs, chat)
-            return EventStream(events)
-        out = await _last_output(first, outputs, request)
-        if out is None:
-            return Response(status_code=499)  # the client went away; nobody reads this
-        build = chat_response if chat else completion_response
-        return JSONResponse(build(rid, created, self.model_name, out, body.return_token_ids))
+        params = replace(params, output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
+        ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        streams = [self.async_engine.generate(r, p, params) for r, p in zip(ids, prompts, strict=True)]
+        handed_on = False
+        try:
+            firsts = await _first_outputs(streams, request)  # refusals: 4xx/5xx before any byte
+            if firsts is None:
+                return Response(status_code=499)  # the client went away; nobody reads this
+            if body.stream:
+                handed_on = True  # the event stream closes them
+                return EventStream(self._events(rid, created, body, firsts, streams, chat))
+            outs = await _last_outputs(firsts, streams, request)
+            if outs is None:
+                return Response(status_code=499)
+            if chat:
+                return JSONResponse(chat_response(rid, created, self.model_name, outs[0],
+                                                  body.return_token_ids))
+            return JSONResponse(completion_response(rid, created, self.model_name, outs,
+                                                    body.return_token_ids))
+        finally:
+            if not handed_on:
+                await _close(streams)  # aborts those not finished
 
     async def _events(
-        self, rid: str, created: int, body: GenerationRequest,
-        first: RequestOutput, outputs: AsyncIterator[RequestOutput], chat: bool,
+        self, rid: str, created: int, body: GenerationRequest, firsts: list[RequestOutput],
+        streams: list[AsyncIterator[RequestOutput]], chat: bool,
     ) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per new text (the outputs are deltas), the last with
-        finish_reason."""
-        model, ids, out = self.model_name, body.return_token_ids, first
+        """Server-sent events: one chunk per new text of a prompt (the outputs are deltas),
+        its last with finish_reason; the usage of all of them at the end when asked for."""
+        model, ids = self.model_name, body.return_token_ids
+        last = list(firsts)
         try:
             if chat:
                 role = {"role": "assistant", "content": ""}
                 yield sse(chat_chunk(rid, created, model, role, None, [] if ids else None))
-            while True:
-                delta, new_ids = out.text, out.output_token_ids if ids else None
-                if delta or new_ids or out.finished:
+            # (closed before the streams: its waits on them end first)
+            async with aclosing(_outputs(firsts, streams)) as outputs:
+                async for i, out in outputs:
+                    last[i] = out
+                    delta, new_ids = out.text, out.output_token_ids if ids else None
+                    if not (delta or new_ids or out.finished):
+                        continue
                     if chat:
                         content = {"content": delta} if delta or not out.finished else {}
                         chunk = chat_chunk(rid, created, model, content, out.finish_reason, new_ids)
                     else:
-                        chunk = completion_chunk(
-                            rid, created, model, delta, out.finish_reason, new_ids
-                        )
+                        chunk = completion_chunk(rid, created, model, delta, out.finish_reason,
+                                                 new_ids, index=i)
                     yield sse(chunk)
-                if out.finished:
-                    break
-                out = await anext(outputs)
         except EngineError as e:
             yield sse(error_body(str(e), 503 if isinstance(e, EngineStoppedError) else 500))
         else:
             if body.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
-                yield sse(usage_chunk(rid, created, model, obj, out))
+                yield sse(usage_chunk(rid, created, model, obj, last))
         finally:
-            await outputs.aclose()  # aborts the request unless it finished
+            await _close(streams)  # aborts those not finished
         yield DONE
 
 
-async def _first_output(outputs: AsyncIterator[RequestOutput], request: Request
-                        ) -> RequestOutput | None:
-    """The first output (the request is queued until the engine takes it); None if the
-    client disconnected first (the request is aborted)."""
+async def _first_outputs(streams: list[AsyncIterator[RequestOutput]], request: Request
+                         ) -> list[RequestOutput] | None:
+    """Each stream's first output (a request is queued until the engine takes it); None if
+    the client disconnected first."""
     try:
-        return await _unless_disconnected(asyncio.ensure_future(anext(outputs)), request)
+        return await _unless_disconnected([anext(s) for s in streams], request)
     except ValueError as e:
         raise APIError(400, str(e)) from None
     except (QueueFullError, EngineStoppedError) as e:
@@ -286,38 +306,75 @@ async def _first_output(outputs: AsyncIterator[RequestOutput], request: Request
         raise APIError(500, str(e)) from None
 
 
-async def _last_output(
-    first: RequestOutput, outputs: AsyncIterator[RequestOutput], request: Request
-) -> RequestOutput | None:
-    """The finished output; None if the client disconnected first (the request is aborted)."""
+async def _last_outputs(
+    firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]], request: Request
+) -> list[RequestOutput] | None:
+    """Each stream's finished output; None if the client disconnected first."""
 
-    async def drain() -> RequestOutput:
-        out = first
+    async def drain(out: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
         async for out in outputs:  # noqa: B007 - the last one is the answer
             pass
         return out
 
     try:
-        return await _unless_disconnected(asyncio.ensure_future(drain()), request)
+        return await _unless_disconnected(
+            [drain(first, s) for first, s in zip(firsts, streams, strict=True)], request)
     except EngineStoppedError as e:
         raise APIError(503, str(e)) from None
     except EngineError as e:
         raise APIError(500, str(e)) from None
 
 
-async def _unless_disconnected(task: asyncio.Future, request: Request):
-    """``task``'s result, or None if the client disconnects first: the task is then
-    cancelled (inside generate(), which aborts the request)."""
+async def _outputs(firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]]
+                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(i, output) of every stream as they come, ``firsts`` first; ends when all finished."""
+    for i, out in enumerate(firsts):
+        yield i, out
+    pending = {asyncio.ensure_future(anext(streams[i])): i
+               for i, out in enumerate(firsts) if not out.finished}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                out = task.result()  # (an engine error ends them all)
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        await _cancelled(pending)
+
+
+async def _unless_disconnected(coros: list, request: Request) -> list | None:
+    """The coroutines' results, or None if the client disconnects first; the first to
+    raise ends the others. Those not done are cancelled (inside generate(), which aborts
+    the request)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
+            done, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_S,
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()
+            if not pending:
+                return [task.result() for task in tasks]
             if await request.is_disconnected():
                 return None
     finally:
-        if not task.done():
-            task.cancel()
+        await _cancelled(tasks)
+
+
+async def _cancelled(tasks) -> None:
+    """Cancel the tasks not done and wait until they are."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(streams: list[AsyncIterator[RequestOutput]]) -> None:
+    for outputs in streams:
+        await outputs.aclose()  # aborts the request unless it finished
 
 
 # ---- error bodies -------------------------------------------------------------------

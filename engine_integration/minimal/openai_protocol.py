@@ -185,16 +185,13 @@ class CompletionRequest(GenerationRequest):
         if self.suffix:
             yield "suffix", self.suffix
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request; a list of several prompts is refused."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or each of a list of strings or of token-id lists
+        (answered as the choice of that index)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise ValueError(
-                    f"prompt holds {len(p)} prompts; this server takes one per request"
-                )
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
 
 class ContentPart(BaseModel):
@@ -268,39 +265,46 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 # ---- responses ------------------------------------------------------------------------
-def usage(out: RequestOutput) -> dict[str, Any]:
-    """OpenAI's usage; its cached prompt tokens are those the engine's prefix cache served
-    and those lmkv loaded (for a blended prompt, the reused ones: some of them recomputed)."""
-    prompt, completion = len(out.prompt_token_ids), out.num_output_tokens
+def usage(*outs: RequestOutput) -> dict[str, Any]:
+    """OpenAI's usage, over all of a request's prompts; its cached prompt tokens are those
+    the engine's prefix cache served and those lmkv loaded (for a blended prompt, the
+    reused ones: some of them recomputed)."""
+    prompt = sum(len(out.prompt_token_ids) for out in outs)
+    completion = sum(out.num_output_tokens for out in outs)
+    cached = sum(out.num_cached_tokens + out.num_external_tokens for out in outs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens + out.num_external_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
 def completion_response(
-    rid: str, created: int, model: str, out: RequestOutput, token_ids: bool
+    rid: str, created: int, model: str, outs: list[RequestOutput], token_ids: bool
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason,
-    }
-    if token_ids:
-        choice["prompt_token_ids"] = out.prompt_token_ids
-        choice["token_ids"] = out.output_token_ids
+    """One choice per prompt, at its index."""
+    choices = []
+    for i, out in enumerate(outs):
+        choice: dict[str, Any] = {
+            "index": i, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason,
+        }
+        if token_ids:
+            choice["prompt_token_ids"] = out.prompt_token_ids
+            choice["token_ids"] = out.output_token_ids
+        choices.append(choice)
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [choice], "usage": usage(out),
+        "choices": choices, "usage": usage(*outs),
     }
 
 
 def completion_chunk(
     rid: str, created: int, model: str, text: str, finish_reason: str | None,
-    token_ids: list[int] | None,
+    token_ids: list[int] | None, index: int = 0,
 ) -> dict[str, Any]:
     choice: dict[str, Any] = {
-        "index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+        "index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
     }
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -344,8 +348,8 @@ def chat_chunk(
     }
 
 
-def usage_chunk(rid: str, created: int, model: str, obj: str, out: RequestOutput) -> dict:
+def usage_chunk(rid: str, created: int, model: str, obj: str, outs: list[RequestOutput]) -> dict:
     return {
         "id": rid, "object": obj, "created": created, "model": model, "choices": [],
-        "usage": usage(out),
+        "usage": usage(*outs),
     }

@@ -204,6 +204,59 @@ def test_streaming_concatenates_to_the_non_streaming_text(server):
     assert choices[-1]["finish_reason"] == full["choices"][0]["finish_reason"]
 
 
+def test_several_prompts_get_one_choice_each_as_if_sent_alone(server):
+    """A list of prompts (LangChain's completions batch sends one) is answered with choice i
+    for prompt i, token for token what each gets alone, streamed or not; usage sums them."""
+    base = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+    def post(prompt):
+        return httpx.post(f"{server}/v1/completions", json=base | {"prompt": prompt}, timeout=60).json()
+
+    for batch in ([PROMPTS[7], PROMPTS[8], PROMPTS[7]], [[5, 6, 7, 8, 9], [5, 6, 7]]):
+        singles = [post(p) for p in batch]
+        full = post(batch)
+        assert [c["index"] for c in full["choices"]] == list(range(len(batch)))
+        for choice, single in zip(full["choices"], singles, strict=True):
+            assert choice == single["choices"][0] | {"index": choice["index"]}
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert full["usage"][key] == sum(s["usage"][key] for s in singles)
+        body = base | {"prompt": batch, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+            events = sse_events(r)
+        assert events[-1] == "[DONE]"
+        assert {k: v for k, v in events[-2]["usage"].items() if k != "prompt_tokens_details"} == {
+            k: v for k, v in full["usage"].items() if k != "prompt_tokens_details"}
+        by_index: dict[int, list[dict]] = {}
+        for event in events[:-2]:
+            (choice,) = event["choices"]
+            by_index.setdefault(choice["index"], []).append(choice)
+        for i, choice in enumerate(full["choices"]):
+            parts = by_index[i]
+            assert "".join(c["text"] for c in parts) == choice["text"]
+            assert sum((c["token_ids"] for c in parts), []) == choice["token_ids"]
+            assert [c["finish_reason"] for c in parts] == [None] * (len(parts) - 1) + ["length"]
+
+
+def test_a_refused_or_abandoned_batch_of_prompts_leaves_nothing_running(server):
+    aborted = "engine_requests_finished_total{reason=abort}"
+    body = {"prompt": [[5] * 10, [5] * MAX_MODEL_LEN], "max_tokens": 4}  # the second too long
+    r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "prompt has 512" in r.json()["error"]["message"]
+    before = metrics(server).get(aborted, 0)
+    body = {"prompt": [[5, 6], [7, 8], [9, 10]], "max_tokens": MAX_MODEL_LEN - 8,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 10
+    while metrics(server).get(aborted, 0) < before + 3:
+        assert time.monotonic() < deadline, "the requests were not all aborted"
+        time.sleep(0.05)
+    after = metrics(server)
+    assert after["engine_requests_running"] == 0 and after["engine_requests_waiting"] == 0
+    assert after["api_generations_in_flight"] == 0
+
+
 def test_stop_string_is_cut_from_streamed_and_full_text(server):
     base = {"prompt": PROMPTS[5], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     text = httpx.post(f"{server}/v1/completions", json=base).json()["choices"][0]["text"]
@@ -270,7 +323,9 @@ BAD_REQUESTS = {
     "n=2": ({"prompt": "hi", "n": 2}, 400, "n must be 1"),
     "missing prompt": ({"max_tokens": 4}, 400, "prompt"),
     "wrong type": ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
-    "several prompts": ({"prompt": ["a", "b"]}, 400, "one per request"),
+    "more prompts than the server holds": ({"prompt": ["a"] * 5000}, 400,
+                                           "prompt holds 5000 prompts: more than this server"),
+    "a bad prompt among several": ({"prompt": [[5, 6], [1, 10**6]]}, 400, "token ids"),
     "stream_options without stream": ({"prompt": "hi", "stream_options": {"include_usage": True}},
                                       400, "stream_options is only allowed with stream: true"),
     "unknown model": ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
