@@ -79,6 +79,7 @@ class APIServer:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.prometheus, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model:path}", self.model_card, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_exception_handler(APIError, _api_error)
@@ -109,13 +110,20 @@ class APIServer:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict[str, Any]:
-        card = {
+        return {"object": "list", "data": [self._card()]}
+
+    async def model_card(self, model: str) -> dict[str, Any]:
+        """OpenAI's retrieve-model (``client.models.retrieve``): the served model's card."""
+        self._check_model(model)
+        return self._card()
+
+    def _card(self) -> dict[str, Any]:
+        return {
             "id": self.model_name, "object": "model", "created": self.created,
             # the model as asked for (vLLM's root), not where it was found on this machine
             "owned_by": "lmkv", "root": self.engine.config.model or DEFAULT_MODEL_NAME,
             "max_model_len": self.engine.max_model_len,
         }
-        return {"object": "list", "data": [card]}
 
     # ---- generation -----------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:

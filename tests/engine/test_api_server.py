@@ -113,6 +113,11 @@ def test_health_models_and_metrics(server):
     models = httpx.get(f"{server}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    # OpenAI's retrieve-model: the card, or 404 in OpenAI's words
+    assert httpx.get(f"{server}/v1/models/tiny").json() == models["data"][0]
+    r = httpx.get(f"{server}/v1/models/org/other-model")
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == "The model `org/other-model` does not exist."
 
     before = metrics(server)
     body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0,
