@@ -138,6 +138,7 @@ class APIServer:
                                  f"takes in flight at once ({limit}, --max-num-seqs + "
                                  "--max-pending)")
             params = body.sampling_params(body.max_tokens)
+            self._check_room(self._waiting + len(texts) - 1)  # (503 for the batch, counted once)
             for text in texts:
                 prompts.append(text if isinstance(text, list) else
                                await self._tokenized(self.engine.tokenize, text, len(text)))
@@ -242,16 +243,17 @@ class APIServer:
         # a stream sends what is new after each step; a response needs the finished output only
         params = replace(params, output_kind=OutputKind.DELTA if body.stream else OutputKind.FINAL_ONLY)
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-        streams = [self.async_engine.generate(r, p, params) for r, p in zip(ids, prompts, strict=True)]
+        streams = [self.async_engine.generate(r, p, params, announce=True)
+                   for r, p in zip(ids, prompts, strict=True)]
         handed_on = False
         try:
-            firsts = await _first_outputs(streams, request)  # refusals: 4xx/5xx before any byte
-            if firsts is None:
+            # refusals: 4xx/5xx before any byte; a stream starts once the engine took them all
+            if await _accepted(streams, request) is None:
                 return Response(status_code=499)  # the client went away; nobody reads this
             if body.stream:
                 handed_on = True  # the event stream closes them
-                return EventStream(self._events(rid, created, body, firsts, streams, chat))
-            outs = await _last_outputs(firsts, streams, request)
+                return EventStream(self._events(rid, created, body, streams, chat))
+            outs = await _last_outputs(streams, request)
             if outs is None:
                 return Response(status_code=499)
             if chat:
@@ -264,19 +266,19 @@ class APIServer:
                 await _close(streams)  # aborts those not finished
 
     async def _events(
-        self, rid: str, created: int, body: GenerationRequest, firsts: list[RequestOutput],
+        self, rid: str, created: int, body: GenerationRequest,
         streams: list[AsyncIterator[RequestOutput]], chat: bool,
     ) -> AsyncIterator[str]:
         """Server-sent events: one chunk per new text of a prompt (the outputs are deltas),
         its last with finish_reason; the usage of all of them at the end when asked for."""
         model, ids = self.model_name, body.return_token_ids
-        last = list(firsts)
+        last: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
         try:
             if chat:
                 role = {"role": "assistant", "content": ""}
                 yield sse(chat_chunk(rid, created, model, role, None, [] if ids else None))
             # (closed before the streams: its waits on them end first)
-            async with aclosing(_outputs(firsts, streams)) as outputs:
+            async with aclosing(_outputs(streams)) as outputs:
                 async for i, out in outputs:
                     last[i] = out
                     delta, new_ids = out.text, out.output_token_ids if ids else None
@@ -291,6 +293,8 @@ class APIServer:
                     yield sse(chunk)
         except EngineError as e:
             yield sse(error_body(str(e), 503 if isinstance(e, EngineStoppedError) else 500))
+        except ValueError as e:  # (not expected once the engine took the request)
+            yield sse(error_body(str(e), 400))
         else:
             if body.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
@@ -300,9 +304,9 @@ class APIServer:
         yield DONE
 
 
-async def _first_outputs(streams: list[AsyncIterator[RequestOutput]], request: Request
-                         ) -> list[RequestOutput] | None:
-    """Each stream's first output (a request is queued until the engine takes it); None if
+async def _accepted(streams: list[AsyncIterator[RequestOutput | None]], request: Request
+                    ) -> list[None] | None:
+    """Wait until the engine took each request (they were made with ``announce``); None if
     the client disconnected first."""
     try:
         return await _unless_disconnected([anext(s) for s in streams], request)
@@ -314,32 +318,31 @@ async def _first_outputs(streams: list[AsyncIterator[RequestOutput]], request: R
         raise APIError(500, str(e)) from None
 
 
-async def _last_outputs(
-    firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]], request: Request
-) -> list[RequestOutput] | None:
+async def _last_outputs(streams: list[AsyncIterator[RequestOutput]], request: Request
+                        ) -> list[RequestOutput] | None:
     """Each stream's finished output; None if the client disconnected first."""
 
-    async def drain(out: RequestOutput, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    async def drain(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
         async for out in outputs:  # noqa: B007 - the last one is the answer
             pass
         return out
 
     try:
-        return await _unless_disconnected(
-            [drain(first, s) for first, s in zip(firsts, streams, strict=True)], request)
+        return await _unless_disconnected([drain(s) for s in streams], request)
     except EngineStoppedError as e:
         raise APIError(503, str(e)) from None
     except EngineError as e:
         raise APIError(500, str(e)) from None
 
 
-async def _outputs(firsts: list[RequestOutput], streams: list[AsyncIterator[RequestOutput]]
+async def _outputs(streams: list[AsyncIterator[RequestOutput]]
                    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(i, output) of every stream as they come, ``firsts`` first; ends when all finished."""
-    for i, out in enumerate(firsts):
-        yield i, out
-    pending = {asyncio.ensure_future(anext(streams[i])): i
-               for i, out in enumerate(firsts) if not out.finished}
+    """(i, output) of every stream as they come; ends when all finished."""
+    if len(streams) == 1:  # (no task per output)
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -362,9 +365,9 @@ async def _unless_disconnected(coros: list, request: Request) -> list | None:
         while True:
             done, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_S,
                                                return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                if task.exception() is not None:
-                    raise task.exception()
+            failed = [t for t in tasks if t in done and t.exception() is not None]
+            if failed:  # (the first prompt's error, whatever order they came in)
+                raise failed[0].exception()
             if not pending:
                 return [task.result() for task in tasks]
             if await request.is_disconnected():

@@ -27,8 +27,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+class _Accepted:
+    """The engine took the request (put before any of its outputs)."""
+
+
+ACCEPTED = _Accepted()
 # what the engine thread puts in a request's mailbox
-_Item = RequestOutput | Exception
+_Item = RequestOutput | Exception | _Accepted
 
 
 class _Mailbox:
@@ -145,14 +151,17 @@ class AsyncEngine:
         return self._in_flight
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+        self, request_id: str, prompt: str | list[int], params: SamplingParams,
+        announce: bool = False,
+    ) -> AsyncIterator[RequestOutput | None]:
         """The outputs of one request (of ``params.output_kind``); the last one is finished.
+        With ``announce``, None comes first, once the engine has taken the request.
 
         Raises ValueError when the engine refuses the request (the message says why),
         QueueFullError when ``max_in_flight`` requests are already in flight, EngineError
         when the engine fails (EngineStoppedError when it is not running). Closing the
-        iterator before the end aborts the request.
+        iterator before the end aborts the request. Its place in ``max_in_flight`` is free
+        once its finished output is taken.
         """
         if not self.is_alive:
             raise EngineStoppedError("the engine is not running")
@@ -173,12 +182,21 @@ class AsyncEngine:
                 if isinstance(item, Exception):
                     done = True  # the engine thread has already dropped the request
                     raise item
+                if announce:
+                    announce = False
+                    yield None
+                if isinstance(item, _Accepted):
+                    continue
                 done = item.finished
+                if done:  # (its reader may hold the iterator open for a while yet)
+                    self._set_in_flight(self._in_flight - 1)
                 yield item
         finally:
-            self._set_in_flight(self._in_flight - 1)
             if not done:
+                self._set_in_flight(self._in_flight - 1)
                 self._submit(_Abort(request_id))
+            elif isinstance(item, Exception):
+                self._set_in_flight(self._in_flight - 1)
 
     def _set_in_flight(self, n: int) -> None:
         self._in_flight = n
@@ -229,6 +247,7 @@ class AsyncEngine:
             self._post(command.queue, EngineError(f"the engine could not add the request: {e}"))
         else:
             self._queues[command.request_id] = command.queue
+            self._post(command.queue, ACCEPTED)
 
     def _step(self) -> bool:
         """One engine step; False when the engine is broken beyond recovery."""

@@ -375,3 +375,64 @@ def test_lmkv_is_not_closed_under_a_step_the_stop_did_not_end(engine, caplog):
             await task
 
     asyncio.run(main())
+
+
+def test_a_request_is_announced_when_taken_and_frees_its_place_when_finished(engine):
+    """With ``announce`` a request says at once that the engine took it (or raises its
+    refusal), though its first token waits for a place to run; a finished request frees
+    its place in max_in_flight though its reader still holds the iterator."""
+
+    async def main():
+        ae = AsyncEngine(engine, max_in_flight=3)
+        ae.start()
+        try:
+            first = ae.generate("a", [5, 6, 7], LONG)
+            assert (await anext(first)).output_token_ids
+            second = ae.generate("b", [8, 9], GREEDY, announce=True)  # max_num_seqs=1: waits
+            assert await asyncio.wait_for(anext(second), 5) is None
+            assert len(engine.scheduler.waiting) == 1 and ae.num_in_flight == 2
+            with pytest.raises(ValueError, match="empty"):
+                await anext(ae.generate("c", [], GREEDY, announce=True))
+            await first.aclose()
+            out = await asyncio.wait_for(anext(second), 30)
+            while not out.finished:
+                out = await asyncio.wait_for(anext(second), 30)
+            assert ae.num_in_flight == 0  # the reader has not let go of "b" yet
+            third = ae.generate("d", [1], GREEDY)
+            assert (await _last(third)).finished and ae.num_in_flight == 0
+            await second.aclose()
+            assert ae.num_in_flight == 0
+        finally:
+            ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_streamed_batch_starts_before_every_prompt_has_a_place_and_a_full_one_is_one_503(engine):
+    """Several prompts, more than max_num_seqs: the stream starts once the engine took them
+    all, not once each has its first token (the first waits for the others to finish). A
+    batch that does not fit the server's bound is one refusal, and nothing reaches the
+    engine."""
+    api = APIServer(engine, ServerConfig(engine=engine.config, max_pending=2))  # 3 in flight
+    url, stop = _serve_in_thread(api)
+    real_step = engine.step
+    engine.step = lambda: time.sleep(0.005) or real_step()
+    body = {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 300, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert engine.metrics.waiting._value.get() == 1  # the second prompt's turn is to come
+            prompts = engine.metrics.prompt_tokens._value
+            before = prompts.get()
+            three = {"prompt": [[5], [6], [7]], "max_tokens": 2}
+            busy = httpx.post(f"{url}/v1/completions", json=three)
+            assert busy.status_code == 503 and "capacity" in busy.json()["error"]["message"]
+            time.sleep(0.3)
+            assert prompts.get() == before  # refused before any prompt was handed on
+        text = httpx.get(f"{url}/metrics").text
+        assert "api_generations_rejected_total 1.0" in text
+    finally:
+        engine.step = real_step
+        stop()
