@@ -61,12 +61,13 @@ class WorkerConnector:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lmkv-layer") if self.layerwise else None
         self._layer_loaded: list[threading.Event] = []
         self._layer_marks: list = []  # per layer: the load stream's mark after its copies
-        self._unread: list[list[ChunkBuffer | None]] | None = None  # whole-request load's chunks
+        self._unread: list[list[ChunkBuffer | None]] | None = None  # the step's load's chunks
         self._loads: CopyStream = CopyStream()
         self._saves: CopyStream = CopyStream()
         self._save_bufs: list[tuple[str, ChunkBuffer, torch.Tensor]] = []
         self._save_jobs: list[Future] = []
         self._save_layers = 0  # layers gathered this step (layer-wise)
+        self._save_error: BaseException | None = None  # a layer's save failed (layer-wise)
         self.load_job: Future | None = None  # the running layer-wise load (layer-wise mode)
         self._load_error: BaseException | None = None  # the whole-request load's failure
 
@@ -91,7 +92,7 @@ class WorkerConnector:
         """Start this step's loads: take each chunk the scheduler role pinned, by key.
         Never raises: a failure is reported by failed_loads."""
         loads = self.meta.loads
-        self._finish_whole_load()  # an earlier step's, if failed_loads was not called
+        self._end_load()  # an earlier step's, if failed_loads was not called
         self._load_error = None
         self.load_job = None
         self._layer_loaded = []
@@ -132,8 +133,16 @@ class WorkerConnector:
         num_layers = self.cache.layout.num_layers
         self._layer_loaded = [threading.Event() for _ in range(num_layers)]
         self._layer_marks = [None] * num_layers
-        self.load_job = self._executor.submit(self._load_layers, loads, slots, chunks, ready,
-                                              self._layer_loaded, self._layer_marks)
+        # back to the pool in failed_loads, once the job has issued them all and they are
+        # done (the job does not wait for them: the layers' save gathers queue behind it)
+        self._unread = chunks
+        try:
+            self.load_job = self._executor.submit(self._load_layers, loads, slots, chunks, ready,
+                                                  self._layer_loaded, self._layer_marks)
+        except Exception as e:  # (an executor shut down): nothing was issued
+            self._load_error = e
+            for event in self._layer_loaded:
+                event.set()
 
     def _load_layers(self, loads, slots, chunks, ready, events: list[threading.Event],
                      marks: list) -> None:
@@ -153,11 +162,19 @@ class WorkerConnector:
             finally:
                 for event in events:
                     event.set()
-                self._release_after(stream, chunks)
+
+    def _end_load(self) -> None:
+        """Wait for the layer-wise load job to have issued its copies, then return the
+        step's load chunks to the pool once the copies are done."""
+        if self.load_job is not None:
+            wait([self.load_job])
+            self._load_error = self._load_error or self.load_job.exception()
+            self.load_job = None
+        self._finish_whole_load()
 
     def _finish_whole_load(self) -> None:
-        """Return the whole-request load's chunks to the pool once its copies are done; a
-        failure to wait for them fails the load."""
+        """Return the load's chunks to the pool once its copies are done; a failure to wait
+        for them fails the load."""
         if self._unread is None:
             return
         chunks, self._unread = self._unread, None
@@ -206,11 +223,7 @@ class WorkerConnector:
         """After the forward pass: this step's loads if any part of them failed (all of
         them: a failure leaves it unknown which pages hold what), else []. The engine must
         recompute the tokens of those requests, and of any request that shares their pages."""
-        self._finish_whole_load()
-        if self.load_job is not None:
-            wait([self.load_job])
-            self._load_error = self.load_job.exception()
-            self.load_job = None
+        self._end_load()
         if self._load_error is None:
             if self.meta.loads:
                 self.cache.metrics.loaded_tokens.inc(sum(
@@ -226,20 +239,36 @@ class WorkerConnector:
 
     # ---- saving ---------------------------------------------------------------------
     def save_kv_layer(self, layer: int) -> None:
+        """Gather ``layer`` of this step's new chunks (layer-wise), beside the next layer's
+        compute. Never raises (it runs inside the forward pass): a failure stores none of the
+        step's chunks, and wait_for_save raises it."""
         if not self.layerwise or not self.meta.saves:
             return
-        if layer == 0:
-            if self._save_bufs:  # a step whose saves were never waited for: give them back
-                wait(self._save_jobs)
+        try:
+            if layer == 0:
+                self._save_error = None
+                self._save_layers = 0
+                self._drop_gathered()  # a step whose saves were never waited for
+                self._save_bufs = self._allocate_saves()
+            self._save_layers += 1
+            if self._save_bufs and self._save_error is None:
+                # the gather reads the layer's pages after the engine wrote them
+                self._save_jobs.append(self._executor.submit(
+                    self._gather, self._save_bufs, self._saves.engine_mark(), layer))
+        except Exception as e:
+            self._save_error = self._save_error or e
+
+    def _drop_gathered(self) -> None:
+        """Return the buffers of layer gathers that wait_for_save never took, once their
+        copies are done."""
+        self._save_jobs, jobs = [], self._save_jobs
+        self._save_bufs, bufs = [], self._save_bufs
+        if bufs:
+            wait(jobs)
+            try:
                 self._saves.synchronize()
-                self._release([[buf for _, buf, _ in self._save_bufs]])
-            self._save_bufs = self._allocate_saves()
-            self._save_jobs = []
-            self._save_layers = 0
-        self._save_layers += 1
-        if self._save_bufs:  # the gather reads the layer's pages after the engine wrote them
-            self._save_jobs.append(self._executor.submit(
-                self._gather, self._save_bufs, self._saves.engine_mark(), layer))
+            finally:
+                self._release([[buf for _, buf, _ in bufs]])
 
     def _gather(self, bufs, written, layer: int | None = None) -> None:
         stream = self._saves
@@ -268,6 +297,9 @@ class WorkerConnector:
                     bufs, self._save_bufs = self._save_bufs, []
                     jobs, self._save_jobs = self._save_jobs, []
                     wait(jobs)  # all gathers have stopped touching the buffers before any raises
+                    error, self._save_error = self._save_error, None
+                    if error is not None:
+                        raise error
                     for job in jobs:
                         job.result()
                     if self._save_layers != self.cache.layout.num_layers:  # the forward stopped early
@@ -359,7 +391,8 @@ class WorkerConnector:
         return None, None  # loads and saves complete within the step
 
     def close(self) -> None:
-        self._finish_whole_load()
+        self._end_load()
+        self._drop_gathered()
         self.complete_saves(wait=True)
         if self._executor is not None:
             self._executor.shutdown(wait=True)

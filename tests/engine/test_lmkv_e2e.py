@@ -425,18 +425,24 @@ def test_a_forward_pass_that_fails_stores_nothing(tiny_model_dir, layerwise):
         assert out.output_token_ids == want and out.num_external_tokens == 0
 
 
-def test_a_failed_save_costs_a_later_recompute_not_the_request(tiny_model_dir):
-    """Gathering the new chunks fails: the request still gets its tokens; lmkv counts the
-    error and stores nothing."""
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("where", ["gather", "pin"])
+def test_a_failed_save_costs_a_later_recompute_not_the_request(tiny_model_dir, layerwise, where):
+    """Gathering the new chunks fails, or pinning a slot mapping for them (a pinned
+    allocation on a GPU; layer-wise, inside the forward pass): the request still gets its
+    tokens; lmkv counts the error and stores nothing."""
     p = prompts(n=1, length=200, seed=5)[0]
     want = _alone(tiny_model_dir, [p])[0]
-    with lmkv_llm(tiny_model_dir) as llm:
+    with lmkv_llm(tiny_model_dir, use_layerwise=layerwise) as llm:
         worker = llm.engine.kv_connector.worker
 
-        def broken(slots, chunk, skip=0, layer=None):
+        def broken(*args, **kwargs):
             raise OSError("injected save failure")
 
-        worker.paged.save = broken
+        if where == "gather":
+            worker.paged.save = broken
+        else:
+            worker._pinned = broken
         assert llm.generate([p], GREEDY)[0].output_token_ids == want
         assert metric(llm, "lmkv_errors_total", tier="connector", kind="save") >= 1
         assert metric(llm, "lmkv_stored_chunks_total") == 0

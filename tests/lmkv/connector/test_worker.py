@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import pytest
 import torch
@@ -517,7 +518,8 @@ class _GpuPages(BlockPagedMemory):
 def test_a_slot_mapping_that_cannot_be_pinned_fails_the_load_or_save_and_leaks_nothing(
         monkeypatch, layerwise):
     """Pinning (a pinned allocation) may fail: the load fails (its tokens are recomputed)
-    without raising into the forward pass, the save raises, and every chunk goes back."""
+    and a layer's save stores nothing, neither raising into the forward pass (the save
+    raises in wait_for_save, after it), and every chunk goes back."""
     from lmkv.connector import worker as worker_module
 
     engine, _, kv_cache = _setup(layerwise)
@@ -539,14 +541,52 @@ def test_a_slot_mapping_that_cannot_be_pinned_fails_the_load_or_save_and_leaks_n
     for layer in range(LAYERS):
         worker.wait_for_layer_load(layer)
     assert len(worker.failed_loads()) == 1
+    for layer in range(LAYERS):
+        worker.save_kv_layer(layer)  # never raises
     with pytest.raises(RuntimeError, match="pinned"):
-        if layerwise:
-            worker.save_kv_layer(0)
-        else:
-            worker.wait_for_save()
+        worker.wait_for_save()
     engine.pool.check_integrity()
     assert engine.pool.num_free == engine.pool.num_slots - 2  # "a" and "b", stored
     worker.close()
+    engine.close()
+
+
+def test_layerwise_save_gathers_do_not_wait_for_the_loads_copies_to_finish():
+    """Layer-wise, a step that loads a prefix and saves the rest: the load job issues its
+    copies and ends without waiting for them (its chunks go back in failed_loads, once they
+    are done), so a layer's save gather, queued behind it on the helper thread, is issued
+    while the load copies still run (it waited for every load copy on the GPU)."""
+    engine, _, kv_cache = _setup(True)
+    log: list = []
+    _pinned(engine, ["a"])
+    loads_done = threading.Event()
+
+    class SlowLoads(_Recorder):
+        def synchronize(self):
+            super().synchronize()
+            if self.name == "load":  # the load copies run on until the test ends them
+                assert loads_done.wait(5)
+
+    names = iter(["load", "save"])
+    worker = WorkerConnector(engine)
+    worker.register_kv_caches(_LoggedPages(kv_cache, log), lambda device: SlowLoads(next(names), log))
+    worker.bind_connector_metadata(ConnectorMetadata(
+        loads=[LoadSpec("r", ["a"], [torch.arange(0, 8)], [0])],
+        saves=[SaveSpec("r", ["c"], [torch.arange(8, 16)], parent="a", position=8)]))
+    worker.start_load_kv()
+    for layer in range(LAYERS):
+        worker.wait_for_layer_load(layer)
+        worker.save_kv_layer(layer)
+    deadline = time.monotonic() + 5
+    while [e[2] for e in log if e[:2] == ("pages", "save")] != list(range(LAYERS)):
+        assert time.monotonic() < deadline, "the save gathers waited for the loads' copies"
+        time.sleep(0.01)
+    loads_done.set()
+    assert worker.failed_loads() == []
+    worker.wait_for_save()
+    assert engine.storage.hot.contains("c")
+    worker.close()
+    engine.pool.check_integrity()
     engine.close()
 
 
