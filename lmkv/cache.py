@@ -164,9 +164,11 @@ class LMKVCache:
         """Give back one pin of each key."""
         self.pins.give_back(keys)
 
-    def prefetch(self, keys: list[str]) -> None:
+    def prefetch(self, keys: list[str], parent: str | None = None) -> None:
+        """Pull the leading stored chunks of ``keys`` (the chunks after ``parent`` in their
+        prompt) into the hot cache in the background."""
         if self.config.enable_prefetch:
-            self.storage.prefetch(keys)
+            self.storage.prefetch(keys, parent)
 
     def bring_up(self, keys: list[str], parent: str | None = None) -> BroughtUp | None:
         """Where a prefetch holds some of ``keys``, start reading them into the hot cache now,

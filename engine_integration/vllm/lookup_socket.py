@@ -217,7 +217,8 @@ class LookupServer:
             e.unpin(keys)
             return {}
         if op == "prefetch":
-            e.prefetch(keys)
+            parent = msg.get("parent")
+            e.prefetch(keys, None if parent is None else e.key_of(str(parent)))
             return {}
         if op == "touch":
             e.touch(keys)
@@ -323,10 +324,10 @@ class LookupClient:
         for r in self.ranks:
             r.best_effort("touch", keys=keys)
 
-    def prefetch(self, keys: list[str]) -> None:
+    def prefetch(self, keys: list[str], parent: str | None = None) -> None:
         if self.config.enable_prefetch:
             for r in self.ranks:
-                r.best_effort("prefetch", keys=keys)
+                r.best_effort("prefetch", keys=keys, parent=parent)
 
     def bring_up(self, keys: list[str], parent: str | None = None) -> Arrival | None:
         arrival = RemoteArrival(self)

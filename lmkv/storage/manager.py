@@ -364,8 +364,8 @@ class StorageManager:
         try:
             return fut.result(FETCH_TIMEOUT)
         except FuturesTimeout:
-            if fut.done():  # the job's own TimeoutError (the same class), not the wait's
-                raise
+            if fut.done():  # the job's own TimeoutError (the same class), or the job ended
+                return fut.result()  # just after the wait gave up: its chunks are ours
         if not fut.cancel():  # it runs: what it loads goes back when it ends
             def give_back(f: Future) -> None:
                 if f.exception() is None:
@@ -393,6 +393,8 @@ class StorageManager:
         no tier holds it (MISS_TTL)."""
         out: list[ChunkBuffer] = []
         done = 0  # chunks loaded (a prefetch has released all but the last)
+        if len(set(keys)) < len(keys):  # a repeat (a client's list) ends the run
+            keys = keys[: next(i for i, k in enumerate(keys) if k in keys[:i])]
         parents = dict(zip(keys, [parent, *keys[:-1]], strict=True))
         # the chunk these continue stays while their slots are taken (a prefix policy
         # refuses chunks whose parent is gone)
@@ -434,10 +436,11 @@ class StorageManager:
                 held.release()
         return out
 
-    def prefetch(self, keys: list[str]) -> None:
+    def prefetch(self, keys: list[str], parent: str | None = None) -> None:
         """Pull the leading stored chunks of ``keys`` into the hot cache, in one background
         job (dropped, and counted, when the background queue is full); loads queued meanwhile
-        run between its batches."""
+        run between its batches. ``parent`` as for fetch (a prefix policy files the chunks
+        under it, not as roots)."""
         if not self.keep_hot:
             return
         prefix: list[ChunkBuffer] = []  # held until the job ends: its slots never evict them
@@ -458,7 +461,7 @@ class StorageManager:
                 seen.add(key)
             if run:
                 self._inflight.update(run)
-        parent = keys[n - 1] if n else None
+        parent = keys[n - 1] if n else parent
         try:
             queued = bool(run) and self.io.submit(
                 lambda: self._prefetch_run(run, parent, prefix)) is not None

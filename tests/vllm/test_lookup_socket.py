@@ -117,6 +117,14 @@ def test_a_pin_names_the_chunk_before_it_in_the_workers_scope(served, monkeypatc
     assert remote.pin(keys[:1]) == [False]
     assert parents == [engine.key_of(keys[0]), None]
     remote.unpin(keys)
+    prefetched = []
+    monkeypatch.setattr(engine.storage, "prefetch",
+                        lambda keys, parent=None: prefetched.append((keys, parent)))
+    remote.prefetch(keys[1:], keys[0])  # (so does a prefetch)
+    deadline = time.monotonic() + 5
+    while not prefetched and time.monotonic() < deadline:  # (a best-effort call)
+        time.sleep(0.01)
+    assert prefetched == [([engine.key_of(k) for k in keys[1:]], engine.key_of(keys[0]))]
     engine.pool.check_integrity()
 
 

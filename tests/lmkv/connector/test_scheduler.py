@@ -716,3 +716,19 @@ def test_chunks_saved_from_under_the_engines_hit_are_marked_lossy_where_it_holds
         for key in load.keys:
             engine.take(key).release()
     sched.request_finished(b)
+
+
+def test_a_prefetch_past_the_engines_own_hit_names_the_chunk_it_continues():
+    """on_new_request prefetches the chunks past the engine's hit: they are filed under the
+    chunk before them (a prefix policy kept them as roots, orphans of their real parent)."""
+    engine = _engine()
+    sent: list[tuple[list[str], str | None]] = []
+    engine.prefetch = lambda keys, parent=None: sent.append((keys, parent))
+    sched = SchedulerConnector(engine, BLOCK)
+    prompt = list(range(2000, 2000 + 3 * CHUNK + 5))
+    keys = engine.keys(prompt)
+    sched.on_new_request(Request("r", prompt), CHUNK)
+    sched.on_new_request(Request("s", prompt), 0)
+    sched.on_new_request(Request("t", prompt), len(prompt))  # all computed: nothing to name
+    assert sent == [(keys[1:], keys[0]), (keys, None)]
+    engine.close()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from types import SimpleNamespace
 
 import pytest
@@ -1199,3 +1201,70 @@ def test_read_ups_for_requests_that_let_go_or_came_too_late_read_nothing(monkeyp
         a.release()
     pool.check_integrity()
     m.close()
+
+
+@pytest.mark.parametrize("policy", ["prefix_lru", "prefix_adaptive"])
+def test_a_prefetch_after_a_parent_files_its_chunks_under_it(policy):
+    """A prefetch past the engine's own hit names the chunk before its first: its chunks go
+    under it, so the parent is not evicted as a leaf while its continuation stays."""
+    pool, ts, m = manager(slots=4, policy=policy)
+    seed(pool, ts[0], ["c1", "c2"])
+    hot_put(m, "p0")
+    m.prefetch(["c1", "c2"], parent="p0")
+    m.io.drain(5)
+    nodes = m.hot.policy.nodes
+    hot_put(m, "x0")
+    hot_put(m, "x1", "x0")  # the cache is full: one eviction, a leaf
+    parent = nodes["c1"].parent.key if nodes.get("c1") and nodes["c1"].parent else None
+    kept = set(m.hot.entries)
+    m.close()
+    assert parent == "p0"
+    assert not ({"c1", "c2"} <= kept and "p0" not in kept)  # no orphans
+
+
+class _LateFuture(Future):
+    """A load whose wait times out just before the job ends: its result is there when the
+    waiter asks whether it is done."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn, self.first = fn, True
+
+    def result(self, timeout=None):
+        if self.first and timeout is not None:
+            self.first = False
+            self.set_result(self.fn())
+            raise FuturesTimeout()
+        return super().result(timeout)
+
+
+def test_a_load_that_ends_just_as_its_wait_times_out_is_taken():
+    """The wait gave up and the job finished before it was asked whether it had: its chunks
+    are the fetch's (they stayed retained for ever, and the fetch raised TimeoutError)."""
+    pool = MemoryPool(LAYOUT, 8 * SLOT, pin=False)
+    tier = Tier("t", Memory(), "raw")
+    seed(pool, tier, ["a", "b"])
+    m = StorageManager(pool, [tier], LMKVMetrics(), 16, policy="lru")
+    real = m.io.submit
+    m.io.submit = lambda fn, urgent=False, soon=False: (
+        _LateFuture(fn) if urgent else real(fn, urgent, soon))
+    got = m.fetch(["a", "b"])
+    m.io.submit = real
+    assert len(got) == 2
+    for buf in got:
+        buf.release()
+    assert all(b.ref_count == 1 for b in m.hot.entries.values())  # the hot cache's own
+    m.close()
+    assert pool.num_free == pool.num_slots
+
+
+def test_bring_up_of_a_repeated_key_leaks_nothing():
+    pool, ts, m = manager(slots=8, policy="lru")
+    seed(pool, ts[0], ["a", "b"])
+    m._inflight.add("a")  # a prefetch holds "a": bring_up reads it up
+    arrival = m.bring_up(["a", "a", "b"])
+    arrival.future.result(5)
+    arrival.release()
+    m._inflight.clear()
+    m.close()
+    assert pool.num_free == pool.num_slots
