@@ -47,6 +47,10 @@ FILE_ERRORS = frozenset(getattr(errno, n) for n in ("EIO", "EACCES", "EPERM", "E
                                                     "ENXIO", "ENODEV", "ESTALE", "EUCLEAN",
                                                     "EBADMSG") if hasattr(errno, n))
 _tmp_ids = itertools.count()  # temporary file names unique within the process
+# every file here is opened so that a FIFO or device never blocks the open (another process
+# may put anything in a shared directory), and a link is not followed (its target is not
+# this tier's); _open checks that it is a regular file
+OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 UNLOCKED_TMP_SECONDS = 60  # an unlocked temporary file older than this has no live writer
 
 
@@ -68,7 +72,9 @@ _libc = _load_libc() if DIRECT else None
 
 
 class DiskBackend(StorageBackend):
-    concurrent_contains = True  # membership in a dict: lookups need not wait for a batch read
+    # lookups need not wait for a batch read: contains reads the index (and stats a file it
+    # lacks) and changes nothing; files of other processes are taken in by reads
+    concurrent_contains = True
 
     def __init__(self, root: str | Path, capacity_bytes: int, policy: CachePolicy | str = "lru",
                  direct: bool = True, max_value_bytes: int | None = None):
@@ -133,8 +139,8 @@ class DiskBackend(StorageBackend):
                 if entry.name.endswith(".tmp"):
                     if not _writer_alive(entry.path):  # a write interrupted by a crash
                         os.unlink(entry.path)
-                elif entry.name.endswith(SUFFIX) and entry.is_file():
-                    st = entry.stat()
+                elif entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
                     entries.append((st.st_mtime, entry.name, st.st_size))
             except FileNotFoundError:  # gone meanwhile (another process sharing the directory)
                 continue
@@ -227,7 +233,7 @@ class DiskBackend(StorageBackend):
                 out.append(None)
                 continue
             try:
-                with open(self.root / name, "rb") as f:
+                with os.fdopen(_open(self.root / name), "rb") as f:
                     data = f.read(self.max_value_bytes + 1)  # never more than a value can be
                     _touch(f.fileno())
             except FileNotFoundError:
@@ -240,7 +246,8 @@ class DiskBackend(StorageBackend):
                 self._unreadable(name, e)
                 out.append(None)
                 continue
-            if len(data) > self.max_value_bytes:  # rewritten larger since it was indexed
+            self._resize(name, len(data))  # (rewritten since it was indexed: another process)
+            if len(data) > self.max_value_bytes:
                 out.append(None)
                 continue
             out.append(data)
@@ -271,11 +278,11 @@ class DiskBackend(StorageBackend):
         if not direct:
             self._advise([name for _, name, _ in wanted])
 
-        def read(i: int, name: str, size: int) -> int | OSError:
-            n = self._read(name, outs[i], size, direct)
-            if arrived is not None and isinstance(n, int):
-                arrived(i, n)
-            return n
+        def read(i: int, name: str, size: int) -> tuple[int | None, int] | OSError:
+            got = self._read(name, outs[i], direct)
+            if arrived is not None and not isinstance(got, OSError) and got[0] is not None:
+                arrived(i, got[0])
+            return got
 
         if len(wanted) > 1:
             results = list(self._readers().map(lambda w: read(*w), wanted))
@@ -291,20 +298,27 @@ class DiskBackend(StorageBackend):
             elif isinstance(result, OSError):
                 failed = result
             else:
-                lengths[i] = result
-                self.policy.accessed(name)
+                lengths[i], size = result
+                self._resize(name, size)
+                if lengths[i] is not None:
+                    self.policy.accessed(name)
         if failed is not None:
             raise BackendError(f"disk tier read failed: {failed}") from failed
         return lengths
 
-    def _read(self, name: str, out: memoryview, size: int, direct: bool) -> int | OSError:
-        """One file into ``out`` (runs on a reader thread): its length, or the error. With
-        ``direct`` (``out`` takes O_DIRECT), a file the page cache does not hold whole is read
-        with O_DIRECT; whatever is left goes through the page cache."""
+    def _read(self, name: str, out: memoryview, direct: bool) -> tuple[int | None, int] | OSError:
+        """One file into ``out`` (runs on a reader thread): (its length, or None where it no
+        longer fits ``out`` nor a value: rewritten larger by another process since it was
+        indexed; the file's size now), or the error. With ``direct`` (``out`` takes
+        O_DIRECT), a file the page cache does not hold whole is read with O_DIRECT; whatever
+        is left goes through the page cache."""
         path = self.root / name
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = _open(path)
             try:
+                size = os.fstat(fd).st_size  # (not the index's: the file may have been replaced)
+                if size > min(len(out), self.max_value_bytes):
+                    return None, size
                 done = 0
                 if direct and self.direct and not _cached(fd, size):
                     done = self._read_direct(fd, path, out, size)
@@ -314,7 +328,7 @@ class DiskBackend(StorageBackend):
                         break  # the file is shorter than when it was indexed: the check says so
                     done += n
                 _touch(fd)
-                return done
+                return done, size
             finally:
                 os.close(fd)
         except OSError as e:
@@ -371,7 +385,7 @@ class DiskBackend(StorageBackend):
             return
         for name in names:
             try:
-                fd = os.open(self.root / name, os.O_RDONLY)
+                fd = _open(self.root / name)
             except OSError:
                 continue  # the read reports it
             try:
@@ -386,8 +400,17 @@ class DiskBackend(StorageBackend):
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def contains(self, keys: Sequence[str]) -> list[bool]:  # reads the index only
-        return [self._claimable(self._name(k)) is not None for k in keys]
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Reads the index (and stats a file it lacks) but changes nothing: lookups run beside
+        the I/O thread's writes and reads, which alone take files into the index."""
+        out = []
+        for key in keys:
+            name = self._name(key)
+            size = self.index.get(name)
+            if size is None:
+                size = self._foreign_size(name)
+            out.append(size is not None and size <= self.max_value_bytes and name not in self.spoiled)
+        return out
 
     def _claimable(self, name: str) -> int | None:
         """The size of file ``name`` if it may be read: indexed (or written since the index
@@ -403,16 +426,28 @@ class DiskBackend(StorageBackend):
 
     def _adopt(self, name: str) -> int | None:
         """Index file ``name`` if another process wrote it (one stat per miss); its size."""
+        size = self._foreign_size(name)
+        if size is not None:
+            self._add(name, size)  # (counted to the cap: the next write evicts to make room)
+        return size
+
+    def _foreign_size(self, name: str) -> int | None:
+        """The size of file ``name`` that this tier did not index, if it is a regular file
+        (not a link) that may be read."""
         if name in self._unreadable_left:
             return None
         try:
-            st = os.stat(self.root / name)
+            st = os.stat(self.root / name, follow_symlinks=False)
         except OSError:
             return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        self._add(name, st.st_size)  # (counted to the cap: the next write evicts to make room)
-        return st.st_size
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def _resize(self, name: str, size: int) -> None:
+        """File ``name`` holds ``size`` bytes now (another process replaced it)."""
+        old = self.index.get(name)
+        if old is not None and old != size:
+            self.index[name] = size
+            self.used += size - old
 
     def remove(self, keys: Sequence[str]) -> None:
         for key in keys:
@@ -480,8 +515,14 @@ def _writer_alive(path: str) -> bool:
     an exclusive lock on its file until the rename, which tells it apart across PID
     namespaces (containers sharing a volume, each engine PID 1). An unlocked file is a
     dead writer's unless it is young and its pid lives here (between the file's creation
-    and its lock; or a writer that does not lock)."""
-    fd = os.open(path, os.O_RDONLY)
+    and its lock; or a writer that does not lock). Anything but a regular file is left
+    alone (counted as live: not a write of this tier's)."""
+    try:
+        fd = _open(path)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):
+            return True
+        raise
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -507,6 +548,19 @@ def _writer_alive(path: str) -> bool:
     except PermissionError:  # alive, another user's
         return True
     return True
+
+
+def _open(path: str | Path) -> int:
+    """A descriptor of regular file ``path`` for reading (OPEN_FLAGS); OSError ENXIO for
+    anything else there (a FIFO, a device), ELOOP for a link."""
+    fd = os.open(path, OPEN_FLAGS)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.ENXIO, "not a regular file", str(path))
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _cached(fd: int, size: int) -> bool:

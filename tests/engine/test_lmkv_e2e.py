@@ -156,7 +156,7 @@ def test_chunks_the_engine_has_are_not_fetched_again(tiny_model_dir, tmp_path):
         lmkv.fetch = lambda keys, parent=None: fetched.extend(keys) or real_fetch(keys, parent)
         prefetched: list[str] = []
         real_prefetch = lmkv.prefetch
-        lmkv.prefetch = lambda keys: prefetched.extend(keys) or real_prefetch(keys)
+        lmkv.prefetch = lambda keys, parent=None: prefetched.extend(keys) or real_prefetch(keys, parent)
         llm.generate([base[: 2 * CHUNK + 1]], GREEDY)  # chunks 0, 1 now in the engine's cache
         lmkv.storage.hot.clear()
         fetched.clear()

@@ -85,9 +85,8 @@ def test_a_temporary_file_of_the_same_name_is_never_written_into(tmp_path, monke
 def test_files_another_process_writes_into_the_directory_are_found_and_counted(tmp_path, monkeypatch):
     """Two processes on one disk-tier directory (`engine precompute` beside a running
     server): what one writes after the other built its index is found by the other at its
-    next lookup, counted to its cap and evicted in turn. An unreadable file that cannot be
+    next lookup, counted to its cap once read and evicted in turn. An unreadable file that cannot be
     deleted is not taken in again after it failed once."""
-    import builtins
     import errno
     from pathlib import Path
 
@@ -95,24 +94,25 @@ def test_files_another_process_writes_into_the_directory_are_found_and_counted(t
     writer = DiskBackend(tmp_path, capacity_bytes=3000)
     writer.put([("a", b"x" * 1000), ("b", b"y" * 1000)])
     assert server.contains(["a", "b", "c"]) == [True, True, False]
-    assert server.get(["b"]) == [b"y" * 1000] and server.used == 2000
+    assert server.used == 0  # a lookup takes nothing in (it runs beside the I/O thread)
+    assert server.get(["a", "b"]) == [b"x" * 1000, b"y" * 1000] and server.used == 2000
     server.put([("d", b"z" * 1500)])  # over the cap: one of the adopted files goes
     assert server.used <= 3000 and server.num_evictions == 1
     writer.put([("e", b"w" * 10)])
     bad = str(tmp_path / server._name("e"))
-    real_open, real_unlink = builtins.open, Path.unlink
+    real_open, real_unlink = disk_module._open, Path.unlink
 
-    def refusing_open(path, *args, **kwargs):
+    def refusing_open(path):
         if str(path) == bad:
-            raise PermissionError(errno.EACCES, "Permission denied", path)
-        return real_open(path, *args, **kwargs)
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path)
 
     def refusing_unlink(path, *args, **kwargs):
         if str(path) == bad:
             raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
         return real_unlink(path, *args, **kwargs)
 
-    monkeypatch.setattr(builtins, "open", refusing_open)
+    monkeypatch.setattr(disk_module, "_open", refusing_open)
     monkeypatch.setattr(Path, "unlink", refusing_unlink)
     assert server.get(["e"]) == [None] and server.num_unreadable == 1
     assert server.contains(["e"]) == [False]  # not taken in again
@@ -132,3 +132,82 @@ def test_a_tier_started_with_a_smaller_cap_says_how_many_files_it_deleted(tmp_pa
     metrics = LMKVMetrics()
     Tier("disk", small, "raw", metrics=metrics)
     assert metrics.registry.get_sample_value("lmkv_evictions_total", {"tier": "disk"}) == 6
+
+
+def test_a_lookup_beside_a_write_counts_the_file_once(tmp_path):
+    """A lookup (the engine's scheduling thread) runs beside the I/O thread's write: it
+    finds the file renamed into place but not yet indexed, and leaves it to the write (it
+    took it in too, and the tier's bytes were counted twice for good)."""
+    import threading
+
+    from lmkv.storage.tier import Tier
+
+    found = []
+
+    class Disk(DiskBackend):
+        def _write(self, name, value):
+            super()._write(name, value)  # in place, not yet in the index
+            lookup = threading.Thread(target=lambda: found.append(tier.contains(["k"])))
+            lookup.start()
+            lookup.join()
+
+    disk = Disk(tmp_path, 1 << 20, direct=False)
+    tier = Tier("disk", disk, "raw")
+    disk.put([("k", b"v" * 1088)])
+    assert found == [[True]]
+    assert disk.used == 1088 and disk.index == {disk._name("k"): 1088}
+
+
+def _in_thread(fn, timeout: float = 10.0):
+    """``fn()``'s result, failing the test if it has not returned within ``timeout``."""
+    import threading
+
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert out, f"did not return within {timeout} s"
+    return out[0]
+
+
+def test_a_fifo_or_link_in_the_directory_hangs_nothing(tmp_path):
+    """Anything another process puts in a shared directory: a FIFO (opening one for reading
+    waits for a writer), named as a temporary file or swapped in for a chunk's file, or a
+    link. Start, lookups and reads go on; a chunk whose file is not a regular file is a
+    miss."""
+    os.mkfifo(tmp_path / "x.tmp")
+    os.symlink("/dev/zero", tmp_path / ".y.1.1.tmp")
+    disk = _in_thread(lambda: DiskBackend(tmp_path, 1 << 20, direct=False))
+    disk.put([("k", b"v" * 100), ("l", b"w" * 100)])
+    name = disk._name("k")
+    os.mkfifo(tmp_path / "fifo")
+    os.replace(tmp_path / "fifo", tmp_path / name)
+    os.symlink(tmp_path / name, tmp_path / "link")
+    os.replace(tmp_path / "link", tmp_path / disk._name("l"))
+    assert _in_thread(lambda: disk.get_into_many(["k", "l"], [memoryview(bytearray(4096))] * 2)) \
+        == [None, None]
+    disk.put([("k", b"v" * 100)])
+    os.mkfifo(tmp_path / "fifo")
+    os.replace(tmp_path / "fifo", tmp_path / name)
+    assert _in_thread(lambda: disk.get(["k"])) == [None]
+    assert disk.num_unreadable == 3
+    other = DiskBackend(tmp_path / "other", 1 << 20)
+    os.mkfifo(tmp_path / "other" / other._name("m"))
+    assert _in_thread(lambda: other.contains(["m"])) == [False]  # not a chunk's file
+    assert _in_thread(lambda: other.get(["m"])) == [None]
+
+
+def test_a_file_another_process_rewrote_larger_is_read_whole_not_deleted(tmp_path):
+    """Two engines on one directory: one rewrites a key with a larger frame (a coded tier, a
+    recompute) after the other indexed it. The other reads the file as it is now (it read
+    the size it had indexed: a short frame, which its tier then deleted as corrupt)."""
+    a = DiskBackend(tmp_path, 1 << 20)
+    b = DiskBackend(tmp_path, 1 << 20)
+    a.put([("k", b"A" * 1000)])
+    b.put([("k", b"B" * 3000)])
+    out = bytearray(8192)
+    assert a.get_into_many(["k"], [memoryview(out)]) == [3000] and out[:3000] == b"B" * 3000
+    assert a.used == 3000
+    b.put([("k", b"C" * 6000)])  # larger than the reader's buffer: a miss, left in place
+    assert a.get_into_many(["k"], [memoryview(bytearray(4096))]) == [None]
+    assert (tmp_path / a._name("k")).stat().st_size == 6000 and a.used == 6000

@@ -421,7 +421,7 @@ def test_a_file_that_cannot_be_read_is_a_miss_and_leaves_the_tier(tmp_path, monk
         if batched:
             monkeypatch.setattr(DiskBackend, "_read", fail)
         else:  # the module's open
-            monkeypatch.setattr("lmkv.backends.disk.open", fail, raising=False)
+            monkeypatch.setattr("lmkv.backends.disk._open", fail)
 
     fail_reads(errno.EIO, "Input/output error")
     assert read(["v0"]) == [None]

@@ -327,7 +327,7 @@ def test_disk_lookups_do_not_undo_the_breaker_of_failing_reads(tmp_path, monkeyp
     def too_many(*args, **kwargs):
         raise OSError(errno.EMFILE, "Too many open files")
 
-    monkeypatch.setattr("lmkv.backends.disk.open", too_many, raising=False)
+    monkeypatch.setattr("lmkv.backends.disk._open", too_many)
     assert tier.read(["a"], [dst]) == [False]
     assert tier.breaker.failures == 1
     time.sleep(0.1)
