@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -587,8 +588,10 @@ class StorageManager:
         if not self._held:
             return
         now = time.monotonic()
-        with self._lock:
-            stale = [a for a, when in self._held.items() if now - when > ARRIVAL_HOLD]
+        with self._lock:  # (in the order they were held: the stale ones come first)
+            stale = list(itertools.takewhile(lambda item: now - item[1] > ARRIVAL_HOLD,
+                                             self._held.items()))
+        stale = [arrival for arrival, _ in stale]
         for arrival in stale:
             self._let_go(arrival)
         if stale:
@@ -713,7 +716,9 @@ class StorageManager:
             return
         self._closed = True
         stopped = self.io.close(timeout)  # runs what is queued first (it logs a stuck job)
-        for arrival in list(self._held):
+        with self._lock:
+            held = list(self._held)
+        for arrival in held:
             arrival.release()
         self.decoders.shutdown(wait=stopped)
         self.hot.clear()
