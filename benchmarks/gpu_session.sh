@@ -2,7 +2,7 @@
 # One GPU session's checks and measurements, in one command (the device machine is lent for
 # minutes): the GPU tests, then benchmarks/kernels.py, lmkv_ttft.py and engine_throughput.py
 # on CUDA. Runs with the machine's own python3 (torch, CuPy, transformers) and lmkv from
-# this checkout; Python wheels it lacks travel in .whl/ (see docs/kernels.md, "GPU session").
+# this checkout; Python wheels it lacks travel in .whl/ (see docs/kernels.md, "GPU benchmark").
 # Each step has its own time limit; full logs go to $OUT (or /tmp/gpu-out), tails to stdout.
 #   benchmarks/gpu_session.sh [STEP...]   steps: tests kernels ttft warm throughput eager profile
 #   (default: all)

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="Llama-family Hugging Face directory or .gguf file; "
                    "'demo' is the random-weight demo model (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="weights and KV memory (default auto: bfloat16 on a GPU, float32 on the CPU)")
+                   help="weights and KV memory (default auto: bfloat16 on a GPU from Ampere on, "
+                        "float16 on an older one, float32 on the CPU)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--kv-cache-memory", type=size, default=EngineConfig.kv_cache_memory,
                    help="paged KV memory, e.g. 2GiB (default 1GiB)")
@@ -94,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--graceful-shutdown-timeout", type=float,
                        default=ServerConfig.graceful_shutdown_timeout, metavar="SECONDS",
                        help="on SIGTERM or SIGINT, how long requests in flight may run on "
-                            "(then they end with HTTP 503)")
+                            "(then they end with HTTP 503; default %(default)g)")
     serve.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
     gen = commands.add_parser("generate", parents=[engine_args], epilog=LMKV_HELP,
