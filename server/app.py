@@ -33,6 +33,8 @@ from .store import Store
 log = logging.getLogger("lmkv_server")
 
 ADMIN_CONNECTIONS = 16  # admin HTTP connections open at once (more are closed at accept)
+ADMIN_WRITE_TIMEOUT = 5.0  # an admin client that stops reading its response this long is cut off
+ADMIN_STOP_TIMEOUT = 5.0  # at a stop, admin responses still being sent get this long
 RESERVED_FILES = 32  # descriptors besides connections: listening sockets, persistence, logs
 
 
@@ -95,14 +97,10 @@ async def serve(config: ServerConfig) -> None:
         persister.start()
     listener = Listener(sock, store, config)
     listener.start()
-    signalled = False
     try:  # whatever fails from here on, the listener and the persister are stopped
-        await _serve(config, store, listener, persister, admin_sock)
-        signalled = True  # (it returns at SIGTERM or SIGINT only)
+        await _serve(config, store, listener, persister, admin_sock)  # (until SIGTERM/SIGINT)
     finally:
         log.info("shutting down")
-        if signalled:
-            _stop_at_next_signal(persister)
         await asyncio.to_thread(listener.stop)
         if persister is not None:
             if persister.pending:
@@ -148,7 +146,8 @@ async def _serve(config: ServerConfig, store: Store, listener: Listener,
                 log_level=config.log_level.lower(),
                 access_log=False,
                 lifespan="off",
-                http=bounded_http(ADMIN_CONNECTIONS),  # (nothing waits for ever)
+                http=bounded_http(ADMIN_CONNECTIONS, write_timeout=ADMIN_WRITE_TIMEOUT),
+                timeout_graceful_shutdown=ADMIN_STOP_TIMEOUT,  # (nothing waits for ever)
                 backlog=ADMIN_CONNECTIONS,  # also what one pass of asyncio's accept loop takes
             )
         )
@@ -164,11 +163,12 @@ async def _serve(config: ServerConfig, store: Store, listener: Listener,
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([t for t in (waiter, admin_task) if t is not None],
                                  return_when=asyncio.FIRST_COMPLETED)
+    if admin_task in done:  # the admin server ended by itself: a failure
+        waiter.cancel()
+        admin_task.result()  # raises what ended it
+        raise RuntimeError("the admin HTTP server stopped")
+    _stop_at_next_signal(persister)  # from the first signal on: nothing of the stop waits for ever
     if admin is not None and admin_task is not None:
-        if admin_task in done:  # the admin server ended by itself: a failure
-            waiter.cancel()
-            admin_task.result()  # raises what ended it
-            raise RuntimeError("the admin HTTP server stopped")
         admin.should_exit = True
         await admin_task
 

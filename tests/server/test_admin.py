@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
 import httpx
+import pytest
 
 from lmkv.backends.lm import LMBackend
 
@@ -98,3 +100,52 @@ def test_a_request_head_that_never_completes_frees_its_admin_connection(spawn_se
     for sock in (stalled, dribbled, slow):
         sock.close()
 
+
+
+def _stalled_reader(port: int) -> socket.socket:
+    """An admin client that sends many requests and reads none of the answers, until the
+    server's send buffer for it is full."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    requests = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 2000
+    sent, deadline = 0, time.monotonic() + 10
+    while sent < len(requests) and time.monotonic() < deadline:
+        try:
+            sent += sock.send(requests[sent:])
+        except BlockingIOError:
+            time.sleep(0.05)
+    return sock
+
+
+def test_admin_clients_that_stop_reading_are_cut_off_and_hold_no_stop(spawn_server, tmp_path):
+    """An admin client that stops reading its answers is cut off 5 s after its send buffer
+    filled (it held its connection for good: 16 such held every admin connection, /health
+    refused, the server restarted by its supervisor), and a SIGTERM meanwhile stops the
+    server within seconds, persisting what it holds (uvicorn waited for their responses for
+    ever, and a second signal did nothing)."""
+    import signal
+
+    server = spawn_server("--max-memory", "16MiB", "--persist-dir", str(tmp_path / "p"))
+    backend = LMBackend(server.url)
+    backend.put([("a@1", b"x" * 1000)])
+    assert backend.get(["a@1"]) == [b"x" * 1000]
+    backend.close()
+    stalled = _stalled_reader(server.admin_port)
+    deadline = time.monotonic() + 30
+    with pytest.raises(ConnectionResetError):
+        while time.monotonic() < deadline:
+            with contextlib.suppress(BlockingIOError):
+                stalled.send(b"\r\n")  # (fails once the server has cut it off)
+            time.sleep(0.2)
+    stalled.close()
+    stalled = _stalled_reader(server.admin_port)
+    time.sleep(1)
+    server.proc.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    try:
+        assert server.proc.wait(15) == 0
+    finally:
+        stalled.close()
+    assert time.monotonic() - start < 10
+    assert list((tmp_path / "p").glob("*.kv"))
