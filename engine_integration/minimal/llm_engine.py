@@ -116,7 +116,7 @@ class LLMEngine:
                 lmkv_config, self.model_config, self.dtype, config.block_size, model_dir,
                 self.kv_cache, self.metrics.registry, self.tokenizer.encode, device.launcher,
             )
-            self.kv_connector.forget_cached_pages = self.block_manager.reset_prefix_cache
+            self.kv_connector.forget_cached_pages = self._forget_lossy_pages
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -167,6 +167,15 @@ class LLMEngine:
         return graphs
 
     # ---- requests -------------------------------------------------------------------
+    def _forget_lossy_pages(self) -> None:
+        """lmkv's quality gate tripped: no page stays findable in the prefix cache (any may
+        hold, or be computed over, lossy KV), and the requests served lossy that still run
+        register none of theirs from now on (their later pages are computed over it too)."""
+        for req in self.requests.values():
+            if self.kv_connector.scheduler.served_lossy(req):
+                req.cacheable = False
+        self.block_manager.reset_prefix_cache()
+
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
         *, use_cache: bool = True,

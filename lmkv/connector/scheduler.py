@@ -211,12 +211,14 @@ class SchedulerConnector:
         if st.salted and num_computed_tokens:
             # the engine's hit may hold blended KV: what is computed over it is not exact
             st.blended = True
+        c = self.cache.chunk_size
+        full = min(len(st.keys), len(request.prompt_token_ids) // c)
+        if self.lossy_keys and not st.lossy:  # the engine's hit holds KV another request loaded lossy
+            st.lossy = (self._engine_hit_lossy(st.keys[: min(-(-num_computed_tokens // c), full)])
+                        or self._engine_hit_lossy_tail(request.prompt_token_ids, st.keys,
+                                                       num_computed_tokens))
         if not self.loads or st.no_loads:
             return 0, False
-        c = self.cache.chunk_size
-        # the prompt's full chunks, any of which may be loaded (after a preemption, st.keys
-        # may also name chunks of generated tokens: they are recomputed)
-        full = min(len(st.keys), len(request.prompt_token_ids) // c)
         # Chunks wholly below num_computed_tokens are in the engine's own prefix cache: only
         # ask whether lmkv has them (for the hit metric and to skip re-saving them); fetch
         # from the first chunk the engine lacks.
@@ -225,10 +227,6 @@ class SchedulerConnector:
         if below and not st.touched:  # used now, as if loaded: the chunks saved after them
             self.cache.touch(st.keys[:below])  # are kept behind them
             st.touched = True
-        if self.lossy_keys and not st.lossy:  # the engine's hit holds KV another request loaded lossy
-            st.lossy = (self._engine_hit_lossy(st.keys[: min(-(-num_computed_tokens // c), full)])
-                        or self._engine_hit_lossy_tail(request.prompt_token_ids, st.keys,
-                                                       num_computed_tokens))
         # pins taken from here on are given back at the step's plan unless the engine
         # allocates the request
         self.pinning.add(request.request_id)
@@ -237,6 +235,13 @@ class SchedulerConnector:
         lossy = (self.cache.pin(st.keys[first:full], st.keys[first - 1] if first else None)
                  if full > first else [])
         self._note_lossy([k for k, flag in zip(st.keys[first:], lossy, strict=False) if flag])
+        for i, flag in enumerate(lossy, start=first):  # an engine hit may reach into part of
+            if flag:  # such a chunk (blocks are finer than chunks): note its first block too
+                prompt = request.prompt_token_ids
+                end = i * c + self.block_size
+                if end < c * (i + 1) and end <= len(prompt):
+                    self._note_lossy([self.cache.tail_key(prompt[:end])])
+                    self._note_lossy_tail(st.keys[i - 1] if i else "", self.block_size)
         # at once: whatever follows, these pins are given back or loaded
         st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
         self._let_go(st)  # pinned (or missed) now: what was held for the lookup goes

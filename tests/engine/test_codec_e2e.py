@@ -256,3 +256,31 @@ def test_chunks_computed_over_lossy_kv_are_kept_as_lossy(tiny_model_dir, tmp_pat
         hot = cache.storage.hot.entries
         assert [hot[k].lossy for k in keys[4:]] == [True, True]
         assert all(hot[k].lossy for k in keys[:4])
+
+
+def test_a_trip_keeps_later_pages_of_requests_served_lossy_out_of_the_prefix_cache(tiny_model_dir):
+    """The gate trips while a request served lossy KV still runs: its pages computed after
+    the trip (over that KV) are never registered in the engine's prefix cache (they were,
+    and a later request with the same tokens was served them as exact); a request served
+    exact registers its own as before."""
+    from lmkv_engines.minimal.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with lmkv_llm(tiny_model_dir, prefix_caching=True) as llm:
+        eng = llm.engine
+        eng.kv_connector.scheduler.served_lossy = lambda req: req.request_id == "lossy"
+        first, second = prompts(n=2, length=100, seed=3)
+        eng.add_request("lossy", first, params)
+        eng.add_request("exact", second, params)
+        eng.step()
+        eng.kv_connector.forget_cached_pages()  # what a trip calls
+        assert not eng.block_manager.cached
+        blocks = {name: set() for name in ("lossy", "exact")}
+        while eng.has_unfinished_requests():
+            for name in blocks:
+                if name in eng.requests:
+                    blocks[name].update(eng.requests[name].block_ids)
+            eng.step()
+        registered = {b.block_id for copies in eng.block_manager.cached.values()
+                      for b in copies.values()}
+        assert registered and registered <= blocks["exact"]

@@ -732,3 +732,93 @@ def test_a_prefetch_past_the_engines_own_hit_names_the_chunk_it_continues():
     sched.on_new_request(Request("t", prompt), len(prompt))  # all computed: nothing to name
     assert sent == [(keys[1:], keys[0]), (keys, None)]
     engine.close()
+
+
+def test_a_request_recomputed_without_loads_over_lossy_engine_pages_is_lossy():
+    """A loads chunks 0-1 lossy (they enter the engine's prefix cache). B's load failed in
+    another step and B is recomputed without lmkv (recompute_without_loads): its engine hit
+    covers A's lossy pages, so what B computes and saves is approximate."""
+    engine = _engine(cache_policy="lru")
+    prompt = list(range(1000, 1000 + 3 * CHUNK))
+    keys = engine.keys(prompt)
+    _store(engine, prompt)
+    sched = SchedulerConnector(_LossyCache(engine), BLOCK)
+    a = Request("a", prompt + [1, 2, 3])
+    _, meta = _schedule(sched, a, computed=0)
+    assert sched.served_lossy(a)
+    for key in meta.loads[0].keys:
+        engine.take(key).release()
+    sched.request_finished(a)
+    for key in keys:  # lmkv loses them (evicted / keep_hot off)
+        engine.storage.hot.entries.pop(key).release()
+        engine.storage.hot.policy.removed(key)
+    b = Request("b", prompt + [4, 5, 6])
+    sched.recompute_without_loads(b)  # e.g. a load of its step failed
+    _, meta = _schedule(sched, b, computed=2 * CHUNK)  # engine serves a's lossy pages 0, 1
+    saved = {k: s.lossy for s in meta.saves for k in s.keys}
+    assert keys[0] in saved  # a's lossy page of chunk 0 is gathered and saved ...
+    assert all(saved.values()), f"saved as exact: {saved}"
+    assert sched.served_lossy(b), "over lossy engine pages, not sampled by the gate"
+    sched.request_finished(b)
+    engine.close()
+
+
+class _LossyFrom:
+    """An LMKVCache whose pins report lossy only for ``lossy_keys``."""
+
+    def __init__(self, engine, lossy_keys):
+        self._engine, self._lossy = engine, set(lossy_keys)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def pin(self, keys, parent=None):
+        return [k in self._lossy for k in keys[: len(self._engine.pin(keys, parent))]]
+
+
+def test_an_engine_hit_into_a_chunk_loaded_lossy_that_is_this_prompts_partial_chunk():
+    """A's chunks 0-1 are the engine's own (exact); lmkv loads A's chunk 2 lossy. B's prompt
+    ends inside chunk 2: its engine hit covers A's lossy pages of chunk 2 (whole blocks), but
+    lmkv checks only B's full chunks (0-1) against lossy_keys: B is taken for exact."""
+    engine = _engine(cache_policy="lru", save_unfull_chunk=True)
+    prompt = list(range(3000, 3000 + 3 * CHUNK + 3))
+    keys = engine.keys(prompt)
+    _store(engine, prompt)
+    sched = SchedulerConnector(_LossyFrom(engine, keys[2:3]), BLOCK)
+    a = Request("a", prompt)
+    _, meta = _schedule(sched, a, computed=2 * CHUNK)  # chunks 0-1 from the engine
+    assert sched.served_lossy(a) and meta.loads[0].keys == keys[2:3]
+    for key in meta.loads[0].keys:
+        engine.take(key).release()
+    sched.request_finished(a)
+    b = Request("b", prompt[: 2 * CHUNK + 10])
+    _, meta = _schedule(sched, b, computed=2 * CHUNK + 8)  # 2 of A's lossy blocks of chunk 2
+    tails = [s for s in meta.saves if s.position == 2 * CHUNK]
+    assert sched.served_lossy(b), f"over A's lossy chunk-2 pages; tail saves {[s.lossy for s in tails]}"
+    sched.request_finished(b)
+    engine.close()
+
+
+def test_an_engine_hit_into_part_of_a_chunk_loaded_lossy_default_config():
+    """Default config. lmkv loads A's chunk 2 lossy (chunks 0-1 are the engine's own). B
+    shares A's first 2 chunks + 8 tokens, then differs: its engine hit (block-granular)
+    covers 2 of A's lossy blocks of chunk 2, but B's chunk 2 has another key than A's, so
+    lmkv takes B for exact and saves B's chunk 2 (holding 8 tokens of A's lossy KV) and
+    chunk 3 (computed over it) as exact: raw/zstd on lossless tiers, served after a trip."""
+    engine = _engine(cache_policy="lru")
+    prompt = list(range(3000, 3000 + 3 * CHUNK + 3))
+    keys = engine.keys(prompt)
+    _store(engine, prompt)
+    sched = SchedulerConnector(_LossyFrom(engine, keys[2:3]), BLOCK)
+    a = Request("a", prompt)
+    _, meta = _schedule(sched, a, computed=2 * CHUNK)
+    assert sched.served_lossy(a) and meta.loads[0].keys == keys[2:3]
+    for key in meta.loads[0].keys:
+        engine.take(key).release()
+    sched.request_finished(a)
+    b = Request("b", prompt[: 2 * CHUNK + 8] + list(range(7000, 7000 + 2 * CHUNK)))
+    _, meta = _schedule(sched, b, computed=2 * CHUNK + 8)  # A's lossy blocks 8, 9
+    saves = {s.position: s.lossy for s in meta.saves}
+    assert sched.served_lossy(b) and all(saves.values()), f"B's saves (position: lossy) {saves}"
+    sched.request_finished(b)
+    engine.close()
