@@ -77,6 +77,10 @@ async def serve(config: ServerConfig) -> None:
         persister = None
         if config.persist_dir is not None:
             persister = Persister(config.persist_dir, store)
+            if not persister.lock():
+                raise ListenError(f"--persist-dir {config.persist_dir} is in use by another "
+                                  "process (an lmkv_server still running?): give each server "
+                                  "its own directory")
             result = persister.load()
             log.info(
                 "reloaded %d values from %s (%d corrupt skipped, %d without room)",

@@ -20,6 +20,7 @@ File layout (little-endian):
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -43,6 +44,7 @@ HEADER = struct.Struct("<8sHii4iQ")
 CRC = struct.Struct("<I")
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
+LOCK_NAME = ".lock"  # held by the server that persists into the directory
 
 
 class _Outcome(Enum):
@@ -74,10 +76,28 @@ class Persister:
         self.files_deleted = 0
         self.errors = 0
         self._quiet = LogThrottle()
+        self._lock_fd: int | None = None
 
     @property
     def pending(self) -> int:
         return len(self._dirty) + self._busy
+
+    def lock(self) -> bool:
+        """Take the directory for this process (until it exits): False where another live
+        process holds it (another lmkv_server, an overlapping restart: each would delete the
+        other's files). A file system without locks is taken as it is, with a warning."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except OSError as e:
+            log.warning("cannot lock %s (%s): make sure no other lmkv_server persists into it",
+                        self.directory, e)
+        self._lock_fd = fd  # (kept open: the lock lasts as long as the process)
+        return True
 
     def load(self) -> LoadResult:
         """Rebuild the store from the directory (call before serving)."""

@@ -7,6 +7,8 @@ import os
 import resource
 import time
 
+import pytest
+
 from lmkv.backends.lm import LMBackend
 
 
@@ -50,6 +52,18 @@ def test_values_survive_graceful_restart_and_corrupt_file_is_skipped(spawn_serve
     assert sum(v is None for v in got) == 2
     assert all(v is None or v == values[k] for k, v in zip(values, got, strict=True))
     assert server.stats()["entries"] == 4
+
+
+def test_a_second_server_on_the_same_persist_dir_is_refused(spawn_server, tmp_path):
+    """Two servers persisting into one directory (an overlapping restart on another port)
+    would delete each other's files: the second is refused at start, naming the directory;
+    once the first has stopped, a new one takes the directory."""
+    persist = tmp_path / "p"
+    first = spawn_server("--max-memory", "4MiB", "--persist-dir", str(persist))
+    with pytest.raises(RuntimeError, match=f"--persist-dir {persist} is in use by another process"):
+        spawn_server("--max-memory", "4MiB", "--persist-dir", str(persist))
+    assert first.stop() == 0
+    spawn_server("--max-memory", "4MiB", "--persist-dir", str(persist))
 
 
 def test_kill_9_after_flush_loses_nothing_and_eviction_deletes_files(spawn_server, tmp_path):
