@@ -206,11 +206,23 @@ class AsyncEngine:
     def _submit(self, command: _Add | _Abort) -> None:
         with self._cond:
             if not self._closed:
+                if isinstance(command, _Abort) and self._unqueue(command.request_id):
+                    return  # it never reached the engine: nothing to abort
                 self._commands.append(command)
                 self._cond.notify()
                 return
         if isinstance(command, _Add):  # the engine thread is gone: nobody else will answer
             command.queue.put(EngineStoppedError("the engine is not running"))
+
+    def _unqueue(self, request_id: str) -> bool:
+        """Drop the request's add if it is still queued (under _cond): clients that come and
+        go during a long step leave nothing behind (each left an add and an abort, holding
+        its prompt, though its place in max_in_flight was free again)."""
+        for i, queued in enumerate(self._commands):
+            if isinstance(queued, _Add) and queued.request_id == request_id:
+                del self._commands[i]
+                return True
+        return False
 
     # ---- engine thread --------------------------------------------------------------
     def _run(self) -> None:

@@ -234,6 +234,8 @@ class SchedulerConnector:
         # behind its parent, and the engine's own hit may hold that parent)
         lossy = (self.cache.pin(st.keys[first:full], st.keys[first - 1] if first else None)
                  if full > first else [])
+        # at once: whatever follows, these pins are given back or loaded
+        st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
         self._note_lossy([k for k, flag in zip(st.keys[first:], lossy, strict=False) if flag])
         for i, flag in enumerate(lossy, start=first):  # an engine hit may reach into part of
             if flag:  # such a chunk (blocks are finer than chunks): note its first block too
@@ -242,8 +244,6 @@ class SchedulerConnector:
                 if end < c * (i + 1) and end <= len(prompt):
                     self._note_lossy([self.cache.tail_key(prompt[:end])])
                     self._note_lossy_tail(st.keys[i - 1] if i else "", self.block_size)
-        # at once: whatever follows, these pins are given back or loaded
-        st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
         self._let_go(st)  # pinned (or missed) now: what was held for the lookup goes
         found = first + len(lossy) if lossy else below
         st.gap = range(below, first) if lossy else range(0)

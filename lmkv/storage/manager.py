@@ -347,10 +347,13 @@ class StorageManager:
             return when is not None and time.monotonic() - when < MISS_TTL
 
     def _note_missed(self, key: str) -> None:
+        now = time.monotonic()
         with self._lock:
-            self._missed[key] = time.monotonic()
+            self._missed[key] = now
             self._missed.move_to_end(key)
-            while len(self._missed) > MISSES_KEPT:
+            # the oldest first: those past MISS_TTL mean nothing any more
+            while self._missed and (len(self._missed) > MISSES_KEPT
+                                    or now - next(iter(self._missed.values())) >= MISS_TTL):
                 self._missed.popitem(last=False)
 
     def io_stuck(self) -> bool:

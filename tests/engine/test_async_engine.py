@@ -4,6 +4,7 @@ HTTP server answers an engine failure (uvicorn in a thread of this process)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -436,3 +437,43 @@ def test_a_streamed_batch_starts_before_every_prompt_has_a_place_and_a_full_one_
     finally:
         engine.step = real_step
         stop()
+
+
+def test_clients_that_come_and_go_during_a_long_step_leave_no_commands(engine):
+    """While one step runs long, clients keep arriving and leaving: a request that never
+    reached the engine is dropped from the queue of commands, not followed by an abort
+    (each left two commands, one holding its prompt, while its place was free again)."""
+    release = threading.Event()
+    real_step = engine.step
+
+    def slow_step():
+        release.wait(30)
+        return real_step()
+
+    async def main():
+        ae = AsyncEngine(engine, max_in_flight=4)
+        ae.start()
+        try:
+            first = ae.generate("a", [5, 6, 7], GREEDY)
+            task = asyncio.ensure_future(_last(first))
+            await asyncio.sleep(0.2)  # "a" is in its long step
+            for i in range(300):
+                outputs = ae.generate(f"x{i}", [1] * 200, GREEDY)
+                pending = asyncio.ensure_future(anext(outputs))
+                await asyncio.sleep(0)
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pending
+            assert len(ae._commands) <= ae.max_in_flight and ae.num_in_flight == 1
+            release.set()
+            assert (await asyncio.wait_for(task, 30)).finished
+        finally:
+            release.set()
+            ae.shutdown()
+
+    engine.step = slow_step
+    try:
+        asyncio.run(main())
+    finally:
+        engine.step = real_step
+    assert not engine.has_unfinished_requests() and not engine.requests

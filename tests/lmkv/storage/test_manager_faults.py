@@ -1050,6 +1050,13 @@ def test_a_chunk_a_prefetch_missed_is_not_asked_for_again_at_admission(monkeypat
     assert m.put("c", buf, "b")  # computed and stored here: not a miss any more
     buf.release()
     assert not m._missed_lately("c")
+    for key in ("x", "y"):
+        m._note_missed(key)
+    later = time.monotonic() + manager_module.MISS_TTL
+    monkeypatch.setattr(manager_module, "time", SimpleNamespace(monotonic=lambda: later))
+    m._note_missed("z")  # the notes past MISS_TTL go (they were kept up to MISSES_KEPT)
+    monkeypatch.undo()
+    assert list(m._missed) == ["z"]
     pool.check_integrity()
     m.close()
 
