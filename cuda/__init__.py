@@ -8,6 +8,7 @@ gate all build exactly these.
 
 from __future__ import annotations
 
+import hashlib
 import pkgutil
 from pathlib import Path
 
@@ -36,3 +37,13 @@ INSTANTIATIONS: dict[str, list[str]] = {
 
 def read_source(file: str) -> str:
     return (SOURCE_DIR / file).read_text()
+
+
+def headers_digest() -> str:
+    """A digest of the headers the kernels include: CuPy's cache of compiled kernels is keyed
+    by a file's own text and the options, not by what it includes, so the options carry
+    this (a changed header served the old cubins after an upgrade)."""
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.glob("*.cuh")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]

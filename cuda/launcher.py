@@ -11,16 +11,20 @@ wrappers (``lmkv_cuda.kv_copy`` etc.) take the launcher as their first argument.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
-from lmkv_cuda import INSTANTIATIONS, SOURCE_DIR, read_source
+from lmkv_cuda import INSTANTIATIONS, SOURCE_DIR, headers_digest, read_source
 
 Kernel = Callable[..., None]  # (grid, block, args, shared_mem=0) -> None
+log = logging.getLogger(__name__)
 
 
 class Launcher(Protocol):
@@ -31,7 +35,7 @@ class Launcher(Protocol):
     def pointer(self, t: torch.Tensor) -> object: ...
 
 
-NVRTC_OPTIONS = ("-std=c++17", f"-I{SOURCE_DIR}")
+NVRTC_OPTIONS = ("-std=c++17", f"-I{SOURCE_DIR}", f"-DLMKV_HEADERS={headers_digest()}")
 
 
 class CupyLauncher:
@@ -88,16 +92,28 @@ def gpu_launcher(device_index: int) -> CupyLauncher | None:
 
 @functools.cache
 def _gpu_launcher(device_index: int) -> CupyLauncher | None:
-    try:
-        return CupyLauncher(device_index)
-    except Exception as e:  # ImportError, CUDARuntimeError, CompileException, ...
-        warnings.warn(
-            f"lmkv: CUDA kernels unavailable ({type(e).__name__}: {e}); using the torch "
-            "implementations. Install cupy-cuda13x (or cupy-cuda12x) for the kernels.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    if os.environ.get("LMKV_CUDA_KERNELS", "1") == "0":
+        log.info("lmkv: LMKV_CUDA_KERNELS=0: the torch implementations run instead of the CUDA kernels")
         return None
+    log.info("lmkv: compiling the CUDA kernels for cuda:%d with NVRTC (a first start takes about "
+             "half a minute; CuPy keeps them in $CUPY_CACHE_DIR, by default ~/.cupy/kernel_cache)",
+             device_index)
+    start = time.monotonic()
+    try:
+        launcher = CupyLauncher(device_index)
+    except Exception as e:  # ImportError, CUDARuntimeError, CompileException, OSError, ...
+        hint = ("Install cupy-cuda13x (or cupy-cuda12x, matching torch's CUDA) for the kernels"
+                if isinstance(e, ImportError) else
+                "CuPy's kernel cache ($CUPY_CACHE_DIR, by default ~/.cupy/kernel_cache) must be "
+                "writable, NVRTC must find CUDA's headers, and the driver must be as new as "
+                "CuPy's CUDA")
+        message = (f"lmkv: CUDA kernels unavailable ({type(e).__name__}: {e}); using the torch "
+                   f"implementations. {hint}.")
+        log.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return None
+    log.info("lmkv: CUDA kernels ready in %.1f s", time.monotonic() - start)
+    return launcher
 
 
 # ---- argument checks shared by the wrappers (no device synchronisation)

@@ -31,7 +31,9 @@ DRAIN_TIMEOUT = 30.0  # seconds drain waits for the writes queued below the hot 
 
 class LMKVCache:
     def __init__(self, config: LMKVConfig, layout: KVLayout, model: str,
-                 metrics: LMKVMetrics | None = None):
+                 metrics: LMKVMetrics | None = None, pin: bool | None = None):
+        """``pin``: page-lock the hot cache for copies to a GPU (default: where torch sees
+        one; an engine on the CPU says False)."""
         if layout.chunk_size != config.chunk_size:
             raise ValueError(f"layout chunk size {layout.chunk_size} != config {config.chunk_size}")
         self.config = config
@@ -43,7 +45,7 @@ class LMKVCache:
             raise ConfigError(  # before any pool, file or thread is opened
                 f"lmkv config key blend_check_layer is {config.blend_check_layer}, but the model "
                 f"has {layout.num_layers} layers (0..{layout.num_layers - 1})")
-        self.pool = MemoryPool(layout, config.hot_cache_bytes)
+        self.pool = MemoryPool(layout, config.hot_cache_bytes, pin=pin)
         self.storage = StorageManager(self.pool, self._build_tiers(), self.metrics,
                                       config.io_queue_size, keep_hot=config.local_cpu,
                                       policy=config.cache_policy)

@@ -184,8 +184,9 @@ def _page_lock(owner: object, memory: torch.Tensor) -> None:
     size = memory.numel() * memory.element_size()
     error = cudart.cudaHostRegister(memory.data_ptr(), size, 0)
     if int(error) != 0:
-        raise RuntimeError(f"cannot page-lock lmkv's {size}-byte CPU cache (cudaHostRegister: "
-                           f"{error}); lower max_local_cpu_size")
+        raise ValueError(f"cannot page-lock lmkv's {size / 1e9:.3g} GB CPU cache (cudaHostRegister: "
+                         f"error {int(error)}): the host, or its container, cannot pin that much "
+                         "memory; lower max_local_cpu_size")
     weakref.finalize(owner, _unlock, cudart, memory)  # holds the memory until then
 
 

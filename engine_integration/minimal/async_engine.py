@@ -269,6 +269,12 @@ class AsyncEngine:
             log.exception("engine step failed; failing its %d requests", len(self._queues))
             if self.metrics:
                 self.metrics.step_errors.inc()
+            lost = self.engine.device_lost()
+            if lost is not None:  # every later step would fail too: stop (health says 503)
+                log.error("the engine's CUDA device is unusable (%s); the engine stops: restart "
+                          "the process", lost)
+                self._fail_requests()
+                return False
             return self._fail_requests()
         for out in outputs:
             queue = self._queues.get(out.request_id)

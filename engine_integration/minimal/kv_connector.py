@@ -43,7 +43,8 @@ class KVConnector:
                  model_dir: Path, kv_cache: torch.Tensor, registry: CollectorRegistry,
                  encode: Callable[[str, bool], list[int]], launcher=None):
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, config.chunk_size)
-        self.cache = LMKVCache(config, layout, model_fingerprint(model_dir), LMKVMetrics(registry))
+        self.cache = LMKVCache(config, layout, model_fingerprint(model_dir), LMKVMetrics(registry),
+                               pin=kv_cache.device.type == "cuda")
         self._encode = encode
         # the separator's ids as running text has them (lmkv.blend.segments)
         self.blend_separator = separator_tokens(lambda text: encode(text, False),

@@ -60,6 +60,10 @@ class LLMEngine:
         self.device = device = resolve_device(config.device)
         self.dtype_name = config.dtype if config.dtype != "auto" else default_dtype(device)
         self.dtype = parse_dtype(self.dtype_name)
+        if (self.dtype is torch.bfloat16 and device.torch.type == "cuda"
+                and torch.cuda.get_device_capability(device.torch) < (8, 0)):
+            log.warning("--dtype bfloat16 on %s, a GPU before Ampere: its bfloat16 is emulated "
+                        "(slow); --dtype float16 (or auto) runs natively", device.torch)
         self.tokenizer = (gguf.tokenizer() if gguf
                           else Tokenizer.from_dir(model_dir, mc.eos_token_ids))
 
@@ -98,14 +102,21 @@ class LLMEngine:
                 model = gguf.load_model(mc, self.dtype, max_len)
         else:
             model = load_model(model_dir, mc, self.dtype, max_len)
-        self.model = model.to(device.torch)
-        self.model.model.rope.to(device.torch)
         # [L, 2, num_blocks, block_size, Hkv, D]; zeros touches every page now, not mid-request
         shape = (mc.num_layers, 2, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
-        if device.torch.type == "cpu":
-            self.kv_cache = zeros_in_memory(shape, self.dtype, "kv_cache_memory (--kv-cache-memory)")
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=device.torch)
+        try:
+            self.model = model.to(device.torch)
+            self.model.model.rope.to(device.torch)
+            if device.torch.type == "cpu":
+                self.kv_cache = zeros_in_memory(shape, self.dtype, "kv_cache_memory (--kv-cache-memory)")
+            else:
+                self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=device.torch)
+        except torch.OutOfMemoryError as e:
+            kv_bytes = math.prod(shape) * self.dtype.itemsize
+            raise ValueError(
+                f"out of GPU memory on {device.torch} for the model's weights and "
+                f"{kv_bytes / 1e9:.3g} GB of KV memory (kv_cache_memory, --kv-cache-memory): give "
+                f"less, or free the GPU (another process may hold it: nvidia-smi) ({e})") from e
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.metrics = metrics or EngineMetrics()
         self.kv_connector = None
@@ -266,6 +277,18 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the step -------------------------------------------------------------------
+    def device_lost(self) -> BaseException | None:
+        """After a failed step: the error that makes the engine's CUDA device unusable for
+        good (a sticky error: an illegal address, an ECC error: every later call fails
+        too), or None (the CPU; a device that still works)."""
+        if self.device.torch.type != "cuda":
+            return None
+        try:
+            torch.cuda.synchronize(self.device.torch)
+        except Exception as e:
+            return e
+        return None
+
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         preemptions_before = self.scheduler.num_preemptions

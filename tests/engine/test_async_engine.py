@@ -477,3 +477,33 @@ def test_clients_that_come_and_go_during_a_long_step_leave_no_commands(engine):
     finally:
         engine.step = real_step
     assert not engine.has_unfinished_requests() and not engine.requests
+
+
+def test_a_step_failure_that_leaves_the_device_unusable_stops_the_engine(engine, caplog):
+    """A sticky CUDA error (an illegal address, an ECC error) fails every later step too:
+    the engine stops, saying so, and /health answers 503 (it answered 200 while every
+    request got a 500, so no supervisor restarted the process)."""
+    real_lost = engine.device_lost
+    engine.device_lost = lambda: RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    async def main():
+        ae = AsyncEngine(engine, max_in_flight=8)
+        ae.start()
+        try:
+            _fail_next_step(engine)
+            with pytest.raises(EngineError):
+                await _last(ae.generate("a", [5, 6, 7], GREEDY))
+            deadline = time.monotonic() + 10
+            while ae.is_alive:
+                assert time.monotonic() < deadline, "the engine went on"
+                await asyncio.sleep(0.05)
+        finally:
+            ae.shutdown()
+
+    try:
+        with caplog.at_level(logging.ERROR):
+            asyncio.run(main())
+    finally:
+        engine.device_lost = real_lost
+    assert "CUDA device is unusable" in caplog.text and "restart the process" in caplog.text
+    assert engine.device_lost() is None  # a CPU engine's device is never lost
