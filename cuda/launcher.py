@@ -92,7 +92,7 @@ def gpu_launcher(device_index: int) -> CupyLauncher | None:
 
 @functools.cache
 def _gpu_launcher(device_index: int) -> CupyLauncher | None:
-    if os.environ.get("LMKV_CUDA_KERNELS", "1") == "0":
+    if os.environ.get("LMKV_CUDA_KERNELS", "").strip().lower() in ("0", "false", "off", "no"):
         log.info("lmkv: LMKV_CUDA_KERNELS=0: the torch implementations run instead of the CUDA kernels")
         return None
     log.info("lmkv: compiling the CUDA kernels for cuda:%d with NVRTC (a first start takes about "

@@ -22,7 +22,7 @@ CONFIG_FILE_ENV = "LMKV_CONFIG_FILE"
 ENV_PREFIX = "LMKV_"
 # LMKV_* variables that are not keys
 _NOT_KEYS = {"CONFIG_FILE", "CACHE_DIR", "TEST_CACHE_DIR", "NATIVE_DECODE", "NATIVE_COPY", "NATIVE_ATTENTION",
-             "CODEC_PRODUCT", "LMCACHE_VENV", "EXTRAS"}
+             "CODEC_PRODUCT", "LMCACHE_VENV", "EXTRAS", "CUDA_KERNELS"}
 MAX_SIZE_GB = 1e6  # sizes beyond this are a typo, not a machine
 
 

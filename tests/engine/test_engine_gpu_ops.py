@@ -54,7 +54,7 @@ def test_the_cuda_kernels_can_be_turned_off_and_their_cache_key_covers_the_heade
     import lmkv_cuda
     from lmkv_cuda import launcher
 
-    monkeypatch.setenv("LMKV_CUDA_KERNELS", "0")
+    monkeypatch.setenv("LMKV_CUDA_KERNELS", "off")
     launcher._gpu_launcher.cache_clear()
     try:
         with warnings.catch_warnings():

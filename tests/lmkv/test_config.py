@@ -29,7 +29,8 @@ def test_lmkvs_switches_in_the_environment_are_not_config_keys(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("chunk_size: 64\n")
     env = {"LMKV_CONFIG_FILE": str(path), "LMKV_CACHE_DIR": "/tmp/x", "LMKV_NATIVE_DECODE": "0",
-           "LMKV_NATIVE_COPY": "0", "LMKV_NATIVE_ATTENTION": "0", "LMKV_CODEC_PRODUCT": "float32"}
+           "LMKV_NATIVE_COPY": "0", "LMKV_NATIVE_ATTENTION": "0", "LMKV_CODEC_PRODUCT": "float32",
+           "LMKV_CUDA_KERNELS": "0"}
     assert load_config(env=env).chunk_size == 64
 
 
