@@ -688,25 +688,33 @@ def test_a_session_whose_prompt_grows_loads_the_partial_chunk_of_its_prompt_as_i
     worker.wait_for_save()
 
 
+def _loaded_lossy_then_lost(prompt: list[int], lost: int):
+    """(engine, scheduler role, keys): request "a" loaded every chunk of ``prompt`` decoded
+    lossy (its pages are in the engine's prefix cache) and finished; lmkv has since lost its
+    first ``lost`` chunks."""
+    engine = _engine(cache_policy="lru")
+    keys = engine.keys(prompt)
+    _store(engine, prompt)
+    sched = SchedulerConnector(_LossyCache(engine), BLOCK)
+    a = Request("a", prompt + [1, 2, 3])
+    _, meta = _schedule(sched, a, computed=0)
+    assert sched.served_lossy(a)
+    for key in meta.loads[0].keys:
+        engine.take(key).release()
+    sched.request_finished(a)
+    for key in keys[:lost]:
+        engine.storage.hot.entries.pop(key).release()
+        engine.storage.hot.policy.removed(key)
+    return engine, sched, keys
+
+
 def test_chunks_saved_from_under_the_engines_hit_are_marked_lossy_where_it_holds_lossy_kv():
     """Chunks lmkv lacks under the engine's own hit while it holds later ones are saved from
     the engine's pages: where those pages hold KV another request loaded lossy, the save is
     marked lossy as the request's other saves are (it was stored as exact KV, to lossless
     tiers, and served as exact from then on)."""
-    engine = _engine(cache_policy="lru")
     prompt = list(range(2000, 2000 + 4 * CHUNK))
-    keys = engine.keys(prompt)
-    _store(engine, prompt)
-    sched = SchedulerConnector(_LossyCache(engine), BLOCK)
-    a = Request("a", prompt + [1, 2, 3])
-    _, meta = _schedule(sched, a, computed=0)  # loads all 4 chunks, decoded lossy
-    assert sched.served_lossy(a)
-    for key in meta.loads[0].keys:
-        engine.take(key).release()
-    sched.request_finished(a)
-    for key in keys[:2]:  # lmkv loses chunks 0 and 1
-        engine.storage.hot.entries.pop(key).release()
-        engine.storage.hot.policy.removed(key)
+    engine, sched, keys = _loaded_lossy_then_lost(prompt, lost=2)
     b = Request("b", prompt + [4, 5, 6])
     _, meta = _schedule(sched, b, computed=2 * CHUNK)  # the engine serves a's pages 0 and 1
     assert sched.served_lossy(b)
@@ -738,20 +746,8 @@ def test_a_request_recomputed_without_loads_over_lossy_engine_pages_is_lossy():
     """A loads chunks 0-1 lossy (they enter the engine's prefix cache). B's load failed in
     another step and B is recomputed without lmkv (recompute_without_loads): its engine hit
     covers A's lossy pages, so what B computes and saves is approximate."""
-    engine = _engine(cache_policy="lru")
     prompt = list(range(1000, 1000 + 3 * CHUNK))
-    keys = engine.keys(prompt)
-    _store(engine, prompt)
-    sched = SchedulerConnector(_LossyCache(engine), BLOCK)
-    a = Request("a", prompt + [1, 2, 3])
-    _, meta = _schedule(sched, a, computed=0)
-    assert sched.served_lossy(a)
-    for key in meta.loads[0].keys:
-        engine.take(key).release()
-    sched.request_finished(a)
-    for key in keys:  # lmkv loses them (evicted / keep_hot off)
-        engine.storage.hot.entries.pop(key).release()
-        engine.storage.hot.policy.removed(key)
+    engine, sched, keys = _loaded_lossy_then_lost(prompt, lost=3)  # (evicted, keep_hot off)
     b = Request("b", prompt + [4, 5, 6])
     sched.recompute_without_loads(b)  # e.g. a load of its step failed
     _, meta = _schedule(sched, b, computed=2 * CHUNK)  # engine serves a's lossy pages 0, 1
