@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 _DRAIN_CHUNK = 256 * 1024
 _EVICT_STEP = 4 << 20  # a PUT evicts for this many more bytes only once those before arrived
 _IOV_MAX = 512  # buffers per sendmsg/recvmsg call, below Linux's IOV_MAX of 1024
+SEND_STALL = 5.0  # seconds a reply may wait for its reader to take any of it
 # TCP keepalive: a peer silent for 60 s is probed every 10 s, and after 6 unanswered
 # probes the kernel fails the connection (a dead client host is noticed in ~2 minutes).
 _KEEPALIVE_IDLE_S = 60
@@ -89,7 +90,8 @@ class _Closed(Exception):
 
 
 class _Stalled(Exception):
-    """A frame did not complete within io_timeout."""
+    """A frame did not complete within io_timeout (or its reply's reader stopped: the
+    message says)."""
 
 
 class Connection:
@@ -124,10 +126,10 @@ class Connection:
             if not self.stopping:
                 self.quiet.log(log, logging.INFO, "closed", "%s closed the connection inside a "
                                "frame", self.peer)
-        except _Stalled:
+        except _Stalled as exc:
             self.traffic.protocol_errors["timeout"] += 1
-            self.quiet.log(log, logging.WARNING, "timeout", "%s: frame not completed within "
-                           "%ss; closing", self.peer, self.config.io_timeout)
+            self.quiet.log(log, logging.WARNING, "timeout", "%s: %s; closing", self.peer,
+                           exc or f"frame not completed within {self.config.io_timeout:g}s")
         except OSError as exc:  # including ETIMEDOUT: keepalive probes went unanswered
             if not self.stopping:
                 self.quiet.log(log, logging.INFO, "error", "%s: connection error: %s",
@@ -317,16 +319,31 @@ class Connection:
             length -= chunk
 
     def _send(self, buffers: list[bytes | memoryview]) -> None:
-        """Send ``buffers`` in order before the frame's deadline; one call in practice."""
+        """Send ``buffers`` in order before the frame's deadline, the reader taking some of
+        them at least every SEND_STALL seconds (a GET's value is held, unevictable, while it
+        is sent: a client that stopped reading held it for all of io_timeout, and writes
+        that needed its room were dropped); one call in practice."""
+        progress = time.monotonic()
         while buffers:
-            self._until_deadline(socket.SO_SNDTIMEO)
+            deadline = min(self._deadline, progress + SEND_STALL)
+            try:
+                self._timeouts.until(socket.SO_SNDTIMEO, deadline)
+            except TimeoutError:
+                raise self._send_stalled(deadline) from None
             try:
                 sent = self.sock.sendmsg(buffers[:_IOV_MAX])
             except BlockingIOError:  # SO_SNDTIMEO expired with nothing sent
                 sent = 0
+            if sent:
+                progress = time.monotonic()
             buffers = _advance(buffers, sent)
-            if buffers and time.monotonic() > self._deadline:
-                raise _Stalled
+            if buffers and time.monotonic() > deadline:
+                raise self._send_stalled(deadline)
+
+    def _send_stalled(self, deadline: float) -> _Stalled:
+        if deadline < self._deadline:
+            return _Stalled(f"its reader took none of a reply for {SEND_STALL:g}s")
+        return _Stalled()
 
 
 def _advance(views: list, n: int) -> list:

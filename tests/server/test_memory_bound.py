@@ -165,3 +165,34 @@ def test_a_stalled_put_holds_no_free_memory_that_other_puts_need(spawn_server):
     assert backend.contains(keys) == [True] * len(keys) and server.stats()["evictions"] == 0
     stalled.close()
     backend.close()
+
+
+def test_a_client_that_stops_reading_its_get_holds_the_value_seconds_not_io_timeout(spawn_server):
+    """A GET's value cannot be evicted while it is sent: a client that asks for a large value
+    and reads none of it is cut off after 5 s without progress (it held the value for all of
+    io_timeout, 30 s, and every PUT that needed its room was dropped meanwhile)."""
+    import socket
+    import time
+
+    from lmkv.backends import lm_wire as wire
+    from lmkv.backends.lm import lmcache_key
+
+    server = spawn_server("--max-memory", "64MiB")
+    backend = LMBackend(server.url, timeout=30)
+    backend.put([("big@1", b"z" * (48 << 20))])
+    assert backend.contains(["big@1"]) == [True]
+    reader = socket.create_connection(("127.0.0.1", server.port))
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.sendall(wire.pack_request(wire.Command.GET, lmcache_key("big@1").encode()))
+    time.sleep(1)
+    start, stored = time.monotonic(), None
+    while time.monotonic() - start < 20:
+        backend.put([("new@1", b"n" * (32 << 20))])  # needs big@1's room
+        if backend.contains(["new@1"]) == [True]:
+            stored = time.monotonic() - start
+            break
+        time.sleep(0.5)
+    reader.close()
+    backend.close()
+    assert stored is not None and stored < 8, stored
+    assert "its reader took none of a reply for 5s" in server.log()
