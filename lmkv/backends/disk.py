@@ -403,23 +403,16 @@ class DiskBackend(StorageBackend):
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Reads the index (and stats a file it lacks) but changes nothing: lookups run beside
         the I/O thread's writes and reads, which alone take files into the index."""
-        out = []
-        for key in keys:
-            name = self._name(key)
-            size = self.index.get(name)
-            if size is None:
-                size = self._foreign_size(name)
-            out.append(size is not None and size <= self.max_value_bytes and name not in self.spoiled)
-        return out
+        return [self._claimable(self._name(k), adopt=False) is not None for k in keys]
 
-    def _claimable(self, name: str) -> int | None:
+    def _claimable(self, name: str, adopt: bool = True) -> int | None:
         """The size of file ``name`` if it may be read: indexed (or written since the index
         was built by another process sharing the directory, such as `engine precompute`
-        beside a running server: taken into the index now), no larger than a value can be,
-        not a removed file left undeleted."""
+        beside a running server: taken into the index now, with ``adopt``), no larger than
+        a value can be, not a removed file left undeleted."""
         size = self.index.get(name)
         if size is None:
-            size = self._adopt(name)
+            size = self._adopt(name) if adopt else self._foreign_size(name)
         if size is None or size > self.max_value_bytes or name in self.spoiled:
             return None
         return size
