@@ -176,6 +176,12 @@ class DevicePagedMemory(PagedMemory):
         if stage is not dst:
             copy_to_host(dst[:, :, skip:], stage[:, :, skip:])
 
+    def prepare(self) -> None:
+        """Check the layers and build their address table now, which compiles lmkv's kernels
+        on a first use (NVRTC: about half a minute without CuPy's cached cubins): at vLLM's
+        start, not in the first request's step."""
+        self._kv()
+
     def _kv(self):
         """The layers as the copies take them, checked once per launcher (lmkv.ops.vllm_layers)."""
         if self._prepared is None or self._prepared[0] is not self.launcher:
@@ -183,7 +189,9 @@ class DevicePagedMemory(PagedMemory):
         return self._prepared[1]
 
 
-def gpu_paged_memory(layers: list[torch.Tensor]) -> DevicePagedMemory:
+def gpu_paged_memory(layers: list[torch.Tensor], launcher=None) -> DevicePagedMemory:
     """vLLM registers the logical view [num_blocks, Hkv, block_size, 2 * D] of the GPU
-    backends' layout; pass ``t.transpose(1, 2)`` of it."""
-    return DevicePagedMemory(layers)
+    backends' layout; pass ``t.transpose(1, 2)`` of it. Prepared (kernels compiled) here."""
+    paged = DevicePagedMemory(layers, launcher)
+    paged.prepare()
+    return paged

@@ -177,6 +177,29 @@ def test_the_gpu_layout_moves_chunks_with_the_transfer_kernels(emu):
     assert torch.equal(back[:, 2, 4:], chunk[:, 2, 4:]) and not back[:, :2].any()
 
 
+def test_the_gpu_layouts_kernels_are_ready_when_vllm_registers_its_caches(emu, monkeypatch):
+    """Registering vLLM's GPU layers prepares them for lmkv's kernels at once (a first start
+    compiles the kernels there, not in the first request's step): no copy prepares again."""
+    from lmkv_cuda import kv_copy
+
+    made = []
+
+    class Counted(kv_copy.VllmLayers):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(kv_copy, "VllmLayers", Counted)
+    raw = torch.zeros(L, NB, BS, H, 2 * D)
+    paged = gpu_paged_memory([raw[i] for i in range(L)], launcher=emu)
+    assert made == [1]
+    chunk = torch.randn(2, L, T, H, D)
+    slots = torch.randperm(NB * BS)[:T]
+    paged.load(chunk, slots)
+    paged.save(slots, torch.zeros_like(chunk), 0, layer=1)
+    assert made == [1]
+
+
 def test_the_gpu_layouts_layers_are_checked_once_not_per_copy(emu, monkeypatch):
     """The transfer kernels' wrapper checks vLLM's layers (and builds their address table)
     once per registered cache; each copy, all layers or one, checks only its chunk and
