@@ -104,6 +104,9 @@ class StorageManager:
         # behind a slow tier they give way (the latest first) to a save or read that finds
         # no slot (_slot), as holds do
         self._queued: dict[_Write, None] = {}
+        # queued prefetch jobs -> the hot chunks before their run, held until the job ends
+        # (its slots never evict them); they too give way to a save or read with no slot
+        self._prefixes: dict[object, list[ChunkBuffer]] = {}
         # chunks a background read found in no tier -> when (time.monotonic()): see MISS_TTL
         self._missed: OrderedDict[str, float] = OrderedDict()
         # hot chunks whose write below was dropped or failed -> the tiers that lack them:
@@ -447,7 +450,7 @@ class StorageManager:
         under it, not as roots)."""
         if not self.keep_hot:
             return
-        prefix: list[ChunkBuffer] = []  # held until the job ends: its slots never evict them
+        prefix: list[ChunkBuffer] = []  # held until the job ends (_prefixes)
         seen: set[str] = set()
         for key in keys:
             buf = self.hot.hold(key)
@@ -456,6 +459,7 @@ class StorageManager:
             prefix.append(buf)
             seen.add(key)
         n = len(prefix)
+        job, filed = object(), False
         with self._lock:
             run = []
             for key in keys[n:]:
@@ -465,15 +469,16 @@ class StorageManager:
                 seen.add(key)
             if run:
                 self._inflight.update(run)
+                if prefix:
+                    self._prefixes[job], filed = prefix, True
         parent = keys[n - 1] if n else parent
         try:
             queued = bool(run) and self.io.submit(
-                lambda: self._prefetch_run(run, parent, prefix)) is not None
+                lambda: self._prefetch_run(run, parent, job)) is not None
         except RuntimeError:  # the worker is closed (lmkv shutting down)
             queued = False
         if not queued:
-            for buf in prefix:
-                buf.release()
+            self._release_prefix(job, None if filed else prefix)
             if run:
                 with self._lock:
                     self._inflight.difference_update(run)
@@ -553,16 +558,21 @@ class StorageManager:
     def _slot(self) -> ChunkBuffer | None:
         """A free slot, evicting what the policy picks; where none is to be had, the chunks
         held for waiting requests are let go, the latest request's first (the earliest is
-        likeliest to be looked up next), then queued writes are dropped, the latest first,
-        until one is: holds and writes behind a slow tier only take slots no save or read
-        needs."""
+        likeliest to be looked up next), then those queued prefetches hold before their
+        runs (the latest first: its run may then be refused by a prefix policy), then queued
+        writes are dropped, the latest first, until one is: holds and writes behind a slow
+        tier only take slots no save or read needs."""
         buf = self.hot.allocate()
         while buf is None:
             with self._lock:
                 latest = next(reversed(self._held), None)
-                write = None if latest is not None else self._freeing_write()
+                prefix = self._prefixes.popitem()[1] if latest is None and self._prefixes else None
+                write = None if latest is not None or prefix is not None else self._freeing_write()
             if latest is not None:
                 latest.release()
+            elif prefix is not None:
+                for held in prefix:
+                    held.release()
             elif write is not None:
                 self._drop(write)
                 self._quiet.log(log, logging.WARNING, "writes", "lmkv: dropped a queued write "
@@ -602,13 +612,20 @@ class StorageManager:
                             "for %d waiting requests that did not ask for them within %.0f s",
                             len(stale), ARRIVAL_HOLD)
 
-    def _prefetch_run(self, keys: list[str], parent: str | None, prefix: list[ChunkBuffer]) -> None:
+    def _release_prefix(self, job: object, bufs: list[ChunkBuffer] | None = None) -> None:
+        """Give back the hot chunks held for prefetch ``job`` (``bufs`` where they were not
+        filed under it); none where ``_slot`` took them back."""
+        with self._lock:
+            bufs = self._prefixes.pop(job, bufs or [])
+        for buf in bufs:
+            buf.release()
+
+    def _prefetch_run(self, keys: list[str], parent: str | None, job: object) -> None:
         try:
             for buf in self._load_run(keys, prefetch=True, parent=parent):
                 buf.release()
         finally:
-            for buf in prefix:
-                buf.release()
+            self._release_prefix(job)
             with self._lock:
                 self._inflight.difference_update(keys)
 

@@ -1275,3 +1275,29 @@ def test_bring_up_of_a_repeated_key_leaks_nothing():
     m._inflight.clear()
     m.close()
     assert pool.num_free == pool.num_slots
+
+
+def test_hot_chunks_a_queued_prefetch_holds_give_way_to_a_save():
+    """A prefetch holds the hot chunks before its run until its job ends; while the job
+    waits in the queue, a save that finds no slot takes them back (was: no slot, the save
+    dropped) and the job still runs."""
+    pool, (tier,), m = manager(slots=4, policy="lru")
+    seed(pool, tier, ["x"])
+    for key in ("h0", "h1", "h2", "h3"):
+        put_one(pool, m, key)
+    assert m.io.drain(5)  # written below: no queued write to drop for a slot
+    gate = threading.Event()
+    m.io.submit(gate.wait)
+    try:
+        m.prefetch(["h0", "h1", "h2", "h3", "x"])  # all four held, the job queued
+        buf = m.allocate()
+        assert buf is not None, "the save found no slot"
+        buf.release()
+        assert metric(m, "lmkv_dropped_total", reason="no_memory") == 0
+    finally:
+        gate.set()
+    assert m.io.drain(5)
+    assert m.hot.contains("x") and not m._prefixes
+    assert all(b.ref_count == 1 for b in m.hot.entries.values())
+    pool.check_integrity()
+    m.close()
