@@ -122,6 +122,7 @@ class Persister:
                 log.warning("skipping unreadable persisted file %s: %s", path, exc)
                 outcome = _Outcome.CORRUPT
             counts[outcome] += 1
+        self.store.rank_reloaded()
         loaded, corrupt, no_room = counts.values()
         if no_room:
             log.warning("%d persisted values (the oldest) did not fit in max_memory; their files "

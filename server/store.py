@@ -216,8 +216,16 @@ class Store:
             missing -= len(entry.pages)
             self._unlink(entry)
 
+    def rank_reloaded(self) -> None:
+        """Tell the policy of the values committed as oldest so far, the oldest first (at
+        the end of a reload: otherwise the first request after it waited for all of them,
+        with every connection behind the lock, 1.4 s for 200,000 values)."""
+        with self._lock:
+            self._rank_reloaded()
+
     def _rank_reloaded(self) -> None:
-        """Tell the policy of the values committed as oldest, the oldest first."""
+        """``rank_reloaded``, under the lock (done lazily by the first PUT or hit if a
+        reload did not)."""
         for key in reversed(self._reloaded):
             self._policy.inserted(_name(key), None)
         self._reloaded.clear()
