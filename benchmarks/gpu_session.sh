@@ -4,8 +4,8 @@
 # on CUDA. Runs with the machine's own python3 (torch, CuPy, transformers) and lmkv from
 # this checkout; Python wheels it lacks travel in .whl/ (see docs/kernels.md, "GPU benchmark").
 # Each step has its own time limit; full logs go to $OUT (or /tmp/gpu-out), tails to stdout.
-#   benchmarks/gpu_session.sh [STEP...]   steps: tests kernels ttft warm throughput eager profile
-#   (default: all)
+#   benchmarks/gpu_session.sh [STEP...]   steps: tests kernels ttft warm warm_after throughput
+#   eager profile (default: all but warm_after)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -48,6 +48,8 @@ for s in $steps; do
         --repeats 9 ;;
     warm) TAIL=24 step warm 90 $PY benchmarks/profile_warm.py --device cuda --dtype bfloat16 \
         --model smollm2-shape ;;
+    warm_after) TAIL=24 step warm_after 90 $PY benchmarks/profile_warm.py --device cuda \
+        --dtype bfloat16 --model smollm2-shape --served-before 10 ;;
     throughput) step throughput 110 $PY benchmarks/engine_throughput.py --device cuda --dtype bfloat16 \
         --model smollm2-shape ;;
     eager) step eager 110 $PY benchmarks/engine_throughput.py --device cuda --dtype bfloat16 \

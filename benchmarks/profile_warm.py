@@ -1,7 +1,10 @@
 """Where a warm request's time goes: the engine with lmkv (a hot cache over a disk tier, as in
 lmkv_ttft.py) answers a prompt whose KV is in the hot cache; prints the median TTFT, the
 device syncs torch reports during those requests (its sync debug mode, CUDA only; CuPy's
-are not seen) and cProfile's functions by own time over more of them.
+are not seen) and cProfile's functions by own time over more of them. ``--served-before N``
+first serves N other prompts of the same length through lmkv, as lmkv_ttft.py does before
+its warm requests (the engine's freed blocks then come back in another order, and lmkv's
+hot cache and disk tier hold more).
 
     python benchmarks/profile_warm.py --device cuda --dtype bfloat16 --model smollm2-shape
 """
@@ -34,19 +37,25 @@ def main() -> None:
     ap.add_argument("--model", help=MODEL_HELP)
     add_device_args(ap)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--served-before", type=int, default=0,
+                    help="other prompts served through lmkv before the warm ones")
     args = ap.parse_args()
 
     model_dir = bench_model(args.model)
     llm = disk_llm(model_dir, Path(tempfile.mkdtemp(prefix="lmkv-warm-")) / "disk", args.chunk,
                    engine_args(args))
-    prompt = random_prompt(args.prompt_len, llm.engine.model_config.vocab_size, seed=0)
+    vocab = llm.engine.model_config.vocab_size
+    prompt = random_prompt(args.prompt_len, vocab, seed=0)
+    for i in range(args.served_before):
+        ttft(llm, random_prompt(args.prompt_len, vocab, seed=1000 + i))
     llm.generate([prompt], FIRST_TOKEN)
     llm.engine.kv_connector.cache.drain()
     ttft(llm, prompt)
     warm = [ttft(llm, prompt) for _ in range(args.repeats)]
     hit = llm.generate([prompt], FIRST_TOKEN)[0].num_external_tokens
     print(f"warm TTFT {statistics.median(warm) * 1e3:.2f} ms (median of {args.repeats}; "
-          f"min {min(warm) * 1e3:.2f}), {hit} of {len(prompt)} tokens loaded")
+          f"min {min(warm) * 1e3:.2f}), {hit} of {len(prompt)} tokens loaded; "
+          f"{args.served_before} other prompts served before")
 
     if llm.engine.device.torch.type == "cuda":
         torch.cuda.set_sync_debug_mode("warn")
