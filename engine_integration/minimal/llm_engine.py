@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 CUMULATIVE, DELTA, FINAL_ONLY = OutputKind.CUMULATIVE, OutputKind.DELTA, OutputKind.FINAL_ONLY
 MAX_HELD_RUN = 64  # byte-fallback tokens a stream holds back at most (16 characters or more)
+CONTEXT_TOKENS = 4  # prompt tokens decoded before the output's first ones (_decode)
 DEFAULT_BATCHED_TOKENS = 2048  # tokens per step with chunked prefill, unless configured
 
 
@@ -399,12 +400,13 @@ class LLMEngine:
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:  # the final text: the whole output decoded at once, cut at
-            text = self.tokenizer.decode(req.output_token_ids)  # the first stop string in it
+            text = self._decode(req, 0, len(req.output_token_ids))  # the first stop string in it
             held = req.held_text  # a character whose bytes the output ends before all came
             if held and not held.strip("\ufffd") and text.endswith(held):
                 text = text[: -len(held)]  # (it never completes: left out, as vLLM does)
-            hits = [i for s in p.stop if (i := text.find(s)) >= 0]
-            req.output_text = text[: min(hits)] if hits else text
+            hits = [(i, i + len(s)) for s in p.stop if (i := text.find(s)) >= 0]
+            start, end = min(hits, default=(len(text), len(text)))
+            req.output_text = text[: end if p.include_stop_str_in_output else start]
             if hits:
                 reason = FinishReason.STOP
         return reason
@@ -424,12 +426,12 @@ class LLMEngine:
         floor = max(req.detok_read, end - MAX_HELD_RUN)  # a longer run is let through
         while run and end > floor and ids[end - 1] in run:
             end -= 1
-        decode = self.tokenizer.decode
-        before = decode(ids[req.detok_prefix : req.detok_read]) if req.detok_read else ""
-        added = decode(ids[req.detok_prefix : end])[len(before) :] if end > req.detok_read else ""
+        first = req.detok_prefix
+        before = self._decode(req, first, req.detok_read) if req.detok_read else ""
+        added = self._decode(req, first, end)[len(before) :] if end > req.detok_read else ""
         req.held_text = ""
         if end < len(ids):  # the held run as it decodes for now
-            now = decode(ids[req.detok_prefix :])[len(before) :]
+            now = self._decode(req, first, len(ids))[len(before) :]
             req.held_text = now[len(added) :] if now.startswith(added) else now
         if end == req.detok_read:
             return ""
@@ -441,6 +443,19 @@ class LLMEngine:
         out, req.detok_sent = complete[req.detok_sent :], max(req.detok_sent, len(complete))
         req.held_text = added[len(complete) :] + req.held_text
         return out
+
+    def _decode(self, req: Request, start: int, stop: int) -> str:
+        """The text of output tokens [start, stop); from the first, as the prompt's last
+        tokens decoded with them give it (a SentencePiece decoder, Llama 2's or Mistral's,
+        drops the leading space of what it decodes: "▁Paris" alone is "Paris")."""
+        ids = req.output_token_ids[start:stop]
+        context = req.prompt_token_ids[-CONTEXT_TOKENS:] if start == 0 else []
+        if context:
+            head = self.tokenizer.decode(context)
+            text = self.tokenizer.decode(context + ids)
+            if "\ufffd" not in head and text.startswith(head):  # (else: a prompt ending
+                return text[len(head) :]  # inside a character, decoded alone)
+        return self.tokenizer.decode(ids)
 
     def _output(self, req: Request) -> RequestOutput:
         kind = req.params.output_kind

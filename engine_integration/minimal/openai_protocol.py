@@ -16,7 +16,15 @@ from .sampling_params import MAX_STOP_TOKEN_IDS, MAX_STOPS, SamplingParams
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy
 # fields that OpenAI clients send as null to mean "the default"
-_NULL_IS_DEFAULT = {"n", "stream", "echo", "ignore_eos", "return_token_ids"}
+_NULL_IS_DEFAULT = {"n", "stream", "echo", "ignore_eos", "return_token_ids",
+                    "include_stop_str_in_output", "min_tokens", "skip_special_tokens",
+                    "add_generation_prompt", "continue_final_message"}
+# vLLM's extensions this server lacks -> the value that asks for nothing (None: unset)
+_NEUTRAL = {"min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "skip_special_tokens": True,
+            "bad_words": None, "allowed_token_ids": None, "prompt_logprobs": None,
+            "truncate_prompt_tokens": None, "guided_json": None, "guided_regex": None,
+            "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
+            "logits_processors": None}
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -101,6 +109,23 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[StrictInt] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     return_token_ids: bool = False
+    include_stop_str_in_output: bool = False
+    # vLLM's extensions this server does not have (they would change the output): refused
+    # unless left at the value that changes nothing
+    min_tokens: int = 0
+    repetition_penalty: FiniteFloat | None = None
+    min_p: FiniteFloat | None = None
+    skip_special_tokens: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[Any] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    logits_processors: list[Any] | None = None
     # accepted for compatibility, refused unless left at values that change nothing
     presence_penalty: FiniteFloat | None = None
     frequency_penalty: FiniteFloat | None = None
@@ -121,6 +146,10 @@ class GenerationRequest(BaseModel):
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ValueError(f"response_format {self.response_format.get('type')!r} is not "
                              "supported: this server returns plain text")
+        for name, neutral in _NEUTRAL.items():
+            value = getattr(self, name, None)
+            if value is not None and value != neutral and not (neutral is None and value == []):
+                raise ValueError(f"{name} is not supported by this server")
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """SamplingParams from the fields set; ``max_tokens`` when the request has none."""
@@ -137,7 +166,8 @@ class GenerationRequest(BaseModel):
             "stop_token_ids": self.stop_token_ids,
         }
         given = {k: v for k, v in given.items() if v is not None}
-        return SamplingParams(ignore_eos=self.ignore_eos, **given)
+        return SamplingParams(ignore_eos=self.ignore_eos,
+                              include_stop_str_in_output=self.include_stop_str_in_output, **given)
 
     @property
     def include_usage(self) -> bool:
@@ -225,6 +255,13 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, lt=2**31)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # vLLM's chat extensions: refused unless left at their defaults (the model's own
+    # template, the assistant's turn opened after the messages)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -249,6 +286,14 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError("messages must not be empty")
         if self.logprobs or self.top_logprobs is not None:
             raise ValueError("logprobs is not supported")
+        if not self.add_generation_prompt or self.continue_final_message:
+            raise ValueError("add_generation_prompt false and continue_final_message are not "
+                             "supported: the assistant's turn is opened after the messages")
+        if self.chat_template or self.chat_template_kwargs:
+            raise ValueError("chat_template and chat_template_kwargs are not supported: the "
+                             "model's own template is used")
+        if self.echo:
+            raise ValueError("echo is not supported")
 
     def strings(self) -> Iterator[tuple[str, str]]:
         yield from super().strings()

@@ -32,6 +32,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # the text ends with the stop string it met
     output_kind: OutputKind = OutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:

@@ -857,3 +857,60 @@ def test_one_stop_string_longer_than_the_list_bound_is_taken():
         "### End of answer")
     with pytest.raises(ValueError, match="at most 16"):
         CompletionRequest.model_validate({"prompt": "hi", "stop": ["a"] * 17})
+
+
+# Review: vLLM's sampling and structured-output extensions change the output; this server
+# takes some of vLLM's extensions (ignore_eos, stop_token_ids, return_token_ids) and refuses
+# OpenAI's JSON mode, but answers these with plain, unconstrained text as if never sent.
+VLLM_EXTENSIONS = {
+    "min_tokens": {"min_tokens": 8},
+    "repetition_penalty": {"repetition_penalty": 1.5},
+    "min_p": {"min_p": 0.5},
+    "skip_special_tokens": {"skip_special_tokens": False},
+    "guided_json": {"guided_json": {"type": "object"}},
+    "guided_choice": {"guided_choice": ["yes", "no"]},
+    "structured_outputs": {"structured_outputs": {"choice": ["yes", "no"]}},
+}
+
+
+@pytest.mark.parametrize("field", list(VLLM_EXTENSIONS))
+def test_vllm_extensions_that_change_the_output_are_refused_not_ignored(server, field):
+    """From a review: vLLM's extensions this server lacks were ignored (200 with output
+    they do not shape); refused by name unless left at the value that changes nothing."""
+    body = {"prompt": PROMPTS[3], "max_tokens": 12, "temperature": 0}
+    r = httpx.post(f"{server}/v1/completions", json=body | VLLM_EXTENSIONS[field], timeout=60)
+    assert r.status_code == 400, f"{field} silently ignored: {r.text}"
+    assert field in r.json()["error"]["message"]
+    neutral = {"min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "skip_special_tokens": True,
+               "guided_json": None, "guided_choice": None, "structured_outputs": None}
+    r = httpx.post(f"{server}/v1/completions", json=body | {field: neutral[field]}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(server):
+    body = {"prompt": PROMPTS[3], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    text = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    stop = text[len(text) // 3 : len(text) // 3 + 2]
+    assert stop.strip(), text
+    cut = text[: text.index(stop)]
+    for extra in ({}, {"stream": True}):
+        for include, want in ((False, cut), (True, cut + stop)):
+            asked = body | {"stop": [stop], "include_stop_str_in_output": include} | extra
+            r = httpx.post(f"{server}/v1/completions", json=asked, timeout=60)
+            if extra:
+                got = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                              if line.startswith("data: {") and json.loads(line[6:])["choices"])
+            else:
+                got = r.json()["choices"][0]["text"]
+            assert got == want, (include, extra, got, want)
+
+
+def test_vllm_chat_extensions_that_change_the_prompt_are_refused(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for field, value in (("chat_template", "{{ messages }}"), ("continue_final_message", True),
+                         ("add_generation_prompt", False), ("echo", True)):
+        r = httpx.post(f"{server}/v1/chat/completions", json=body | {field: value}, timeout=60)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=60,
+                   json=body | {"add_generation_prompt": None, "continue_final_message": False})
+    assert r.status_code == 200, r.text

@@ -268,3 +268,34 @@ def test_an_output_cut_inside_a_character_ends_before_it(which, tiny_model_dir):
     assert not final.text.endswith("\ufffd") and tok.decode(cut).startswith(final.text)
     deltas = _outputs(tok, cut, OutputKind.DELTA, ())
     assert "".join(d.text for d in deltas) == final.text
+
+
+def test_a_completion_keeps_the_leading_space_of_its_first_token():
+    """Review: with a SentencePiece-style decoder (Llama 2's, Mistral's, TinyLlama's
+    tokenizer.json: decoders.Strip(" ", 1, 0)) the output alone decodes without its first
+    token's "▁": prompt "b c" and output "▁ab ▁a" must read " ab a" (what decoding the
+    prompt and output together adds, as vLLM's detokenizer gives it), so that prompt +
+    completion is the text, and a stop string with a leading space can match."""
+    from lmkv_engines.minimal.llm_engine import LLMEngine
+    from lmkv_engines.minimal.request import Request, RequestStatus
+    from lmkv_engines.minimal.sampling_params import OutputKind, SamplingParams
+
+    tok = _byte_fallback_tokenizer()
+    prompt = tok.encode("b c", add_special_tokens=False)
+    output = tok.encode("ab a", add_special_tokens=False)  # ["▁ab", "▁a"]
+    want = tok.decode(prompt + output)[len(tok.decode(prompt)):]
+    assert want == " ab a"
+    engine = LLMEngine.__new__(LLMEngine)
+    engine.tokenizer, engine.max_model_len = tok, 10_000
+    for kind in (OutputKind.FINAL_ONLY, OutputKind.DELTA):
+        req = Request("r", prompt, SamplingParams(max_tokens=len(output), ignore_eos=True,
+                                                  output_kind=kind))
+        texts = []
+        for token in output:
+            req.output_token_ids.append(token)
+            reason = engine._check_stop(req, token)
+            if reason is not None:
+                req.status, req.finish_reason = RequestStatus.FINISHED, reason
+            if kind is OutputKind.DELTA or reason is not None:
+                texts.append(engine._output(req).text)
+        assert "".join(texts) == want, (kind, texts)
