@@ -142,19 +142,21 @@ class LMKVCache:
         written again."""
         self.storage.touch(keys)
 
-    def fetch(self, keys: list[str], parent: str | None = None) -> list[ChunkBuffer]:
+    def fetch(self, keys: list[str], parent: str | None = None,
+              again: bool = False) -> list[ChunkBuffer]:
         """The longest loadable prefix of chunks, each retained for the caller (``parent``:
         the chunk before ``keys[0]`` in its prompt, None for a prompt's first chunk or RAG
-        chunks, which have none)."""
-        return self.storage.fetch(keys, parent)
+        chunks, which have none; ``again``: asked before for the same request, not served
+        yet: hot chunks are not counted as hits or uses again)."""
+        return self.storage.fetch(keys, parent, again)
 
     # ---- pins: the scheduler role plans a load by key, the worker role takes the chunks ----
-    def pin(self, keys: list[str], parent: str | None = None) -> list[bool]:
+    def pin(self, keys: list[str], parent: str | None = None, again: bool = False) -> list[bool]:
         """Pin the longest loadable prefix of ``keys`` in the hot cache (fetching from the
-        tiers below; ``parent``: the chunk before ``keys[0]`` in its prompt) for a load: one
-        flag per pinned chunk, True where it was decoded from a lossy codec. Each pin is
-        taken by the load (``take``) or given back (``unpin``)."""
-        bufs = self.fetch(keys, parent)
+        tiers below; ``parent``: the chunk before ``keys[0]`` in its prompt; ``again`` as
+        for fetch) for a load: one flag per pinned chunk, True where it was decoded from a
+        lossy codec. Each pin is taken by the load (``take``) or given back (``unpin``)."""
+        bufs = self.fetch(keys, parent, again)
         self.pins.add(keys[: len(bufs)], bufs)
         return [b.lossy for b in bufs]
 

@@ -212,7 +212,8 @@ class LookupServer:
             return {"found": e.lookup(keys)}
         if op == "pin":
             parent = msg.get("parent")
-            return {"lossy": e.pin(keys, None if parent is None else e.key_of(str(parent)))}
+            return {"lossy": e.pin(keys, None if parent is None else e.key_of(str(parent)),
+                                   bool(msg.get("again", False)))}
         if op == "unpin":
             e.unpin(keys)
             return {}
@@ -297,11 +298,12 @@ class LookupClient:
     def lookup(self, keys: list[str]) -> int:
         return min(r.call("lookup", keys=keys)["found"] for r in self.ranks)
 
-    def pin(self, keys: list[str], parent: str | None = None) -> list[bool]:
+    def pin(self, keys: list[str], parent: str | None = None, again: bool = False) -> list[bool]:
         pinned: list[list[bool]] = []
         try:
             for r in self.ranks:
-                pinned.append([bool(f) for f in r.call("pin", keys=keys, parent=parent)["lossy"]])
+                reply = r.call("pin", keys=keys, parent=parent, again=again)
+                pinned.append([bool(f) for f in reply["lossy"]])
         except BaseException:
             for r, flags in zip(self.ranks, pinned, strict=False):
                 r.unpin(keys[: len(flags)])

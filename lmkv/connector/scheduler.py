@@ -63,7 +63,7 @@ class ChunkIndex(Protocol):
     def tail_key(self, tokens: list[int]) -> str | None: ...
     def lookup(self, keys: list[str]) -> int: ...
     def touch(self, keys: list[str]) -> None: ...
-    def pin(self, keys: list[str], parent: str | None = None) -> list[bool]: ...
+    def pin(self, keys: list[str], parent: str | None = None, again: bool = False) -> list[bool]: ...
     def unpin(self, keys: list[str]) -> None: ...
     def prefetch(self, keys: list[str], parent: str | None = None) -> None: ...
     def bring_up(self, keys: list[str], parent: str | None = None) -> Arrival | None: ...
@@ -158,7 +158,10 @@ class SchedulerConnector:
     def on_new_request(self, request: Any, num_computed_tokens: int = 0) -> None:
         """A request entered the engine's queue: start pulling its chunks up to the hot cache,
         past ``num_computed_tokens`` (the engine's own prefix hit as it stands now, where
-        the engine knows it: lmkv never loads the chunks under that hit)."""
+        the engine knows it: lmkv never loads the chunks under that hit). A producer loads
+        nothing, so reads nothing up."""
+        if not self.loads:
+            return
         st = self._state(request)
         first = num_computed_tokens // self.cache.chunk_size
         if first < len(st.keys):
@@ -207,6 +210,7 @@ class SchedulerConnector:
         token, not a chunk."""
         st = self._state(request)
         self._unpin(st)
+        again = st.looked_up is not None  # waiting for memory: its hits were counted
         st.found = (0, False)  # (none kept from an earlier lookup, if this one fails)
         if st.salted and num_computed_tokens:
             # the engine's hit may hold blended KV: what is computed over it is not exact
@@ -232,7 +236,7 @@ class SchedulerConnector:
         self.pinning.add(request.request_id)
         # each pin names the chunk before its first (the prefix policies keep a chunk only
         # behind its parent, and the engine's own hit may hold that parent)
-        lossy = (self.cache.pin(st.keys[first:full], st.keys[first - 1] if first else None)
+        lossy = (self.cache.pin(st.keys[first:full], st.keys[first - 1] if first else None, again)
                  if full > first else [])
         # at once: whatever follows, these pins are given back or loaded
         st.pinned, st.pinned_from = st.keys[first : first + len(lossy)], first
@@ -252,7 +256,7 @@ class SchedulerConnector:
         if (st.tail is not None and first + len(lossy) == full
                 and len(request.prompt_token_ids) - full * c > 1):  # a tail of 1: nothing to load
             # the same prompt again: its partial last chunk
-            tail = self.cache.pin([st.tail], st.keys[full - 1] if full else None)
+            tail = self.cache.pin([st.tail], st.keys[full - 1] if full else None, again)
             if tail:
                 st.pinned.append(st.tail)
                 lossy = lossy + tail

@@ -31,13 +31,15 @@ class HotCache:
     def contains(self, key: str) -> bool:
         return key in self.entries
 
-    def get(self, key: str) -> ChunkBuffer | None:
-        """The chunk with a reference for the caller (release it), or None."""
+    def get(self, key: str, use: bool = True) -> ChunkBuffer | None:
+        """The chunk with a reference for the caller (release it), or None; a use to the
+        policy unless ``use`` is False."""
         with self._lock:
             buf = self.entries.get(key)
             if buf is None:
                 return None
-            self.policy.accessed(key)
+            if use:
+                self.policy.accessed(key)
             return buf.retain()
 
     def hold(self, key: str) -> ChunkBuffer | None:

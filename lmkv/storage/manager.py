@@ -296,7 +296,8 @@ class StorageManager:
             n += 1
         return n
 
-    def fetch(self, keys: list[str], parent: str | None = None) -> list[ChunkBuffer]:
+    def fetch(self, keys: list[str], parent: str | None = None,
+              again: bool = False) -> list[ChunkBuffer]:
         """The longest prefix of ``keys`` that can be had, as chunks in the hot cache with a
         reference for the caller each; chunks read from a tier join the hot cache after
         ``parent`` (the chunk before ``keys[0]`` in its prompt) or the chunk before them.
@@ -305,10 +306,12 @@ class StorageManager:
         stuck in a tier call) ends the prefix, and until it finishes later loads take hot
         chunks only. A chunk a background read missed lately (MISS_TTL) ends the prefix
         without asking the tiers again. A key repeated in ``keys`` (content keys of repeated
-        text) gets one more reference to the same chunk."""
+        text) gets one more reference to the same chunk. ``again``: a request fetched for
+        before and not served yet (it waits for memory) asks again: its hot chunks count as
+        neither hits nor uses a second time."""
         unique = list(dict.fromkeys(keys))
         if len(unique) < len(keys):
-            got = dict(zip(unique, self.fetch(unique, parent), strict=False))
+            got = dict(zip(unique, self.fetch(unique, parent, again), strict=False))
             out, used = [], set()
             for key in keys:
                 if key not in got:
@@ -318,10 +321,11 @@ class StorageManager:
             return out
         out: list[ChunkBuffer] = []
         for key in keys:
-            buf = self.hot.get(key)
+            buf = self.hot.get(key, use=not again)
             if buf is None:
                 break
-            self.metrics.tier_hits.labels("hot").inc()
+            if not again:
+                self.metrics.tier_hits.labels("hot").inc()
             if self._unwritten:
                 self._write_again(key, buf)
             out.append(buf)

@@ -153,7 +153,8 @@ def test_chunks_the_engine_has_are_not_fetched_again(tiny_model_dir, tmp_path):
         lmkv = llm.engine.kv_connector.cache
         fetched: list[str] = []
         real_fetch = lmkv.fetch
-        lmkv.fetch = lambda keys, parent=None: fetched.extend(keys) or real_fetch(keys, parent)
+        lmkv.fetch = (lambda keys, parent=None, again=False:
+                      fetched.extend(keys) or real_fetch(keys, parent, again))
         prefetched: list[str] = []
         real_prefetch = lmkv.prefetch
         lmkv.prefetch = lambda keys, parent=None: prefetched.extend(keys) or real_prefetch(keys, parent)

@@ -108,9 +108,9 @@ def test_a_pin_names_the_chunk_before_it_in_the_workers_scope(served, monkeypatc
     parents = []
     real = engine.storage.fetch
 
-    def recording(keys, parent=None):
+    def recording(keys, parent=None, again=False):
         parents.append(parent)
-        return real(keys, parent)
+        return real(keys, parent, again)
 
     monkeypatch.setattr(engine.storage, "fetch", recording)
     assert remote.pin(keys[1:], keys[0]) == [False, False]
@@ -305,9 +305,9 @@ def test_a_pin_the_scheduler_stopped_waiting_for_is_given_back(served, monkeypat
     _store(engine, prompt)
     real = engine.storage.fetch
 
-    def slow(keys, parent=None):
+    def slow(keys, parent=None, again=False):
         time.sleep(1.0)
-        return real(keys, parent)
+        return real(keys, parent, again)
 
     engine.storage.fetch = slow
     with pytest.raises(TimeoutError):

@@ -303,8 +303,8 @@ class _LossyCache:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def pin(self, keys, parent=None):
-        return [True for _ in self._engine.pin(keys, parent)]
+    def pin(self, keys, parent=None, again=False):
+        return [True for _ in self._engine.pin(keys, parent, again)]
 
 
 def test_a_request_served_lossy_kv_by_the_engines_prefix_cache_is_lossy_too():
@@ -422,8 +422,8 @@ def test_a_request_waiting_several_steps_counts_its_engine_hit_as_one_use():
     touches = []
 
     class Counting(_LossyCache):
-        def pin(self, keys, parent=None):
-            return self._engine.pin(keys, parent)
+        def pin(self, keys, parent=None, again=False):
+            return self._engine.pin(keys, parent, again)
 
         def touch(self, keys):
             touches.append(list(keys))
@@ -768,8 +768,8 @@ class _LossyFrom:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def pin(self, keys, parent=None):
-        return [k in self._lossy for k in keys[: len(self._engine.pin(keys, parent))]]
+    def pin(self, keys, parent=None, again=False):
+        return [k in self._lossy for k in keys[: len(self._engine.pin(keys, parent, again))]]
 
 
 def test_an_engine_hit_into_a_chunk_loaded_lossy_that_is_this_prompts_partial_chunk():
@@ -818,3 +818,57 @@ def test_an_engine_hit_into_part_of_a_chunk_loaded_lossy_default_config():
     assert sched.served_lossy(b) and all(saves.values()), f"B's saves (position: lossy) {saves}"
     sched.request_finished(b)
     engine.close()
+
+
+def test_a_request_waiting_for_blocks_counts_its_hot_hits_and_uses_once():
+    """A request waiting for memory is looked up again every step: its hot chunks were
+    counted in lmkv_tier_hits_total{tier="hot"} and as uses to the policy at each lookup (3
+    waiting steps and a load of 2 chunks counted 8 hits), as lmkv_lookups_total is not."""
+    engine = _engine()
+    prompt = list(range(8000, 8000 + 2 * CHUNK + 1))
+    _store(engine, prompt)
+    uses = []
+    real = engine.storage.hot.policy.accessed
+    engine.storage.hot.policy.accessed = lambda key: uses.append(key) or real(key)
+    sched = SchedulerConnector(engine, BLOCK)
+    req = Request("w", prompt)
+    for _ in range(3):  # no blocks for it yet: looked up again at each step
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.build_connector_meta([])
+    offered, _ = _schedule(sched, req, 0)
+    registry = engine.metrics.registry
+    assert offered == 2 * CHUNK
+    assert registry.get_sample_value("lmkv_lookups_total") == 1
+    assert registry.get_sample_value("lmkv_tier_hits_total", {"tier": "hot"}) == 2
+    assert len(uses) == 2
+    sched.request_finished(req)
+    engine.close()
+
+
+def test_a_producer_reads_nothing_up_from_the_tiers_below(tmp_path):
+    """kv_role producer only saves: its scheduler role prefetched every new request's stored
+    chunks from disk (or a remote) into the hot cache, reads and evictions for chunks it
+    never loads."""
+    def cache(**config) -> LMKVCache:
+        cfg = load_config(env={}, chunk_size=CHUNK, max_local_cpu_size=0.001,
+                          local_disk=str(tmp_path), max_local_disk_size=0.01, **config)
+        return LMKVCache(cfg, KVLayout(2, 1, 4, torch.float32, CHUNK), "model")
+
+    prompt = list(range(8000, 8000 + 4 * CHUNK + 1))
+    writer = cache()
+    _store(writer, prompt)
+    writer.drain()
+    writer.close()
+
+    producer = cache(kv_role="producer")
+    sched = SchedulerConnector(producer, BLOCK)
+    req = Request("p", prompt)
+    sched.on_new_request(req, 0)
+    producer.storage.io.drain(10)
+    registry = producer.metrics.registry
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # it loads nothing
+    assert registry.get_sample_value("lmkv_tier_hits_total", {"tier": "disk"}) is None
+    assert not registry.get_sample_value("lmkv_prefetched_chunks_total")
+    assert len(producer.storage.hot) == 0
+    sched.request_finished(req)
+    producer.close()
