@@ -17,7 +17,7 @@ from .config import ConfigError, LMKVConfig
 from .keys import KeyScope, content_hashes, prefix_hashes, tail_hash
 from .layout import KVLayout
 from .logs import LogThrottle
-from .memory import NO_POSITION, ChunkBuffer, MemoryPool
+from .memory import HEADER_BYTES, NO_POSITION, ChunkBuffer, MemoryPool
 from .metrics import LMKVMetrics
 from .storage.manager import BroughtUp, StorageManager
 from .storage.pins import PinTable
@@ -71,6 +71,11 @@ class LMKVCache:
         if self.config.local_disk:
             from .backends.disk import DiskBackend
 
+            one = HEADER_BYTES + self.layout.chunk_bytes  # a chunk's file, raw
+            if self.config.disk_bytes < one:  # (it would fail every write, for ever)
+                raise ValueError(f"lmkv config key max_local_disk_size: {self.config.max_local_disk_size:g} "
+                                 f"GB holds no chunk of this model ({one / 1e9:.3g} GB each, "
+                                 f"{self.layout.chunk_size} tokens): give more")
             try:
                 backend = DiskBackend(self.config.local_disk, self.config.disk_bytes,
                                       self.config.cache_policy, direct=self.config.local_disk_direct,

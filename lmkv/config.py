@@ -91,6 +91,8 @@ class LMKVConfig:
         _require(self.local_cpu or self.local_disk is not None or self.remote_url is not None,
                  "local_cpu", "may be false only with local_disk or remote_url set (it keeps "
                  "no chunk in CPU memory: the tiers below serve every hit)")
+        if self.cachegen_calibration:  # (~/tables/x.safetensors, as local_disk takes ~)
+            object.__setattr__(self, "cachegen_calibration", os.path.expanduser(self.cachegen_calibration))
         if self.local_disk is not None:
             path = os.path.expanduser(self.local_disk.removeprefix("file://"))  # (~/cache)
             _require(bool(path), "local_disk", "must be a directory path")
@@ -135,7 +137,8 @@ class LMKVConfig:
         tiers = [f"hot cache {self.max_local_cpu_size:g} GB" if self.local_cpu
                  else f"CPU staging only ({self.max_local_cpu_size:g} GB)"]
         if self.local_disk:
-            reads = ", O_DIRECT reads" if self.local_disk_direct else ""
+            # (only raw frames are read straight into the slots, with O_DIRECT)
+            reads = ", O_DIRECT reads" if self.local_disk_direct and self.local_disk_codec == "raw" else ""
             tiers.append(f"disk {self.local_disk} ({self.max_local_disk_size:g} GB, "
                          f"{self.local_disk_codec}{reads})")
         if self.remote_url:

@@ -62,6 +62,12 @@ def _size(key: str, value) -> int:
     return n
 
 
+# what a mooncakestore:// URL's query may set (MOONCAKE_CONFIG_PATH's file is LMCache's, and
+# may hold more)
+_URL_SETTINGS = {"local_hostname", "metadata_server", "global_segment_size", "local_buffer_size",
+                 "protocol", "device_name"}
+
+
 def _settings(url: str) -> dict:
     parts = urlparse(url)
     host, port = parts.hostname, parts.port or 50051
@@ -81,6 +87,10 @@ def _settings(url: str) -> dict:
         except (OSError, ValueError) as e:
             raise BackendError(f"cannot read MOONCAKE_CONFIG_PATH={path}: {e}") from e
     for key, values in parse_qs(parts.query).items():
+        key = "device_name" if key == "device" else key  # (LMCache's URLs name it so)
+        if key not in _URL_SETTINGS:
+            raise BackendError(f"unknown Mooncake URL setting {key!r} (known: "
+                               f"{', '.join(sorted(_URL_SETTINGS))}, device)")
         settings[key] = values[0]
     settings["master_server_address"] = f"{host}:{port}"
     for key in ("global_segment_size", "local_buffer_size"):

@@ -35,6 +35,9 @@ def check_redis_url(url: str) -> None:
 
     url, _ = _split_prefix(url)
     cluster = url.startswith("redis-cluster://")
+    path = urlparse(url).path.strip("/")
+    if path and not path.isdigit():  # (redis-py takes such a path as database 0, silently)
+        raise ValueError(f"the Redis database in the URL's path must be a number, not {path!r}")
     settings = parse_url(url.replace("redis-cluster://", "redis://", 1))  # (ValueError: a bad value)
     known = set(URL_QUERY_ARGUMENT_PARSERS) | _URL_SETTINGS | {"host", "port", "username",
                                                                "password", "path", "connection_class"}

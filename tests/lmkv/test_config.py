@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lmkv.config import ConfigError, LMKVConfig, load_config
 
@@ -205,3 +206,51 @@ def test_a_disk_directory_under_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = load_config(env={}, local_disk="~/lmkv-disk", max_local_disk_size=1)
     assert cfg.local_disk == f"{tmp_path}/lmkv-disk"
+
+
+def test_a_mooncake_url_setting_with_a_typo_is_refused_like_a_redis_one(monkeypatch):
+    """docs/configuration.md: the Mooncake URL's settings are "checked at start", and a Redis
+    URL's unknown setting is refused (check_redis_url). A typo in a Mooncake setting is
+    taken silently: metadata_server falls back to http://<master>:8080/metadata."""
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    with pytest.raises(ConfigError, match="remote_url: .*metadata_sever"):
+        load_config(env={}, remote_url="mooncakestore://127.0.0.1:50051/"
+                                       "?metadata_sever=http://meta:8080/metadata")
+
+
+def test_a_redis_database_that_is_not_a_number_is_refused():
+    """`redis://host:port[/db]`: redis-py reads a path it cannot parse as database 0, so
+    /db1 (or /l for /1) silently shares database 0 with whatever else uses it."""
+    with pytest.raises(ConfigError, match="remote_url"):
+        load_config(env={}, remote_url="redis://127.0.0.1:6379/db1")
+
+
+def test_a_calibration_file_under_home_is_expanded_as_local_disk_is(tmp_path, monkeypatch):
+    """local_disk: ~/x is expanded; cachegen_calibration: ~/x is not, so the table is
+    "not found" and the cachegen tiers silently store zstd (one warning at start)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(env={}, cachegen_calibration="~/tables/smol.safetensors")
+    assert cfg.cachegen_calibration == f"{tmp_path}/tables/smol.safetensors"
+
+
+def test_a_disk_cap_below_one_chunk_is_refused_at_start(tmp_path):
+    """The hot cache refuses a size that cannot hold one chunk (MemoryPool, at start);
+    the disk tier starts with such a cap and then fails every write ("a 1088-byte entry
+    exceeds the disk tier cap"), logged as a disk failure every 1..30 s for ever."""
+    from lmkv.cache import LMKVCache
+    from lmkv.layout import KVLayout
+
+    cfg = load_config(env={}, chunk_size=16, max_local_cpu_size=0.001,
+                      local_disk=str(tmp_path), max_local_disk_size=1e-6)  # 1000 bytes
+    layout = KVLayout(2, 1, 4, torch.float32, 16)  # a 1088-byte frame per chunk
+    with pytest.raises(ValueError, match="max_local_disk_size"):
+        LMKVCache(cfg, layout, "model").close()
+
+
+def test_the_start_up_line_claims_o_direct_reads_only_where_they_happen(tmp_path):
+    """Only raw frames are read with O_DIRECT (Tier.read: get_into_many); a zstd or
+    cachegen disk tier reads whole files through the page cache, yet describe() (the
+    "lmkv ready:" line) says "O_DIRECT reads" for it."""
+    cfg = load_config(env={}, local_disk=str(tmp_path), max_local_disk_size=1,
+                      local_disk_codec="zstd")
+    assert "O_DIRECT" not in cfg.describe()
