@@ -17,9 +17,11 @@ class LogThrottle:
         self._skipped: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def log(self, logger: logging.Logger, level: int, kind: str, msg: str, *args: object) -> bool:
-        """Log ``msg % args`` unless a line of ``kind`` went out less than ``interval``
-        seconds ago (then count it); returns whether it was logged."""
+    def log(self, logger: logging.Logger, level: int, kind: str, msg: str, *args: object,
+            exc_info: bool = False) -> bool:
+        """Log ``msg % args`` (with the exception being handled, given ``exc_info``) unless a
+        line of ``kind`` went out less than ``interval`` seconds ago (then count it);
+        returns whether it was logged."""
         now = time.monotonic()
         with self._lock:
             last = self._last.get(kind)
@@ -28,8 +30,8 @@ class LogThrottle:
                 return False
             self._last[kind] = now
             skipped = self._skipped.pop(kind, 0)
-        if skipped:
-            msg += " (and %d more like it in the last %.0f s)"
-            args = (*args, skipped, self.interval)
-        logger.log(level, msg, *args)
+        if skipped:  # (all since the last line of its kind, however long ago that was)
+            msg += " (and %d more like it in the %.0f s since the last such line)"
+            args = (*args, skipped, now - last)
+        logger.log(level, msg, *args, exc_info=exc_info)
         return True

@@ -232,7 +232,8 @@ class Persister:
             pass
         else:
             self.files_deleted += 1
-            log.warning("removed %s: the newer value of %r could not be written", path, key[:60])
+            self._quiet.log(log, logging.WARNING, "removed", "removed %s: the newer value of %r "
+                            "could not be written", path, key[:60])  # (a full disk: every rewrite)
         self._has_file(key, False)
 
     def _delete(self, path: Path) -> None:

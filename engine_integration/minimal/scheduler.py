@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lmkv.logs import LogThrottle
+
 from .block_manager import BlockManager, ComputedBlocks
 from .request import FinishReason, Request, RequestStatus
 
@@ -23,6 +25,9 @@ if TYPE_CHECKING:
     from lmkv.connector import SchedulerConnector
 
 log = logging.getLogger(__name__)
+# lmkv's failures in a step, told with their traceback once a minute per kind: a fault that
+# lasts (a decoder's bug re-raised for every chunk) fails every request's lookup
+_quiet = LogThrottle()
 
 
 @dataclass(slots=True)
@@ -186,7 +191,8 @@ def _blend_plan(connector, req, num_computed: int):
     try:
         return connector.get_blend_plan(req, num_computed)
     except Exception:
-        log.exception("lmkv: RAG chunk lookup for request %s failed; computing it", req.request_id)
+        _quiet.log(log, logging.ERROR, "blend", "lmkv: RAG chunk lookup for request %s failed; "
+                   "computing it", req.request_id, exc_info=True)
         connector.cache.count_error("connector", "blend")
         return None
 
@@ -198,8 +204,8 @@ def _arriving(connector, req, num_computed: int) -> bool:
     try:
         return connector.loads_arriving(req, num_computed)
     except Exception:
-        log.exception("lmkv: asking whether request %s's chunks are on their way failed; "
-                      "looking it up now", req.request_id)
+        _quiet.log(log, logging.ERROR, "arriving", "lmkv: asking whether request %s's chunks "
+                   "are on their way failed; looking it up now", req.request_id, exc_info=True)
         return False
 
 
@@ -212,13 +218,14 @@ def _allocated(connector, req, external: int) -> bool:
         connector.update_state_after_alloc(req, req.block_ids, external)
         return True
     except Exception:
-        log.exception("lmkv: taking the load planned for request %s failed; computing it",
-                      req.request_id)
+        _quiet.log(log, logging.ERROR, "allocated", "lmkv: taking the load planned for request "
+                   "%s failed; computing it", req.request_id, exc_info=True)
         connector.cache.count_error("connector", "load")
         try:
             connector.recompute_without_loads(req)
         except Exception:
-            log.exception("lmkv: request %s: dropping its lmkv state failed", req.request_id)
+            _quiet.log(log, logging.ERROR, "drop", "lmkv: request %s: dropping its lmkv state "
+                       "failed", req.request_id, exc_info=True)
         return False
 
 
@@ -228,6 +235,7 @@ def _matched(connector, req, num_computed: int) -> int:
     try:
         return connector.get_num_new_matched_tokens(req, num_computed)[0]
     except Exception:
-        log.exception("lmkv: lookup for request %s failed; computing it", req.request_id)
+        _quiet.log(log, logging.ERROR, "lookup", "lmkv: lookup for request %s failed; computing "
+                   "it", req.request_id, exc_info=True)
         connector.cache.count_error("connector", "lookup")
         return 0

@@ -20,7 +20,10 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
 
+from ..logs import LogThrottle
+
 log = logging.getLogger(__name__)
+_quiet = LogThrottle()  # a failure that lasts fails every job: told once a minute
 
 
 class IOWorker:
@@ -139,7 +142,8 @@ class IOWorker:
         except BaseException as e:  # reported through the future
             fut.set_exception(e)
             if not urgent:  # nobody waits for a background job's future
-                log.error("lmkv: a background I/O job failed: %r", e, exc_info=e)
+                _quiet.log(log, logging.ERROR, "job", "lmkv: a background I/O job failed: %r", e,
+                           exc_info=True)
 
 
 _EMPTY = object()

@@ -3,6 +3,8 @@ from a lower tier waits in the queue while other requests run."""
 
 from __future__ import annotations
 
+import logging
+
 from lmkv_engines.minimal.block_manager import BlockManager
 from lmkv_engines.minimal.request import Request
 from lmkv_engines.minimal.sampling_params import SamplingParams
@@ -53,3 +55,23 @@ def test_a_request_whose_chunks_are_still_coming_up_waits_while_others_run(monke
     connector.arriving = False  # they are up: admitted
     assert [s.request for s in sched.schedule().scheduled] == [first, second]
     assert connector.lookups == ["first", "second"]
+
+
+def test_a_lookup_that_keeps_failing_is_not_a_traceback_per_request(caplog):
+    """From a review: every request whose lmkv lookup raised logged a traceback (and again
+    at every step it waited for blocks): a fault that lasts is told once a minute."""
+    from types import SimpleNamespace
+
+    from lmkv_engines.minimal.scheduler import _matched
+
+    class Broken:
+        cache = SimpleNamespace(count_error=lambda where, kind: None)
+
+        def get_num_new_matched_tokens(self, req, computed):
+            raise RuntimeError("a decoder bug")
+
+    with caplog.at_level(logging.ERROR):
+        for i in range(100):
+            assert _matched(Broken(), SimpleNamespace(request_id=f"r{i}"), 0) == 0
+    lines = [r for r in caplog.records if "lookup for request" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is not None

@@ -295,3 +295,42 @@ def test_a_reload_ranks_what_it_loaded_before_serving(tmp_path):
     _put(again, b"new", 1000)  # evicts the oldest file's value
     assert told == ["new"]
     assert sorted(again.keys()) == [b"k1", b"k2", b"k3", b"new"]
+
+
+def test_a_full_disk_is_told_once_a_minute_also_for_keys_that_had_a_file(tmp_path, monkeypatch,
+                                                                          caplog):
+    """From a review: each failed rewrite of a key that had a file also logged "removed ...:
+    the newer value ... could not be written", unthrottled: a line per PUT of an existing
+    key while the disk is full (engines saving the same prefix)."""
+    import errno
+    import logging
+    from pathlib import Path
+
+    import lmkv_server.persistence as persistence
+    from lmkv_server.arena import PageArena
+    from lmkv_server.store import Store
+
+    store = Store(PageArena(64, 64 << 10, prefault=False))
+    writer = persistence.Persister(Path(tmp_path), store)
+    keys = [b"k%d" % i for i in range(50)]
+    for key in keys:
+        _put(store, key, 1000)
+        writer._sync(key)  # each has its file
+    real_open = open
+
+    def full_disk(path, *a, **k):
+        if str(path).endswith(persistence.TMP_SUFFIX):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(persistence, "open", full_disk, raising=False)
+    store.set_listener(writer.mark)
+    writer.start()
+    with caplog.at_level(logging.WARNING):
+        for key in keys:  # the same keys put again
+            _put(store, key, 1000)
+        assert writer.flush(10)
+    writer.stop(10)
+    assert writer.errors == len(keys) and writer.files_deleted == len(keys)
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) <= 2, f"{len(lines)} lines for one full disk"
