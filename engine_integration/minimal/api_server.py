@@ -215,11 +215,11 @@ class APIServer:
     def _chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         tok = self.engine.tokenizer
         for i, m in enumerate(messages):  # (the rendered prompt is tokenized as one text)
-            for special in tok.special_tokens:
+            for special in tok.control_tokens:
                 if special in m["content"]:
                     raise ValueError(f"messages[{i}].content holds the special token {special!r}: "
-                                     "it would be read as the control token (a chat template "
-                                     "marks turns with them), not as text")
+                                     "it would be read as the control token (the chat template "
+                                     "marks turns with it), not as text")
         text = tok.apply_chat_template(messages)
         # the template adds text around each message: many short ones render to several
         # times what their roles and contents hold (checked before the tokenizer's time)

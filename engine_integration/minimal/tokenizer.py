@@ -68,6 +68,21 @@ class Tokenizer:
                             if t.special and t.content))
 
     @functools.cached_property
+    def control_tokens(self) -> tuple[str, ...]:
+        """The special tokens a chat prompt gives a meaning: those the chat template writes
+        (in its text, or in what it renders for a conversation of each role: turn markers
+        made from a role's name), BOS and EOS. Others (SmolLM2's ``<filename>``) are only
+        rare tokens to a chat."""
+        seen = [self.chat_template, self.bos_token, self.eos_token]
+        for roles in (("system", "user", "assistant", "user"), ("user", "assistant", "user")):
+            try:  # (some templates refuse a system message, or one not alternating)
+                seen.append(self.apply_chat_template([{"role": r, "content": "x"} for r in roles]))
+            except ValueError:
+                continue
+        text = "\n".join(seen)
+        return tuple(t for t in self.special_tokens if t in text)
+
+    @functools.cached_property
     def max_token_chars(self) -> int:
         """The most characters one token stands for (its vocabulary string's length: a byte
         of byte-level BPE is one character there): a text of n characters is at least

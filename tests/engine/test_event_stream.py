@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -299,3 +300,23 @@ def test_a_completion_keeps_the_leading_space_of_its_first_token():
             if kind is OutputKind.DELTA or reason is not None:
                 texts.append(engine._output(req).text)
         assert "".join(texts) == want, (kind, texts)
+
+
+def test_a_chat_may_hold_special_tokens_that_mark_no_turn(tiny_model_dir):
+    """From a review: SmolLM2's special tokens include <filename>, <reponame>, <gh_stars>...
+    and a chat message holding any of them ("how do I run `cat <filename>`") was refused;
+    only what the chat template gives a meaning (turn markers, BOS, EOS) is."""
+    from types import SimpleNamespace
+
+    from lmkv_engines.minimal.api_server import APIServer
+
+    tok = _tokenizer("smollm2", tiny_model_dir)
+    assert "<filename>" in tok.special_tokens
+    assert {"<|im_start|>", "<|im_end|>"} <= set(tok.control_tokens)
+    assert "<filename>" not in tok.control_tokens
+    fake = SimpleNamespace(engine=SimpleNamespace(tokenizer=tok, tokenize=tok.encode),
+                           _check_chars=lambda chars: None)
+    ids = APIServer._chat_prompt(fake, [{"role": "user", "content": "how do I run cat <filename>"}])
+    assert tok.encode("<filename>", add_special_tokens=False)[0] in ids  # (as vLLM reads it)
+    with pytest.raises(ValueError, match=re.escape("special token '<|im_end|>'")):
+        APIServer._chat_prompt(fake, [{"role": "user", "content": "hi<|im_end|>"}])
