@@ -24,26 +24,35 @@ from .cc import cache_root
 
 log = logging.getLogger(__name__)
 
-# the weights an engine loads: safetensors where there are any, else PyTorch's files
-# (not a trainer's optimizer, scheduler, RNG or argument files beside them)
-SAFETENSORS, PYTORCH = ("*.safetensors", "*.gguf"), ("*.bin", "*.pt", "*.pth")
+# the weights an engine loads: safetensors where there are any, else PyTorch's files (not
+# a trainer's optimizer, scheduler, RNG or argument files beside them), else GGUF files (a
+# repository's GGUF quantizations beside its safetensors are not loaded from a directory)
+SAFETENSORS, PYTORCH, GGUF = ("*.safetensors",), ("*.bin", "*.pt", "*.pth"), ("*.gguf",)
+CONFIGS = ("config.json", "params.json")  # Hugging Face's, Mistral's own format's
 NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")
 READ_BYTES = 16 << 20
 LOG_ABOVE = 1 << 30  # a file this large is hashed with a log line (a first start takes seconds)
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
-    """Identity of a checkpoint's weights, the same wherever it is copied: its config.json
-    and the content of every weight file, or, for a single-file checkpoint (GGUF), that
-    file's content (its header holds its config)."""
+    """Identity of a checkpoint's weights, the same wherever it is copied: its config
+    (config.json, and Mistral's params.json) and the content of every weight file, or, for
+    a single-file checkpoint (GGUF), that file's content (its header holds its config)."""
     model_dir = Path(model_dir)
     h = hashlib.blake2b(digest_size=16)
     if model_dir.is_file():
         h.update(file_digest(model_dir).encode())
         return h.hexdigest()
-    h.update((model_dir / "config.json").read_bytes())
-    files = sorted({p for pattern in SAFETENSORS for p in model_dir.glob(pattern)}) or sorted(
-        p for pattern in PYTORCH for p in model_dir.glob(pattern) if not p.name.startswith(NOT_WEIGHTS))
+    configs = [model_dir / name for name in CONFIGS if (model_dir / name).is_file()]
+    if configs == [model_dir / "config.json"]:
+        h.update(configs[0].read_bytes())  # (bare: the ids of such checkpoints stay as they were)
+    else:
+        for path in configs:
+            h.update(f"{path.name}:".encode() + path.read_bytes())
+    files = (sorted(p for pattern in SAFETENSORS for p in model_dir.glob(pattern))
+             or sorted(p for pattern in PYTORCH for p in model_dir.glob(pattern)
+                       if not p.name.startswith(NOT_WEIGHTS))
+             or sorted(p for pattern in GGUF for p in model_dir.glob(pattern)))
     for path in files:
         h.update(f"{path.name}:{file_digest(path)}".encode())
     return h.hexdigest()

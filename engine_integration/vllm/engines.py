@@ -3,6 +3,7 @@ the model id, from vLLM's config and kv_connector_extra_config."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -73,6 +74,10 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     if pp > 1:
         raise ConfigError(f"lmkv's vLLM connector runs with pipeline_parallel_size 1 (got {pp}); "
                           "tensor parallelism is supported")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if (cp := getattr(pc, name, 1) or 1) > 1:  # (each rank's pages hold a share of the tokens)
+            raise ConfigError(f"lmkv's vLLM connector runs with {name} 1 (got {cp}): it stores "
+                              "every token's KV on each rank")
     if cc.cache_dtype not in ("auto", None) and str(cc.cache_dtype) != str(mc.dtype).removeprefix("torch."):
         raise ConfigError(f"lmkv stores KV in the model dtype; vLLM kv_cache_dtype {cc.cache_dtype} "
                           "is not supported")
@@ -86,23 +91,34 @@ def engine_spec(vllm_config: VllmConfig, extra: dict[str, Any]) -> EngineSpec:
     # so rank 1 of TP=2 and rank 1 of TP=4 hold different heads in chunks of one shape
     layout = KVLayout(mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(), mc.dtype,
                       config.chunk_size, world_size=tp)
-    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
-    return EngineSpec(config, layout, model_id(mc.model, mc.revision, _variant(mc), download_dir),
-                      block_size, tp)
+    load = getattr(vllm_config, "load_config", None)
+    download_dir = getattr(load, "download_dir", None)
+    weights = getattr(mc, "model_weights", None)  # (object storage: the weights lie there)
+    ident = model_id(mc.model, mc.revision, _variant(mc, getattr(load, "load_format", None)),
+                     download_dir, weights if weights and weights != mc.model else None)
+    return EngineSpec(config, layout, ident, block_size, tp)
 
 
 def model_id(model: str, revision: str | None = None, variant: str = "",
-             download_dir: str | None = None) -> str:
+             download_dir: str | None = None, weights_uri: str | None = None) -> str:
     """A checkpoint is identified by its contents (the same id the bundled engine uses):
-    a local directory, or a hub name's snapshot in the local hub cache (``download_dir``,
-    else the default one), which vLLM downloaded before the connector starts; a hub name
-    with no snapshot there (another loader) by name and revision, with a warning: a branch
-    name such as main names different weights once the repository moves. ``variant``,
-    vLLM's settings that change the KV the same weights give, is added to either."""
-    path = Path(model)
-    if not (path / "config.json").is_file():
+    a local checkpoint (a directory with its config or weights, or one file), or a hub
+    name's snapshot in the local hub cache (``download_dir``, else the default one), which
+    vLLM downloaded before the connector starts; a hub name with no snapshot there (another
+    loader) by name and revision, with a warning: a branch name such as main names
+    different weights once the repository moves. Weights streamed from object storage
+    (``weights_uri``: only the config is local) are named by their URI, with a warning too.
+    ``variant``, vLLM's settings that change the KV the same weights give, is added."""
+    path: Path | None = Path(model)
+    if not _local_checkpoint(path):
         path = _hub_snapshot(model, revision, download_dir)
-    if path is not None:
+    if weights_uri is not None:
+        config = model_fingerprint(path) if path is not None else f"hub:{model}"
+        ident = f"uri:{weights_uri}|{config}"
+        log.warning("lmkv: the weights stream from %s: its chunks are keyed by that URI, not by "
+                    "the weights' bytes (new weights under it would be served old chunks)",
+                    weights_uri)
+    elif path is not None:
         ident = model_fingerprint(path)
     else:
         ident = f"hub:{model}@{revision or 'main'}"
@@ -112,6 +128,17 @@ def model_id(model: str, revision: str | None = None, variant: str = "",
                     "served old chunks): give vLLM a local directory or a commit as --revision",
                     model, ident)
     return f"{ident}|{variant}" if variant else ident
+
+
+def _local_checkpoint(path: Path) -> bool:
+    """A checkpoint's file (GGUF), or a directory holding its config (Hugging Face's
+    config.json, Mistral's params.json) or weights."""
+    if path.is_file():
+        return True
+    if not path.is_dir():
+        return False
+    return (any((path / name).is_file() for name in ("config.json", "params.json"))
+            or any(path.glob("*.safetensors")))
 
 
 def _hub_snapshot(model: str, revision: str | None, cache_dir: str | None) -> Path | None:
@@ -126,12 +153,34 @@ def _hub_snapshot(model: str, revision: str | None, cache_dir: str | None) -> Pa
     return path if (path / "config.json").is_file() else None
 
 
-def _variant(mc: Any) -> str:
-    """vLLM's quantization and hf_overrides (rope scaling, ...), which change the KV without
-    changing config.json or the weights: "" when neither is set."""
+# load formats that read the checkpoint's own weights (others make them up, dummy, or read
+# them from elsewhere: their name joins the key)
+_OWN_WEIGHTS = {None, "auto", "safetensors", "pt", "npcache", "fastsafetensors", "mistral",
+                "runai_streamer"}
+
+
+def _variant(mc: Any, load_format: Any = None) -> str:
+    """vLLM's settings that change the KV without changing the checkpoint's own files:
+    quantization (the kernel vLLM picks: kernels round differently) and its config,
+    hf_overrides (rope scaling, ...), a config read from elsewhere (hf_config_path), a load
+    format that does not read the checkpoint's weights (dummy: random weights); "" when
+    none is set."""
     parts = []
+    load_format = getattr(load_format, "value", load_format)  # (an enum in some versions)
+    if load_format not in _OWN_WEIGHTS:
+        parts.append(f"load_format={load_format}")
     if quantization := getattr(mc, "quantization", None):
         parts.append(f"quantization={quantization}")
+    if quantization_config := getattr(mc, "quantization_config", None):
+        parts.append("quantization_config="
+                     + json.dumps(quantization_config, sort_keys=True, default=str))
+    config_path = getattr(mc, "hf_config_path", None)
+    if config_path and config_path != mc.model:
+        where = Path(config_path)
+        where = where / "config.json" if where.is_dir() else where
+        digest = (hashlib.blake2b(where.read_bytes(), digest_size=16).hexdigest()
+                  if where.is_file() else config_path)
+        parts.append(f"hf_config={digest}")
     overrides = getattr(mc, "hf_overrides", None)
     if callable(overrides):  # (the Python API's function form: named, its body is not seen)
         parts.append(f"hf_overrides={overrides.__module__}.{overrides.__qualname__}")

@@ -29,6 +29,8 @@ class RequestView:
         r = self.request
         if r.prompt_token_ids is None or getattr(r, "lora_request", None) is not None:
             return []
+        if getattr(r, "prompt_embeds", None) is not None:  # (ids hold placeholders for them)
+            return []
         if getattr(r, "mm_features", None) or getattr(r, "cache_salt", None):
             return []
         return r.prompt_token_ids

@@ -87,10 +87,16 @@ def decode_into(data: bytes | memoryview, buf: ChunkBuffer, key: str,
     (magic, version, codec_id, dtype, ndim, *rest) = _HEADER.unpack_from(view)
     shape, length, checksum, key_hash = rest[:5], rest[5], rest[6], rest[7]
     kv = buf.kv
-    if magic != MAGIC or version != VERSION:
-        raise FrameError(f"not an lmkv frame (magic {magic!r}, version {version})")
+    if magic != MAGIC:
+        raise FrameError(f"not an lmkv frame (magic {magic!r})")
+    if version != VERSION:  # (another lmkv version's, sharing the store: not deleted as corrupt)
+        raise ForeignFrame(f"an lmkv frame of format version {version}; this lmkv reads {VERSION}")
     codec = by_id(codec_id)
-    if codec is None:
+    if codec is None:  # a codec this version lacks, if the frame is sound
+        payload = view[HEADER_BYTES:]
+        if (len(payload) == length and key_hash == xxhash.xxh3_64_intdigest(key.encode())
+                and xxhash.xxh3_64_intdigest(payload) == checksum):
+            raise ForeignFrame(f"codec id {codec_id}, which this lmkv version does not know")
         raise FrameError(f"unknown codec id {codec_id}")
     got, want = tuple(shape[:ndim]), tuple(kv.shape)
     partial = (codec.partial and ndim == 5 and got[:2] + got[3:] == want[:2] + want[3:]
