@@ -3,6 +3,7 @@ the model id, from vLLM's config and kv_connector_extra_config."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -172,6 +173,8 @@ def _variant(mc: Any, load_format: Any = None) -> str:
     if quantization := getattr(mc, "quantization", None):
         parts.append(f"quantization={quantization}")
     if quantization_config := getattr(mc, "quantization_config", None):
+        if dataclasses.is_dataclass(quantization_config):  # (vLLM's QuantizationConfigArgs)
+            quantization_config = dataclasses.asdict(quantization_config)
         parts.append("quantization_config="
                      + json.dumps(quantization_config, sort_keys=True, default=str))
     config_path = getattr(mc, "hf_config_path", None)
