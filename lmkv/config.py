@@ -1,13 +1,15 @@
 """LMKVConfig: lmkv's settings, loaded in one place.
 
-Precedence: defaults < YAML file named by LMKV_CONFIG_FILE < LMKV_* environment variables
-< explicit overrides. Key names follow LMCache's where the meaning is the same, so an
-LMCache user's YAML works. Unknown keys and bad values fail at load, naming the key.
+Precedence: defaults < YAML file named by LMKV_CONFIG_FILE (else LMCache's
+LMCACHE_CONFIG_FILE) < LMCACHE_<KEY> < LMKV_<KEY> environment variables < explicit
+overrides. Key names follow LMCache's where the meaning is the same, so an LMCache user's
+YAML and environment work. Unknown keys and bad values fail at load, naming the key.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import types
@@ -18,8 +20,13 @@ from typing import Any
 
 from .policy import DEFAULT_POLICY, POLICIES
 
+log = logging.getLogger(__name__)
+
 CONFIG_FILE_ENV = "LMKV_CONFIG_FILE"
 ENV_PREFIX = "LMKV_"
+# LMCache's environment, read where lmkv's own says nothing (a vLLM deployment moved from
+# LMCacheConnectorV1 to lmkv's connector keeps it): its config file and LMCACHE_<KEY>
+LMCACHE_CONFIG_FILE_ENV, LMCACHE_PREFIX = "LMCACHE_CONFIG_FILE", "LMCACHE_"
 # LMKV_* variables that are not keys
 _NOT_KEYS = {"CONFIG_FILE", "CACHE_DIR", "TEST_CACHE_DIR", "NATIVE_DECODE", "NATIVE_COPY", "NATIVE_ATTENTION",
              "CODEC_PRODUCT", "LMCACHE_VENV", "EXTRAS", "CUDA_KERNELS"}
@@ -167,18 +174,46 @@ class LMKVConfig:
 def load_config(
     path: str | Path | None = None, env: dict[str, str] | None = None, **overrides: Any
 ) -> LMKVConfig:
-    """Build the config: defaults < YAML ``path`` (default: $LMKV_CONFIG_FILE) < LMKV_* env
-    < overrides."""
+    """Build the config: defaults < YAML ``path`` (default: $LMKV_CONFIG_FILE, else LMCache's
+    $LMCACHE_CONFIG_FILE) < LMCACHE_<KEY> env for lmkv's keys < LMKV_<KEY> env < overrides."""
     env = dict(os.environ) if env is None else env
     values: dict[str, Any] = {}
-    path = path or env.get(CONFIG_FILE_ENV)
+    path = path or env.get(CONFIG_FILE_ENV) or env.get(LMCACHE_CONFIG_FILE_ENV)
     if path:  # (LMCache's spellings are read per source, so that precedence holds for them)
         values.update(_lmcache_blend_keys(read_yaml(Path(path))))
-    for name in keys_in_env(env):
-        key = name[len(ENV_PREFIX):].lower()
-        values[key] = _parse_env(key, env[name])
+    for prefix, names in ((LMCACHE_PREFIX, _lmcache_keys_in_env(env)), (ENV_PREFIX, keys_in_env(env))):
+        given = {}
+        for name in names:
+            key = name[len(prefix):].lower()
+            given[key] = _parse_env(key, env[name], prefix)
+        values.update(_lmcache_blend_keys(given))
     values.update(_lmcache_blend_keys(overrides))
     return from_dict(values)
+
+
+def _lmcache_keys_in_env(env: dict[str, str]) -> list[str]:
+    """The LMCACHE_<KEY> variables that name lmkv's keys (LMCache's blend lists included);
+    said once per process, with those it does not read."""
+    names = sorted(n for n in env if n.startswith(LMCACHE_PREFIX) and n != LMCACHE_CONFIG_FILE_ENV)
+    known = _FIELDS.keys() | {"blend_recompute_ratios", "blend_check_layers", "blend_thresholds",
+                              "blend_min_tokens"}
+    read = [n for n in names if n[len(LMCACHE_PREFIX):].lower() in known]
+    said = (tuple(names), env.get(CONFIG_FILE_ENV), env.get(LMCACHE_CONFIG_FILE_ENV))
+    if said != _lmcache_said[0] and (names or env.get(LMCACHE_CONFIG_FILE_ENV)):
+        _lmcache_said[0] = said
+        if env.get(LMCACHE_CONFIG_FILE_ENV) and not env.get(CONFIG_FILE_ENV):
+            log.info("lmkv: reading LMCache's config file %s (LMCACHE_CONFIG_FILE; LMKV_CONFIG_FILE "
+                     "takes precedence)", env[LMCACHE_CONFIG_FILE_ENV])
+        if read:
+            log.info("lmkv: reading LMCache's %s (an LMKV_<KEY> of the same key takes precedence)",
+                     ", ".join(read))
+        if ignored := [n for n in names if n not in read]:
+            log.warning("lmkv: LMCache's %s %s no lmkv setting: not used", ", ".join(ignored),
+                        "names" if len(ignored) == 1 else "name")
+    return read
+
+
+_lmcache_said: list[tuple | None] = [None]  # the LMCache environment last told of
 
 
 def keys_in_env(env: dict[str, str] | None = None) -> list[str]:
@@ -189,10 +224,11 @@ def keys_in_env(env: dict[str, str] | None = None) -> list[str]:
 
 
 def off_but_configured(env: dict[str, str] | None = None) -> str | None:
-    """With LMKV_CONFIG_FILE unset (lmkv off) but LMKV_<KEY> variables set: a warning that
-    names them, else None."""
+    """With LMKV_CONFIG_FILE unset (lmkv off in the bundled engine) but LMKV_<KEY> variables
+    or LMCache's config file set: a warning that names them, else None."""
     env = dict(os.environ) if env is None else env
-    stray = [] if env.get(CONFIG_FILE_ENV) else keys_in_env(env)
+    stray = [] if env.get(CONFIG_FILE_ENV) else keys_in_env(env) + [
+        name for name in (LMCACHE_CONFIG_FILE_ENV,) if env.get(name)]
     if not stray:
         return None
     return (f"lmkv is off: LMKV_CONFIG_FILE is not set, so {', '.join(stray)} "
@@ -306,9 +342,14 @@ def _coerce(key: str, value: Any) -> Any:
     raise ConfigError(f"lmkv config key {key}: expected {want}, got {value!r}")
 
 
-def _parse_env(key: str, raw: str) -> Any:
+def _parse_env(key: str, raw: str, prefix: str = ENV_PREFIX) -> Any:
+    name = f"{prefix}{key.upper()}"
+    if key in ("blend_recompute_ratios", "blend_check_layers"):  # (LMCache's lists: 0.15 or [0.15])
+        return [_parse_env(key.removesuffix("s"), raw.strip().strip("[]"), prefix)]
+    if key in ("blend_thresholds", "blend_min_tokens"):
+        return None if raw.lower() in ("", "none", "null") else raw
     if key not in _FIELDS:
-        raise ConfigError(f"unknown lmkv config key {key} (from environment {ENV_PREFIX}{key.upper()})")
+        raise ConfigError(f"unknown lmkv config key {key} (from environment {name})")
     hint = _HINTS[key]
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if raw.lower() in ("", "none", "null") and type(None) in allowed:
@@ -327,7 +368,7 @@ def _parse_env(key: str, raw: str) -> Any:
             pass
     if str in allowed:
         return raw
-    raise ConfigError(f"lmkv config key {key}: cannot parse {ENV_PREFIX}{key.upper()}={raw!r}")
+    raise ConfigError(f"lmkv config key {key}: cannot parse {name}={raw!r}")
 
 
 def _require(ok: bool, key: str, message: str) -> None:

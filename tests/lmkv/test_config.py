@@ -254,3 +254,27 @@ def test_the_start_up_line_claims_o_direct_reads_only_where_they_happen(tmp_path
     cfg = load_config(env={}, local_disk=str(tmp_path), max_local_disk_size=1,
                       local_disk_codec="zstd")
     assert "O_DIRECT" not in cfg.describe()
+
+
+def test_an_lmcache_environment_is_read(tmp_path, caplog):
+    """A deployment moved from LMCache's connector keeps LMCACHE_* in its environment: lmkv
+    read none of it and ran on its defaults, without a word. Its config file and the
+    variables naming lmkv's keys are read (lmkv's own take precedence); others are named."""
+    import logging
+
+    lmcache_yaml = tmp_path / "lmcache.yaml"
+    lmcache_yaml.write_text("chunk_size: 512\nlocal_disk: file:///tmp/lmkv-x/\nmax_local_disk_size: 5\n")
+    env = {"LMCACHE_CONFIG_FILE": str(lmcache_yaml), "LMCACHE_REMOTE_URL": "lm://127.0.0.1:65432",
+           "LMCACHE_MAX_LOCAL_CPU_SIZE": "3", "LMKV_MAX_LOCAL_CPU_SIZE": "2",
+           "LMCACHE_BLEND_RECOMPUTE_RATIOS": "[0.2]", "LMCACHE_USE_EXPERIMENTAL": "true"}
+    with caplog.at_level(logging.INFO, logger="lmkv.config"):
+        cfg = load_config(env=env)
+    assert (cfg.chunk_size, cfg.local_disk, cfg.max_local_disk_size) == (512, "/tmp/lmkv-x/", 5)
+    assert cfg.remote_url == "lm://127.0.0.1:65432" and cfg.max_local_cpu_size == 2
+    assert cfg.blend_recompute_ratio == 0.2
+    said = caplog.text
+    assert "LMCACHE_USE_EXPERIMENTAL names no lmkv setting" in said
+    assert "reading LMCache's config file" in said
+    assert load_config(env={"LMKV_BLEND_CHECK_LAYERS": "[3]"}).blend_check_layer == 3
+    with pytest.raises(ConfigError, match="LMCACHE_CHUNK_SIZE"):
+        load_config(env={"LMCACHE_CHUNK_SIZE": "many"})
