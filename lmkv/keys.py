@@ -59,6 +59,9 @@ def content_hashes(tokens: list[int], chunk_size: int, pre_rope: bool = False) -
     return [chunk_hash(whole, np.asarray([i, n], dtype=np.int64)) for i in range(n)]
 
 
+KEY_VERSION = "lmkv1@"  # the start of every chunk key lmkv makes
+
+
 @dataclass(frozen=True)
 class KeyScope:
     """Everything but the hash: entries of different scopes never meet."""
@@ -72,7 +75,7 @@ class KeyScope:
         model_id = hashlib.blake2b(self.model.encode(), digest_size=6).hexdigest()
         ns = hashlib.blake2b(self.namespace.encode(), digest_size=4).hexdigest() if self.namespace else "-"
         lay = self.layout
-        return f"lmkv1@{model_id}@{lay.fingerprint}@{lay.rank}@{ns}"
+        return f"{KEY_VERSION}{model_id}@{lay.fingerprint}@{lay.rank}@{ns}"
 
     def key(self, h: bytes) -> str:
         """The backend key string (ASCII, < 150 bytes)."""

@@ -22,6 +22,7 @@ from lmkv.backends import lm_wire as wire
 from lmkv.backends import net
 from lmkv.backends.base import Arrived, BackendError, StorageBackend
 from lmkv.backends.lm_socket import MIN_TIMEOUT, SocketTimeouts
+from lmkv.keys import KEY_VERSION
 from lmkv.logs import LogThrottle
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,8 @@ class LMBackend(StorageBackend):
 
     Against LMCache's lmcache_server, keys must have LMCache's form
     (``model@world_size@worker_id@chunk_hash_hex@dtype[...]``): that server parses them
-    and drops the connection on anything else (a BackendError here). lmkv_server only
-    requires printable ASCII without spaces.
+    and drops the connection on anything else (a BackendError here). lmkv_server takes
+    any key of 1-150 bytes without control bytes or a leading or trailing space.
     """
 
     def __init__(
@@ -337,15 +338,19 @@ class LMBackend(StorageBackend):
         return f"lm://{self.address.host}:{self.address.port}"
 
 
-_LMCACHE_KEY = re.compile(r"[^@\s]+@\d+@\d+@-?[0-9a-f]+@[a-z0-9_]+(@\S*)?")
+# LMCache's model@world_size@worker_id@hash@dtype[@...], its dtype names as its server reads them
+_LMCACHE_KEY = re.compile(r"[^@\s]+@\d+@\d+@-?[0-9a-f]+@(half|bfloat16|float|double|int8|uint8|"
+                          r"int16|int32|int64|bool|fp8_e4m3fn|fp8_e4m3fnuz|fp8_e5m2|fp8_e5m2fnuz)"
+                          r"(@\S*)?")
 
 
 def lmcache_key(key: str) -> str:
     """``key`` in the ``model@world_size@worker_id@hash@dtype`` form that LMCache's server
     parses (it drops the connection on anything else). Keys already in that form pass
-    through; others (lmkv's own) become ``lmkv@1@0@<64-bit hash>@uint8``. A hash collision
-    cannot return wrong KV: every lmkv frame carries its full key's hash, checked on read."""
-    if _LMCACHE_KEY.fullmatch(key):
+    through; others, lmkv's own always (some read as that form), become
+    ``lmkv@1@0@<64-bit hash>@uint8``. A hash collision cannot return wrong KV: every lmkv
+    frame carries its full key's hash, checked on read."""
+    if not key.startswith(KEY_VERSION) and _LMCACHE_KEY.fullmatch(key):
         return key
     h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True)
     return f"lmkv@1@0@{format(h, 'x')}@uint8"

@@ -89,26 +89,29 @@ class ResponseHeader(NamedTuple):
 def check_key(key: bytes) -> bytes:
     """Return ``key`` if it is a valid lm:// key, else raise WireError.
 
-    Valid: 1..150 bytes of printable ASCII without spaces (0x21..0x7e). Spaces are the
-    padding and would be stripped by the peer; NUL and other control bytes break the
-    reference server's parser.
+    Valid: 1..150 bytes, none a control byte (NUL and the like break the reference
+    server's parser), not starting or ending with a space (the padding, which the peer
+    strips). Spaces inside and bytes past ASCII are fine: LMCache's client names a chunk by
+    vLLM's model setting, a path such as "/models/Llama 3.1 8B" (UTF-8).
     """
     if not key:
         raise WireError("empty key")
     if len(key) > KEY_SIZE:
         raise WireError(f"key is {len(key)} bytes, the limit is {KEY_SIZE}")
-    bad = key.translate(None, _PRINTABLE)
+    bad = key.translate(None, _NOT_CONTROL)
     if bad:
-        raise WireError(f"key contains a byte outside printable ASCII: {bad[:1]!r}")
+        raise WireError(f"key contains a control byte: {bad[:1]!r}")
+    if key[:1] == b" " or key[-1:] == b" ":
+        raise WireError("key starts or ends with a space (the padding)")
     return key
 
 
 def encode_key(key: str) -> bytes:
-    """The wire bytes of ``key`` (unpadded); raises WireError if it is not a valid key."""
+    """The wire bytes of ``key`` (UTF-8, unpadded); raises WireError if it is not a valid key."""
     try:
-        raw = key.encode("ascii")
-    except UnicodeEncodeError as exc:
-        raise WireError(f"key is not ASCII: {key[:40]!r}") from exc
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError as exc:  # (a lone surrogate)
+        raise WireError(f"key is not valid Unicode: {key[:40]!r}") from exc
     return check_key(raw)
 
 
@@ -157,5 +160,5 @@ def binary_shape(nbytes: int) -> Shape:
 SUCCESS_EMPTY = pack_response(Code.SUCCESS)
 FAIL_EMPTY = pack_response(Code.FAIL)
 
-# bytes.translate deletes these; whatever is left is outside printable, space-free ASCII
-_PRINTABLE = bytes(range(0x21, 0x7F))
+# bytes.translate deletes these; whatever is left is a control byte
+_NOT_CONTROL = bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100))

@@ -13,6 +13,8 @@ import pytest
 
 from lmkv.backends import lm_wire as wire
 from lmkv.backends.lm import LMBackend
+from lmkv.keys import KeyScope
+from lmkv.layout import KVLayout
 
 pytestmark = pytest.mark.interop
 
@@ -21,10 +23,10 @@ CLIENT_SCRIPT = Path(__file__).parent / "scripts" / "lmcache_client.py"
 KEY = "meta-llama/Llama-3.1-8B-Instruct@2@1@-1a2b3c4d5e6f7081@bfloat16"
 
 
-def run_reference_client(venv: Path, url: str) -> dict:
+def run_reference_client(venv: Path, url: str, *model: str) -> dict:
     port = url.rsplit(":", 1)[1]
     out = subprocess.run(
-        [str(venv / "bin" / "python"), str(CLIENT_SCRIPT), port],
+        [str(venv / "bin" / "python"), str(CLIENT_SCRIPT), port, *model],
         capture_output=True,
         text=True,
         timeout=180,
@@ -70,3 +72,48 @@ def test_reference_client_against_reference_server(venv, lmcache_server):
     """Control: the script gives the same answer against LMCache's own server."""
     result = run_reference_client(venv, lmcache_server)
     assert result["exists_after"] and result["equal"] and result["fmt"] == 1
+
+
+# LMCache names a chunk by vLLM's model setting: a local path as often as a hub id
+@pytest.mark.parametrize("model", ["/models/Llama 3.1 8B Instruct", "/models/通义千问-7B"])
+def test_lmcache_client_stores_under_its_model_path_on_lmkv_server_as_on_its_own(
+        venv, spawn_server, lmcache_server, model):
+    """LMCache's client keys chunks model@world_size@worker_id@hash@dtype with the model
+    path as vLLM was given it, a space or a non-ASCII character included; its own server
+    takes such keys (it strips the padding spaces only). lmkv_server answers every one FAIL
+    and drops its PUTs (bad_key), so an LMCache engine moved onto it gets no hit at all."""
+    reference = run_reference_client(venv, lmcache_server, model)
+    assert reference["exists_after"] and reference["equal"]  # control: LMCache's own server
+    server = spawn_server("--max-memory", "64MiB")
+    result = run_reference_client(venv, server.url, model)
+    assert result["exists_after"] and result["equal"], result
+
+
+def _digits_only_scope() -> KeyScope:
+    """A KeyScope whose model id and layout fingerprint happen to be all decimal digits
+    (about 1 checkpoint in 280 and 1 layout in 50), with a cache_salt: lmkv's chunk keys then
+    read as LMCache's model@world_size@worker_id@hash@dtype form."""
+    import hashlib
+
+    import torch
+
+    model = next(f"/models/llama-{i}" for i in range(10**6)
+                 if hashlib.blake2b(f"/models/llama-{i}".encode(), digest_size=6).hexdigest().isdigit())
+    layout = next(lay for n in range(1, 200)
+                  if (lay := KVLayout(n, 4, 128, torch.bfloat16, 256)).fingerprint.isdigit())
+    return KeyScope(model, layout, namespace="tenant-a")
+
+
+def test_lmkvs_own_chunk_keys_are_always_in_a_form_lmcache_server_parses(lmcache_server):
+    """lmcache_key passes a key through when it matches a loose pattern of LMCache's form;
+    lmkv's own keys lmkv1@<model id>@<layout>@<rank>@<salt>@<hash> match it whenever the
+    model id and the layout fingerprint are all digits, and lmcache_server then parses the
+    salt hash as a dtype, fails, and drops the connection: that engine's remote tier never
+    works against it."""
+    key = _digits_only_scope().key(bytes(32))
+    backend = LMBackend(lmcache_server, timeout=10)
+    try:
+        backend.put([(key, b"chunk")])
+        assert backend.get([key]) == [b"chunk"]
+    finally:
+        backend.close()

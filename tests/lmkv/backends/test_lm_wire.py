@@ -34,10 +34,11 @@ def test_response_has_location_last():
     [
         (b"", "empty"),
         (b"x" * 151, "limit is 150"),
-        (b"a\x00b", "printable"),
-        (b"a b", "printable"),
-        (b"tab\there", "printable"),
-        ("é".encode(), "printable"),
+        (b"a\x00b", "control byte"),
+        (b"tab\there", "control byte"),
+        (b"del\x7f", "control byte"),
+        (b" lead", "space"),
+        (b"trail ", "space"),
     ],
 )
 def test_bad_keys_are_rejected(key, why):
@@ -47,11 +48,20 @@ def test_bad_keys_are_rejected(key, why):
         wire.pack_request(wire.Command.GET, key)
 
 
+def test_keys_with_spaces_inside_and_utf8_are_taken_as_lmcaches_server_takes_them():
+    """LMCache's client names a chunk by vLLM's model setting, a path with spaces or
+    non-ASCII characters as often as not; its server strips only the padding."""
+    for key in (b"/models/Llama 3.1 8B@1@0@-1a@bfloat16", "/models/通义千问-7B@1@0@1a@half".encode()):
+        assert wire.check_key(key) == key
+        assert wire.unpack_request(wire.pack_request(wire.Command.GET, key)).key == key
+
+
 def test_encode_key():
     assert wire.encode_key("a@1") == b"a@1"
     assert wire.encode_key("x" * 150) == b"x" * 150
-    with pytest.raises(wire.WireError, match="not ASCII"):
-        wire.encode_key("modèle@1")
+    assert wire.encode_key("modèle@1") == "modèle@1".encode()
+    with pytest.raises(wire.WireError, match="not valid Unicode"):
+        wire.encode_key("bad\ud800@1")
 
 
 def test_nul_padded_key_survives_unpack_and_fails_check():

@@ -1,6 +1,6 @@
 """Run with .venv-lmcache's python: LMCache 0.5.6's own LMCServerConnector against a server.
 
-    python lmcache_client.py PORT
+    python lmcache_client.py PORT [MODEL_NAME]
 
 Puts one KV chunk tensor and reads it back through the reference client, then prints one
 JSON line: {"exists_before", "exists_after", "equal", "shape", "dtype", "fmt"}.
@@ -26,11 +26,12 @@ LAYERS, HEADS, HEAD_DIM = 2, 2, 8  # chunk tensor [2, L, T, H*D] = [2, 2, 16, 16
 
 def main() -> None:
     port = int(sys.argv[1])
+    model = sys.argv[2] if len(sys.argv) > 2 else "interop-model"
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05, remote_url=None
     )
     metadata = LMCacheMetadata(
-        model_name="interop-model",
+        model_name=model,
         world_size=1,
         local_world_size=1,
         worker_id=0,
@@ -47,7 +48,7 @@ def main() -> None:
     def run(coro):
         return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
 
-    key = CacheEngineKey("interop-model", 1, 0, -0x1A2B3C4D5E6F7081, torch.bfloat16)
+    key = CacheEngineKey(model, 1, 0, -0x1A2B3C4D5E6F7081, torch.bfloat16)
     shape = torch.Size([2, LAYERS, CHUNK, HEADS * HEAD_DIM])
     obj = cpu_backend.allocate(shape, torch.bfloat16)
     torch.manual_seed(0)
