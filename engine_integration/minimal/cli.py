@@ -343,17 +343,22 @@ def _precompute(config: EngineConfig, files: list[str], split_on: str | None,
         if missing:
             raise ValueError(f"no such file: {', '.join(missing)}")
 
+        unreadable = []
+
         def chunks():  # one file read at a time, as precompute takes them
             for name in files:
                 try:
                     with open(name, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
-                        text = f.read().removesuffix("\n")  # the last line end is not text
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-                # the line ends around a part (a third newline between paragraphs split at a
-                # blank line) are not part of a document as a prompt holds it
-                parts = [p.strip("\n") for p in text.split(split_on)] if split_on else [text]
-                yield from (p for p in parts if p.strip())
+                        text = f.read()
+                except UnicodeDecodeError as e:  # that file alone: the others are stored
+                    print(f"engine precompute: error: {name} is not UTF-8 text ({e.reason} at "
+                          f"byte {e.start}); skipped", file=sys.stderr)
+                    unreadable.append(name)
+                    continue
+                # the line ends around a document or a part (a third newline between
+                # paragraphs split at a blank line) are not part of it as a prompt holds it
+                parts = text.split(split_on) if split_on else [text]
+                yield from (p.strip("\n") for p in parts if p.strip())
 
         with LLM(lmkv_config=lmkv_config, **asdict(config)) as llm:
             report = llm.precompute(chunks(), batch_size=batch_size)
@@ -361,8 +366,9 @@ def _precompute(config: EngineConfig, files: list[str], split_on: str | None,
         print(f"engine precompute: error: {e}", file=sys.stderr)
         return 1
     print(f"precompute: {report.stored} chunks stored, {report.skipped} already stored, "
-          f"{report.failed} failed, {report.tokens} tokens in {report.seconds:.1f}s")
-    return 0 if report.failed == 0 else 1
+          f"{report.failed} failed, {report.tokens} tokens in {report.seconds:.1f}s"
+          + (f"; {len(unreadable)} files not read" if unreadable else ""))
+    return 0 if report.failed == 0 and not unreadable else 1
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Iterable[str | li
     ``batch_size`` at a time, end to end (tokenized, computed, stored, and the writes below
     waited for before the next batch: a tier slower than the computation would otherwise
     have its queued writes dropped for the slots of the next ones), so memory does not
-    grow with the corpus (``documents`` may be any iterable: a generator reading files)."""
+    grow with the corpus (``documents`` may be any iterable: a generator reading files) but
+    for the keys of the chunks stored (about 100 bytes a piece), asked for again at the end:
+    a corpus larger than a tier's cap has later batches evict earlier ones."""
     if isinstance(documents, str | bytes) or not isinstance(documents, Iterable):
         raise TypeError("documents must be a list of texts or of token id lists (or an "
                         f"iterable of them), not {type(documents).__name__}")
@@ -47,45 +49,54 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Iterable[str | li
         log.warning("precompute: enable_blending is off in this config; an engine serving with "
                     "it does not reuse these chunks")
     report = PrecomputeReport(0, 0, 0, 0, 0.0)
-    seen: set[bytes] = set()  # digests of the documents met (repeats are skipped)
-    hot_only: list[list[str]] = []  # with no tier below: the stored chunks' keys
+    seen: dict[bytes, bool] = {}  # digests of the documents met -> stored (repeats skipped)
+    kept: list[list[str]] = []  # the stored chunks' keys, each chunk's pieces
+    pending: dict[bytes, int] = {}  # digests of the documents to store -> repeats met since
     empty = 0
     todo: list[list[int]] = []
     total = f"/{len(documents)}" if isinstance(documents, Sized) else ""
     i = shown = -1  # the last document counted in a progress line
     for i, document in enumerate(documents):
         tokens = _tokens(engine, lmkv, i, document, separator)
-        digest = tokens and hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
+        digest = tokens and _digest(tokens)
         if tokens is None:  # holds the separator: never found whole, not stored
             report.failed += 1
         elif not tokens:
             empty += 1
-        elif digest in seen:
-            report.skipped += 1
+        elif digest in seen:  # a repeat: counted as its first copy fares (stored or failed)
+            if digest in pending:
+                pending[digest] += 1
+            elif seen[digest]:
+                report.skipped += 1
+            else:
+                report.failed += 1
         else:
-            seen.add(digest)
             # stored means below the hot cache too, where tiers are (as counted below)
-            if lmkv.has_chunk(tokens) and not _not_persisted(lmkv, [tokens]):
+            seen[digest] = lmkv.has_chunk(tokens) and not _not_persisted(lmkv, [tokens])
+            if seen[digest]:
                 report.skipped += 1
             else:
                 todo.append(tokens)
+                pending[digest] = 0
         if len(todo) == batch_size:
-            _store_batch(engine, lmkv, todo, report, hot_only)
+            _store_todo(engine, lmkv, todo, report, kept, seen, pending)
             todo = []
             if progress:
                 _progress(i + 1, total, report, start)
                 shown = i + 1
     if todo:
-        _store_batch(engine, lmkv, todo, report, hot_only)
+        _store_todo(engine, lmkv, todo, report, kept, seen, pending)
     if progress and shown < i + 1:  # the last batch's line, once
         _progress(i + 1, total, report, start)
     if empty:
         log.warning("precompute: %d empty documents ignored", empty)
-    gone = sum(1 for keys in hot_only if not all(map(lmkv.storage.hot.contains, keys)))
+    gone = _gone(lmkv, kept)
     if gone:
-        log.warning("precompute: %d chunks were evicted from the hot cache by later ones (no "
-                    "tier below holds them): size the hot cache (max_local_cpu_size) for the "
-                    "corpus, or add local_disk", gone)
+        where = ("the tiers below (their size caps, max_local_disk_size: size them for the "
+                 "corpus)" if lmkv.storage.tiers else "the hot cache (no tier below holds "
+                 "them: size max_local_cpu_size for the corpus, or add local_disk)")
+        log.warning("precompute: %d chunks stored were evicted again by later ones from %s",
+                    gone, where)
     report.stored, report.failed = report.stored - gone, report.failed + gone
     report.seconds = time.perf_counter() - start
     log.info("precompute: %d stored, %d already stored, %d failed, %.1fs", report.stored,
@@ -95,32 +106,80 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Iterable[str | li
 
 def _progress(done: int, total: str, report: PrecomputeReport, start: float) -> None:
     print(f"precompute: {done}{total} documents, {report.stored} chunks stored, "
-          f"{report.skipped} already stored, {report.tokens} tokens, "
+          f"{report.skipped} already stored, {report.failed} failed, {report.tokens} tokens, "
           f"{time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
 
 
+def _digest(tokens: list[int]) -> bytes:
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def _store_todo(engine: KVComputer, lmkv: LMKVCache, todo: list[list[int]],
+                report: PrecomputeReport, kept: list[list[str]], seen: dict[bytes, bool],
+                pending: dict[bytes, int]) -> None:
+    """``_store_batch``, then the repeats of each document counted as it fared."""
+    stored = {_digest(tokens) for tokens in _store_batch(engine, lmkv, todo, report, kept)}
+    for tokens in todo:
+        digest = _digest(tokens)
+        seen[digest] = digest in stored
+        if seen[digest]:
+            report.skipped += pending.pop(digest)
+        else:
+            report.failed += pending.pop(digest)
+
+
 def _store_batch(engine: KVComputer, lmkv: LMKVCache, batch: list[list[int]],
-                 report: PrecomputeReport, hot_only: list[list[str]]) -> None:
-    """Compute and store ``batch``, then wait for the writes below and count what they lost."""
+                 report: PrecomputeReport, kept: list[list[str]]) -> list[list[int]]:
+    """Compute and store ``batch``, then wait for the writes below and count what they lost;
+    the chunks stored (their keys added to ``kept``)."""
     stored = []
+    room, since = max(1, lmkv.pool.num_slots // 2), 0  # pieces queued below since a drain
     for tokens, kv in _compute(engine, lmkv, batch):
+        pieces = -(-len(tokens) // lmkv.chunk_size)
+        if lmkv.storage.tiers and since and since + pieces > room:
+            lmkv.drain()  # (a slow tier's queued writes would be dropped for the slots)
+            since = 0
+        since += pieces
         if kv is not None and lmkv.store_chunk(tokens, kv):
             stored.append(tokens)
         else:
             report.failed += 1
         report.tokens += len(tokens) if kv is not None else 0
     if not lmkv.storage.tiers:
-        hot_only.extend(lmkv.content_keys(tokens) for tokens in stored)
+        kept.extend(lmkv.content_keys(tokens) for tokens in stored)
         report.stored += len(stored)
-        return
+        return stored
     lmkv.drain()  # lower tiers written before we count them (and before the next batch)
     lost = _not_persisted(lmkv, stored)
+    stored = [t for t in stored if not _not_persisted(lmkv, [t])] if lost else stored
+    kept.extend(lmkv.content_keys(tokens) for tokens in stored)
     if lost:
         log.warning("precompute: %d chunks did not reach every tier below the hot cache "
                     "(writes dropped or failed, or evicted at once by a tier's size cap: see "
                     "lmkv_dropped_total, lmkv_errors_total, lmkv_evictions_total)", lost)
-    report.stored += len(stored) - lost
+    report.stored += len(stored)
     report.failed += lost
+    return stored
+
+
+def _gone(lmkv: LMKVCache, kept: list[list[str]], batch: int = 1024) -> int:
+    """How many of the chunks stored (their keys' lists) are no longer all held: by every
+    tier below the hot cache, or, with none, by the hot cache."""
+    tiers = lmkv.storage.tiers
+    if not tiers:
+        return sum(1 for keys in kept if not all(map(lmkv.storage.hot.contains, keys)))
+    gone = 0
+    for start in range(0, len(kept), batch):  # (one call per tier per batch of chunks)
+        group = kept[start : start + batch]
+        keys = [k for ks in group for k in ks]
+        held = [t.contains(keys) for t in tiers]
+        if any(found is None for found in held):
+            continue  # a tier that cannot be asked now: taken as holding them
+        at = 0
+        for ks in group:
+            gone += not all(all(found[at : at + len(ks)]) for found in held)
+            at += len(ks)
+    return gone
 
 
 def _separator(engine: KVComputer, lmkv: LMKVCache) -> list[int]:
@@ -140,6 +199,12 @@ def _tokens(engine: KVComputer, lmkv: LMKVCache, i: int, document: str | list[in
         if lmkv.config.enable_blending and sep in document:
             log.warning("precompute: document %d contains the separator %r: prompts split there, "
                         "so it would never be found whole; not stored", i, sep)
+            return None
+        if lmkv.config.enable_blending and document and (
+                (document + sep).split(sep)[0] != document or (sep + document).split(sep)[-1] != document):
+            log.warning("precompute: document %d (%r...) starts or ends with what runs into the "
+                        "separator %r (a line end into a blank line): a prompt splits it off, so "
+                        "it would never be found whole; not stored (strip it)", i, document[:40], sep)
             return None
         return engine.tokenize(document, add_special_tokens=False)
     if not isinstance(document, list | tuple):
