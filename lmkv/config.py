@@ -188,7 +188,14 @@ def load_config(
             given[key] = _parse_env(key, env[name], prefix)
         values.update(_lmcache_blend_keys(given))
     values.update(_lmcache_blend_keys(overrides))
-    return from_dict(values)
+    lmcache = [name for name in (LMCACHE_CONFIG_FILE_ENV,) if path and path == env.get(name)]
+    lmcache += _lmcache_keys_in_env(env)
+    try:
+        return from_dict(values)
+    except ConfigError as e:
+        if not lmcache:
+            raise
+        raise ConfigError(f"{e} (LMCache's settings were read too: {', '.join(lmcache)})") from None
 
 
 def _lmcache_keys_in_env(env: dict[str, str]) -> list[str]:
@@ -198,22 +205,23 @@ def _lmcache_keys_in_env(env: dict[str, str]) -> list[str]:
     known = _FIELDS.keys() | {"blend_recompute_ratios", "blend_check_layers", "blend_thresholds",
                               "blend_min_tokens"}
     read = [n for n in names if n[len(LMCACHE_PREFIX):].lower() in known]
-    said = (tuple(names), env.get(CONFIG_FILE_ENV), env.get(LMCACHE_CONFIG_FILE_ENV))
-    if said != _lmcache_said[0] and (names or env.get(LMCACHE_CONFIG_FILE_ENV)):
-        _lmcache_said[0] = said
-        if env.get(LMCACHE_CONFIG_FILE_ENV) and not env.get(CONFIG_FILE_ENV):
-            log.info("lmkv: reading LMCache's config file %s (LMCACHE_CONFIG_FILE; LMKV_CONFIG_FILE "
-                     "takes precedence)", env[LMCACHE_CONFIG_FILE_ENV])
-        if read:
-            log.info("lmkv: reading LMCache's %s (an LMKV_<KEY> of the same key takes precedence)",
-                     ", ".join(read))
-        if ignored := [n for n in names if n not in read]:
-            log.warning("lmkv: LMCache's %s %s no lmkv setting: not used", ", ".join(ignored),
-                        "names" if len(ignored) == 1 else "name")
+    file = env.get(LMCACHE_CONFIG_FILE_ENV) if not env.get(CONFIG_FILE_ENV) else None
+    if names or file:
+        _tell_lmcache(tuple(read), tuple(n for n in names if n not in read), file)
     return read
 
 
-_lmcache_said: list[tuple | None] = [None]  # the LMCache environment last told of
+@functools.cache  # (once per process for each LMCache environment)
+def _tell_lmcache(read: tuple[str, ...], ignored: tuple[str, ...], file: str | None) -> None:
+    if file:
+        log.info("lmkv: reading LMCache's config file %s (LMCACHE_CONFIG_FILE; LMKV_CONFIG_FILE "
+                 "takes precedence)", file)
+    if read:
+        log.info("lmkv: reading LMCache's %s (an LMKV_<KEY> of the same key takes precedence)",
+                 ", ".join(read))
+    if ignored:
+        log.warning("lmkv: LMCache's %s %s no lmkv setting: not used", ", ".join(ignored),
+                    "names" if len(ignored) == 1 else "name")
 
 
 def keys_in_env(env: dict[str, str] | None = None) -> list[str]:
@@ -345,7 +353,15 @@ def _coerce(key: str, value: Any) -> Any:
 def _parse_env(key: str, raw: str, prefix: str = ENV_PREFIX) -> Any:
     name = f"{prefix}{key.upper()}"
     if key in ("blend_recompute_ratios", "blend_check_layers"):  # (LMCache's lists: 0.15 or [0.15])
-        return [_parse_env(key.removesuffix("s"), raw.strip().strip("[]"), prefix)]
+        values = [v.strip() for v in raw.strip().strip("[]").split(",")]
+        single = key.removesuffix("s")
+        if len(values) != 1:
+            raise ConfigError(f"lmkv config key {key} ({name}) must be one value: lmkv blends "
+                              f"with one {single} (got {raw!r})")
+        try:
+            return [float(values[0]) if single == "blend_recompute_ratio" else int(values[0])]
+        except ValueError:
+            raise ConfigError(f"lmkv config key {key}: cannot parse {name}={raw!r}") from None
     if key in ("blend_thresholds", "blend_min_tokens"):
         return None if raw.lower() in ("", "none", "null") else raw
     if key not in _FIELDS:

@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 # a trainer's optimizer, scheduler, RNG or argument files beside them), else GGUF files (a
 # repository's GGUF quantizations beside its safetensors are not loaded from a directory)
 SAFETENSORS, PYTORCH, GGUF = ("*.safetensors",), ("*.bin", "*.pt", "*.pth"), ("*.gguf",)
-CONFIGS = ("config.json", "params.json")  # Hugging Face's, Mistral's own format's
 NOT_WEIGHTS = ("training_args", "optimizer", "scheduler", "rng_state")
 READ_BYTES = 16 << 20
 LOG_ABOVE = 1 << 30  # a file this large is hashed with a log line (a first start takes seconds)
@@ -43,12 +42,11 @@ def model_fingerprint(model_dir: str | Path) -> str:
     if model_dir.is_file():
         h.update(file_digest(model_dir).encode())
         return h.hexdigest()
-    configs = [model_dir / name for name in CONFIGS if (model_dir / name).is_file()]
-    if configs == [model_dir / "config.json"]:
-        h.update(configs[0].read_bytes())  # (bare: the ids of such checkpoints stay as they were)
-    else:
-        for path in configs:
-            h.update(f"{path.name}:".encode() + path.read_bytes())
+    config = model_dir / "config.json"
+    if config.is_file():  # (Mistral's repositories ship params.json beside it: not read)
+        h.update(config.read_bytes())
+    elif (params := model_dir / "params.json").is_file():  # Mistral's own format alone
+        h.update(b"params.json:" + params.read_bytes())
     files = (sorted(p for pattern in SAFETENSORS for p in model_dir.glob(pattern))
              or sorted(p for pattern in PYTORCH for p in model_dir.glob(pattern)
                        if not p.name.startswith(NOT_WEIGHTS))

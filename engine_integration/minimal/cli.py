@@ -350,9 +350,10 @@ def _precompute(config: EngineConfig, files: list[str], split_on: str | None,
                 try:
                     with open(name, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
                         text = f.read()
-                except UnicodeDecodeError as e:  # that file alone: the others are stored
-                    print(f"engine precompute: error: {name} is not UTF-8 text ({e.reason} at "
-                          f"byte {e.start}); skipped", file=sys.stderr)
+                except (UnicodeDecodeError, OSError) as e:  # that file alone: the others are stored
+                    why = (f"is not UTF-8 text ({e.reason} at byte {e.start})"
+                           if isinstance(e, UnicodeDecodeError) else f"cannot be read ({e.strerror or e})")
+                    print(f"engine precompute: error: {name} {why}; skipped", file=sys.stderr)
                     unreadable.append(name)
                     continue
                 # the line ends around a document or a part (a third newline between

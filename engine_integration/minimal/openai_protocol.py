@@ -148,7 +148,7 @@ class GenerationRequest(BaseModel):
                              "supported: this server returns plain text")
         for name, neutral in _NEUTRAL.items():
             value = getattr(self, name, None)
-            if value is not None and value != neutral and not (neutral is None and value == []):
+            if value is not None and value != neutral and not (neutral is None and value in ([], {})):
                 raise ValueError(f"{name} is not supported by this server")
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:

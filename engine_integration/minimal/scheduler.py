@@ -25,9 +25,6 @@ if TYPE_CHECKING:
     from lmkv.connector import SchedulerConnector
 
 log = logging.getLogger(__name__)
-# lmkv's failures in a step, told with their traceback once a minute per kind: a fault that
-# lasts (a decoder's bug re-raised for every chunk) fails every request's lookup
-_quiet = LogThrottle()
 
 
 @dataclass(slots=True)
@@ -63,6 +60,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # lmkv's failures in a step, told with their traceback once a minute per kind: a
+        # fault that lasts (a decoder's bug re-raised for every chunk) fails every lookup
+        self._quiet = LogThrottle()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -106,11 +106,11 @@ class Scheduler:
             computed = (self.blocks.get_computed_blocks(req) if req.use_cache
                         else ComputedBlocks([], 0))
             if (connector is not None and out.scheduled
-                    and _arriving(connector, req, computed.num_tokens)):
+                    and _arriving(connector, req, computed.num_tokens, self._quiet)):
                 break  # looked up now it would stall the running requests: next step
             if connector is not None and not req.output_token_ids:
                 # (none where the engine's hit leaves less to compute than a blend would)
-                blend = _blend_plan(connector, req, computed.num_tokens)
+                blend = _blend_plan(connector, req, computed.num_tokens, self._quiet)
             if blend is not None:
                 # a blended prefill runs the whole prompt in one step, whatever the budget;
                 # its pages go to the prefix cache under the prompt's blend salt
@@ -118,7 +118,7 @@ class Scheduler:
             else:
                 external = 0  # tokens after the local hit that lmkv loads
                 if connector is not None:
-                    external = _matched(connector, req, computed.num_tokens)
+                    external = _matched(connector, req, computed.num_tokens, self._quiet)
                 num_new = req.num_tokens - computed.num_tokens - external
                 if num_new > budget and not chunked:
                     break
@@ -127,7 +127,7 @@ class Scheduler:
                 break
             req.blend = blend
             req.num_computed_tokens = computed.num_tokens
-            if self.connector is not None and not _allocated(self.connector, req, external):
+            if self.connector is not None and not _allocated(self.connector, req, external, self._quiet):
                 # not admitted: the pages past its hit hold nothing (their hashes go), and
                 # it waits for the next step, where lmkv loads nothing for it
                 self.blocks.forget(req.block_ids[len(computed.blocks):])
@@ -185,31 +185,31 @@ def _drop_blend(req: Request) -> None:
         req.blend = None
 
 
-def _blend_plan(connector, req, num_computed: int):
+def _blend_plan(connector, req, num_computed: int, quiet: LogThrottle):
     """The request's blend plan, or None (it takes the prefix path) if there is none or
     finding it raises: one request's lookup never fails the step."""
     try:
         return connector.get_blend_plan(req, num_computed)
     except Exception:
-        _quiet.log(log, logging.ERROR, "blend", "lmkv: RAG chunk lookup for request %s failed; "
+        quiet.log(log, logging.ERROR, "blend", "lmkv: RAG chunk lookup for request %s failed; "
                    "computing it", req.request_id, exc_info=True)
         connector.cache.count_error("connector", "blend")
         return None
 
 
-def _arriving(connector, req, num_computed: int) -> bool:
+def _arriving(connector, req, num_computed: int, quiet: LogThrottle) -> bool:
     """Whether to leave ``req`` waiting this step: the chunks lmkv would load for it are
     still coming up from a lower tier (a slow remote takes seconds; lmkv says so for
     ARRIVING_WAIT seconds at most). False if asking raises."""
     try:
         return connector.loads_arriving(req, num_computed)
     except Exception:
-        _quiet.log(log, logging.ERROR, "arriving", "lmkv: asking whether request %s's chunks "
+        quiet.log(log, logging.ERROR, "arriving", "lmkv: asking whether request %s's chunks "
                    "are on their way failed; looking it up now", req.request_id, exc_info=True)
         return False
 
 
-def _allocated(connector, req, external: int) -> bool:
+def _allocated(connector, req, external: int, quiet: LogThrottle) -> bool:
     """Tell lmkv the engine took its offer for ``req`` (``external`` tokens loaded); False
     if that raises: lmkv then loads nothing for the request (logged, counted), which is
     admitted again without it. One request's failure never fails the step, nor leaves
@@ -218,24 +218,24 @@ def _allocated(connector, req, external: int) -> bool:
         connector.update_state_after_alloc(req, req.block_ids, external)
         return True
     except Exception:
-        _quiet.log(log, logging.ERROR, "allocated", "lmkv: taking the load planned for request "
+        quiet.log(log, logging.ERROR, "allocated", "lmkv: taking the load planned for request "
                    "%s failed; computing it", req.request_id, exc_info=True)
         connector.cache.count_error("connector", "load")
         try:
             connector.recompute_without_loads(req)
         except Exception:
-            _quiet.log(log, logging.ERROR, "drop", "lmkv: request %s: dropping its lmkv state "
+            quiet.log(log, logging.ERROR, "drop", "lmkv: request %s: dropping its lmkv state "
                        "failed", req.request_id, exc_info=True)
         return False
 
 
-def _matched(connector, req, num_computed: int) -> int:
+def _matched(connector, req, num_computed: int, quiet: LogThrottle) -> int:
     """Tokens lmkv will load for ``req`` after its local hit; 0 (it is computed) if the
     lookup raises: one request's lookup never fails the step."""
     try:
         return connector.get_num_new_matched_tokens(req, num_computed)[0]
     except Exception:
-        _quiet.log(log, logging.ERROR, "lookup", "lmkv: lookup for request %s failed; computing "
+        quiet.log(log, logging.ERROR, "lookup", "lmkv: lookup for request %s failed; computing "
                    "it", req.request_id, exc_info=True)
         connector.cache.count_error("connector", "lookup")
         return 0

@@ -157,7 +157,7 @@ def _hub_snapshot(model: str, revision: str | None, cache_dir: str | None) -> Pa
 # load formats that read the checkpoint's own weights (others make them up, dummy, or read
 # them from elsewhere: their name joins the key)
 _OWN_WEIGHTS = {None, "auto", "safetensors", "pt", "npcache", "fastsafetensors", "mistral",
-                "runai_streamer"}
+                "runai_streamer", "bitsandbytes", "gguf"}
 
 
 def _variant(mc: Any, load_format: Any = None) -> str:

@@ -150,8 +150,8 @@ def _store_batch(engine: KVComputer, lmkv: LMKVCache, batch: list[list[int]],
         report.stored += len(stored)
         return stored
     lmkv.drain()  # lower tiers written before we count them (and before the next batch)
-    lost = _not_persisted(lmkv, stored)
-    stored = [t for t in stored if not _not_persisted(lmkv, [t])] if lost else stored
+    held = [t for t in stored if not _not_persisted(lmkv, [t])]
+    lost, stored = len(stored) - len(held), held
     kept.extend(lmkv.content_keys(tokens) for tokens in stored)
     if lost:
         log.warning("precompute: %d chunks did not reach every tier below the hot cache "

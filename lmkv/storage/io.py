@@ -23,7 +23,6 @@ from typing import Any
 from ..logs import LogThrottle
 
 log = logging.getLogger(__name__)
-_quiet = LogThrottle()  # a failure that lasts fails every job: told once a minute
 
 
 class IOWorker:
@@ -35,6 +34,7 @@ class IOWorker:
         self._lock = threading.Lock()  # submit vs close: nothing is queued after the stop
         self._closed = False
         self._stalled: Future | None = None  # the no-op of the last drain that timed out
+        self._quiet = LogThrottle()  # a failure that lasts fails every job: told once a minute
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -132,8 +132,7 @@ class IOWorker:
                 return
             self._execute(item, urgent)
 
-    @staticmethod
-    def _execute(item: tuple[Callable[[], Any], Future], urgent: bool) -> None:
+    def _execute(self, item: tuple[Callable[[], Any], Future], urgent: bool) -> None:
         fn, fut = item
         if not fut.set_running_or_notify_cancel():
             return
@@ -142,7 +141,7 @@ class IOWorker:
         except BaseException as e:  # reported through the future
             fut.set_exception(e)
             if not urgent:  # nobody waits for a background job's future
-                _quiet.log(log, logging.ERROR, "job", "lmkv: a background I/O job failed: %r", e,
+                self._quiet.log(log, logging.ERROR, "job", "lmkv: a background I/O job failed: %r", e,
                            exc_info=True)
 
 

@@ -617,19 +617,22 @@ class StorageManager:
                             len(stale), ARRIVAL_HOLD)
 
     def _release_prefix(self, job: object, bufs: list[ChunkBuffer] | None = None) -> None:
-        """Give back the hot chunks held for prefetch ``job`` (``bufs`` where they were not
-        filed under it); none where ``_slot`` took them back."""
+        """Give back the hot chunks held for queued prefetch ``job`` (``bufs`` where they
+        were not filed under it); none where ``_slot`` took them back."""
         with self._lock:
             bufs = self._prefixes.pop(job, bufs or [])
         for buf in bufs:
             buf.release()
 
     def _prefetch_run(self, keys: list[str], parent: str | None, job: object) -> None:
+        with self._lock:  # running: its holds are its own now, not a queued job's to give way
+            prefix = self._prefixes.pop(job, [])
         try:
             for buf in self._load_run(keys, prefetch=True, parent=parent):
                 buf.release()
         finally:
-            self._release_prefix(job)
+            for buf in prefix:
+                buf.release()
             with self._lock:
                 self._inflight.difference_update(keys)
 

@@ -62,6 +62,7 @@ def test_a_lookup_that_keeps_failing_is_not_a_traceback_per_request(caplog):
     at every step it waited for blocks): a fault that lasts is told once a minute."""
     from types import SimpleNamespace
 
+    from lmkv.logs import LogThrottle
     from lmkv_engines.minimal.scheduler import _matched
 
     class Broken:
@@ -70,8 +71,9 @@ def test_a_lookup_that_keeps_failing_is_not_a_traceback_per_request(caplog):
         def get_num_new_matched_tokens(self, req, computed):
             raise RuntimeError("a decoder bug")
 
+    quiet = LogThrottle()  # (the scheduler's own)
     with caplog.at_level(logging.ERROR):
         for i in range(100):
-            assert _matched(Broken(), SimpleNamespace(request_id=f"r{i}"), 0) == 0
+            assert _matched(Broken(), SimpleNamespace(request_id=f"r{i}"), 0, quiet) == 0
     lines = [r for r in caplog.records if "lookup for request" in r.getMessage()]
     assert len(lines) == 1 and lines[0].exc_info is not None

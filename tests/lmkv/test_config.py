@@ -278,3 +278,7 @@ def test_an_lmcache_environment_is_read(tmp_path, caplog):
     assert load_config(env={"LMKV_BLEND_CHECK_LAYERS": "[3]"}).blend_check_layer == 3
     with pytest.raises(ConfigError, match="LMCACHE_CHUNK_SIZE"):
         load_config(env={"LMCACHE_CHUNK_SIZE": "many"})
+    with pytest.raises(ConfigError, match="cache_policy .* read too: LMCACHE_CACHE_POLICY"):
+        load_config(env={"LMCACHE_CACHE_POLICY": "LFU"})  # (LMCache's, not lmkv's)
+    with pytest.raises(ConfigError, match="LMCACHE_BLEND_RECOMPUTE_RATIOS.* must be one value"):
+        load_config(env={"LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.15,0.2"})

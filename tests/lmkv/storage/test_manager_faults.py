@@ -1301,3 +1301,36 @@ def test_hot_chunks_a_queued_prefetch_holds_give_way_to_a_save():
     assert all(b.ref_count == 1 for b in m.hot.entries.values())
     pool.check_integrity()
     m.close()
+
+
+def test_a_running_prefetch_keeps_the_hot_chunks_it_continues():
+    """Only a queued prefetch's holds give way to a slot-less save: once its job runs, the
+    chunks before its run stay held (its own reads' slots must not evict them, or the
+    chunks it reads would have no parent to follow)."""
+    pool, (tier,), m = manager(slots=5, policy="lru")  # h0-h2, the job's read of x, one free
+    seed(pool, tier, ["x"])
+    for key in ("h0", "h1", "h2"):
+        put_one(pool, m, key)
+    assert m.io.drain(5)
+    reading, go = threading.Event(), threading.Event()
+    real = tier.backend.get
+
+    def slow_get(keys):
+        reading.set()
+        go.wait(5)
+        return real(keys)
+
+    tier.backend.get = slow_get
+    m.prefetch(["h0", "h1", "h2", "x"])  # holds h0-h2; its job runs and waits in the read
+    try:
+        assert reading.wait(5)
+        first = m.allocate()  # the last free slot
+        assert first is not None
+        assert m.allocate() is None  # the running job's holds do not give way
+        first.release()
+    finally:
+        go.set()
+    assert m.io.drain(5)
+    assert all(m.hot.contains(k) for k in ("h0", "h1", "h2"))
+    assert all(b.ref_count == 1 for b in m.hot.entries.values())
+    m.close()
