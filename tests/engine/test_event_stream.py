@@ -96,16 +96,17 @@ def _tokenizer(which: str, tiny_model_dir):
     return Tokenizer.from_dir(tiny_model_dir)
 
 
-def _outputs(tok, ids: list[int], kind, stop: tuple[str, ...]):
-    """The outputs the engine gives for a request that generates ``ids`` (or fewer: a stop)."""
+def _outputs(tok, ids: list[int], kind, stop: tuple[str, ...], prompt: tuple[int, ...] = (1,)):
+    """The outputs the engine gives for a request (of ``prompt``) that generates ``ids`` (or
+    fewer: a stop)."""
     from lmkv_engines.minimal.llm_engine import LLMEngine
     from lmkv_engines.minimal.request import Request, RequestStatus
     from lmkv_engines.minimal.sampling_params import OutputKind, SamplingParams
 
     engine = LLMEngine.__new__(LLMEngine)  # only the tokenizer and the context length are used
     engine.tokenizer, engine.max_model_len = tok, 10_000
-    req = Request("r", [1], SamplingParams(max_tokens=len(ids), stop=stop, ignore_eos=True,
-                                           output_kind=kind))
+    req = Request("r", list(prompt), SamplingParams(max_tokens=len(ids), stop=stop, ignore_eos=True,
+                                                    output_kind=kind))
     outs = []
     for token in ids:
         req.output_token_ids.append(token)
@@ -277,28 +278,15 @@ def test_a_completion_keeps_the_leading_space_of_its_first_token():
     token's "▁": prompt "b c" and output "▁ab ▁a" must read " ab a" (what decoding the
     prompt and output together adds, as vLLM's detokenizer gives it), so that prompt +
     completion is the text, and a stop string with a leading space can match."""
-    from lmkv_engines.minimal.llm_engine import LLMEngine
-    from lmkv_engines.minimal.request import Request, RequestStatus
-    from lmkv_engines.minimal.sampling_params import OutputKind, SamplingParams
+    from lmkv_engines.minimal.sampling_params import OutputKind
 
     tok = _byte_fallback_tokenizer()
     prompt = tok.encode("b c", add_special_tokens=False)
     output = tok.encode("ab a", add_special_tokens=False)  # ["▁ab", "▁a"]
     want = tok.decode(prompt + output)[len(tok.decode(prompt)):]
     assert want == " ab a"
-    engine = LLMEngine.__new__(LLMEngine)
-    engine.tokenizer, engine.max_model_len = tok, 10_000
     for kind in (OutputKind.FINAL_ONLY, OutputKind.DELTA):
-        req = Request("r", prompt, SamplingParams(max_tokens=len(output), ignore_eos=True,
-                                                  output_kind=kind))
-        texts = []
-        for token in output:
-            req.output_token_ids.append(token)
-            reason = engine._check_stop(req, token)
-            if reason is not None:
-                req.status, req.finish_reason = RequestStatus.FINISHED, reason
-            if kind is OutputKind.DELTA or reason is not None:
-                texts.append(engine._output(req).text)
+        texts = [o.text for o in _outputs(tok, output, kind, (), tuple(prompt))]
         assert "".join(texts) == want, (kind, texts)
 
 
