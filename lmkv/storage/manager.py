@@ -104,8 +104,9 @@ class StorageManager:
         # behind a slow tier they give way (the latest first) to a save or read that finds
         # no slot (_slot), as holds do
         self._queued: dict[_Write, None] = {}
-        # queued prefetch jobs -> the hot chunks before their run, held until the job ends
-        # (its slots never evict them); they too give way to a save or read with no slot
+        # queued prefetch jobs -> the hot chunks before their run, held for them (a job that
+        # runs takes its own, which its slots never evict); these give way to a save or read
+        # with no slot
         self._prefixes: dict[object, list[ChunkBuffer]] = {}
         # chunks a background read found in no tier -> when (time.monotonic()): see MISS_TTL
         self._missed: OrderedDict[str, float] = OrderedDict()
@@ -454,7 +455,7 @@ class StorageManager:
         under it, not as roots)."""
         if not self.keep_hot:
             return
-        prefix: list[ChunkBuffer] = []  # held until the job ends (_prefixes)
+        prefix: list[ChunkBuffer] = []  # held until the job ends (_prefixes while queued)
         seen: set[str] = set()
         for key in keys:
             buf = self.hot.hold(key)
