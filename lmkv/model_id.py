@@ -33,6 +33,15 @@ READ_BYTES = 16 << 20
 LOG_ABOVE = 1 << 30  # a file this large is hashed with a log line (a first start takes seconds)
 
 
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint ``model_fingerprint`` reads: a file (GGUF), or a
+    directory holding a config (config.json, Mistral's params.json) or safetensors."""
+    if path.is_file():
+        return True
+    return path.is_dir() and (any((path / name).is_file() for name in ("config.json", "params.json"))
+                              or any(p for pattern in SAFETENSORS for p in path.glob(pattern)))
+
+
 def model_fingerprint(model_dir: str | Path) -> str:
     """Identity of a checkpoint's weights, the same wherever it is copied: its config
     (config.json, and Mistral's params.json) and the content of every weight file, or, for

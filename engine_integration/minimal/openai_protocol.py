@@ -99,6 +99,7 @@ class GenerationRequest(BaseModel):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     n: int = 1
     stream: bool = False
+    echo: bool = False
     # OpenAI features this server does not have: refused when asked for
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -135,6 +136,8 @@ class GenerationRequest(BaseModel):
         """Raise ValueError naming the first requested feature this server lacks."""
         if self.n != 1:
             raise ValueError("n must be 1: this server returns one choice per request")
+        if self.echo:
+            raise ValueError("echo is not supported")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported")
         if self.logit_bias:
@@ -176,7 +179,6 @@ class GenerationRequest(BaseModel):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -196,8 +198,6 @@ class CompletionRequest(GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.logprobs is not None:
             raise ValueError("logprobs is not supported")
         if self.best_of not in (None, 1):
@@ -261,7 +261,6 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    echo: bool = False
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -292,8 +291,6 @@ class ChatCompletionRequest(GenerationRequest):
         if self.chat_template or self.chat_template_kwargs:
             raise ValueError("chat_template and chat_template_kwargs are not supported: the "
                              "model's own template is used")
-        if self.echo:
-            raise ValueError("echo is not supported")
 
     def strings(self) -> Iterator[tuple[str, str]]:
         yield from super().strings()

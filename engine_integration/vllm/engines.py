@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmkv.config import ConfigError, LMKVConfig, load_config
 from lmkv.layout import KVLayout
-from lmkv.model_id import model_fingerprint
+from lmkv.model_id import is_checkpoint, model_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,7 +111,7 @@ def model_id(model: str, revision: str | None = None, variant: str = "",
     (``weights_uri``: only the config is local) are named by their URI, with a warning too.
     ``variant``, vLLM's settings that change the KV the same weights give, is added."""
     path: Path | None = Path(model)
-    if not _local_checkpoint(path):
+    if not is_checkpoint(path):
         path = _hub_snapshot(model, revision, download_dir)
     if weights_uri is not None:
         config = model_fingerprint(path) if path is not None else f"hub:{model}"
@@ -129,17 +129,6 @@ def model_id(model: str, revision: str | None = None, variant: str = "",
                     "served old chunks): give vLLM a local directory or a commit as --revision",
                     model, ident)
     return f"{ident}|{variant}" if variant else ident
-
-
-def _local_checkpoint(path: Path) -> bool:
-    """A checkpoint's file (GGUF), or a directory holding its config (Hugging Face's
-    config.json, Mistral's params.json) or weights."""
-    if path.is_file():
-        return True
-    if not path.is_dir():
-        return False
-    return (any((path / name).is_file() for name in ("config.json", "params.json"))
-            or any(path.glob("*.safetensors")))
 
 
 def _hub_snapshot(model: str, revision: str | None, cache_dir: str | None) -> Path | None:

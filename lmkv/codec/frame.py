@@ -91,19 +91,6 @@ def decode_into(data: bytes | memoryview, buf: ChunkBuffer, key: str,
         raise FrameError(f"not an lmkv frame (magic {magic!r})")
     if version != VERSION:  # (another lmkv version's, sharing the store: not deleted as corrupt)
         raise ForeignFrame(f"an lmkv frame of format version {version}; this lmkv reads {VERSION}")
-    codec = by_id(codec_id)
-    if codec is None:  # a codec this version lacks, if the frame is sound
-        payload = view[HEADER_BYTES:]
-        if (len(payload) == length and key_hash == xxhash.xxh3_64_intdigest(key.encode())
-                and xxhash.xxh3_64_intdigest(payload) == checksum):
-            raise ForeignFrame(f"codec id {codec_id}, which this lmkv version does not know")
-        raise FrameError(f"unknown codec id {codec_id}")
-    got, want = tuple(shape[:ndim]), tuple(kv.shape)
-    partial = (codec.partial and ndim == 5 and got[:2] + got[3:] == want[:2] + want[3:]
-               and 1 <= got[2] < want[2])
-    if dtype != _DTYPES[kv.dtype] or not (got == want or partial):
-        raise FrameError(f"frame holds shape {got} dtype code {dtype}, expected "
-                         f"{want} {kv.dtype} (or fewer tokens)")
     if key_hash != xxhash.xxh3_64_intdigest(key.encode()):
         raise FrameError("frame belongs to another key")
     payload = view[HEADER_BYTES:]
@@ -111,6 +98,15 @@ def decode_into(data: bytes | memoryview, buf: ChunkBuffer, key: str,
         raise FrameError(f"truncated frame: payload {len(payload)} bytes of {length}")
     if xxhash.xxh3_64_intdigest(payload) != checksum:
         raise FrameError("checksum mismatch: payload corrupted")
+    codec = by_id(codec_id)
+    if codec is None:  # (a sound frame: of a codec another lmkv version has)
+        raise ForeignFrame(f"codec id {codec_id}, which this lmkv version does not know")
+    got, want = tuple(shape[:ndim]), tuple(kv.shape)
+    partial = (codec.partial and ndim == 5 and got[:2] + got[3:] == want[:2] + want[3:]
+               and 1 <= got[2] < want[2])
+    if dtype != _DTYPES[kv.dtype] or not (got == want or partial):
+        raise FrameError(f"frame holds shape {got} dtype code {dtype}, expected "
+                         f"{want} {kv.dtype} (or fewer tokens)")
     try:
         if partial:  # tokens [0, n): decoded apart (the payload may lie in this very slot)
             part = torch.empty(got, dtype=kv.dtype)
