@@ -70,14 +70,10 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Iterable[str | li
                 report.skipped += 1
             else:
                 report.failed += 1
-        else:
-            # stored means below the hot cache too, where tiers are (as counted below)
-            seen[digest] = lmkv.has_chunk(tokens) and not _not_persisted(lmkv, [tokens])
-            if seen[digest]:
-                report.skipped += 1
-            else:
-                todo.append(tokens)
-                pending[digest] = 0
+        else:  # whether it is stored already is asked for the whole batch (_store_todo)
+            seen[digest] = False
+            todo.append(tokens)
+            pending[digest] = 0
         if len(todo) == batch_size:
             _store_todo(engine, lmkv, todo, report, kept, seen, pending)
             todo = []
@@ -90,7 +86,7 @@ def precompute(engine: KVComputer, lmkv: LMKVCache, documents: Iterable[str | li
         _progress(i + 1, total, report, start)
     if empty:
         log.warning("precompute: %d empty documents ignored", empty)
-    gone = _gone(lmkv, kept)
+    gone = sum(not held for held in _held(lmkv, kept, unknown=True))
     if gone:
         where = ("the tiers below (their size caps, max_local_disk_size: size them for the "
                  "corpus)" if lmkv.storage.tiers else "the hot cache (no tier below holds "
@@ -117,8 +113,18 @@ def _digest(tokens: list[int]) -> bytes:
 def _store_todo(engine: KVComputer, lmkv: LMKVCache, todo: list[list[int]],
                 report: PrecomputeReport, kept: list[list[str]], seen: dict[bytes, bool],
                 pending: dict[bytes, int]) -> None:
-    """``_store_batch``, then the repeats of each document counted as it fared."""
-    stored = {_digest(tokens) for tokens in _store_batch(engine, lmkv, todo, report, kept)}
+    """The documents stored already skipped (stored means below the hot cache too, where
+    tiers are: one question per tier for the batch), ``_store_batch`` of the others, then
+    the repeats of each document counted as it fared."""
+    if lmkv.storage.tiers:
+        already = _held(lmkv, [lmkv.content_keys(tokens) for tokens in todo], unknown=False)
+    else:
+        already = [lmkv.has_chunk(tokens) for tokens in todo]
+    report.skipped += sum(already)
+    compute = [tokens for tokens, held in zip(todo, already, strict=True) if not held]
+    stored = {_digest(tokens) for tokens, held in zip(todo, already, strict=True) if held}
+    if compute:
+        stored.update(map(_digest, _store_batch(engine, lmkv, compute, report, kept)))
     for tokens in todo:
         digest = _digest(tokens)
         seen[digest] = digest in stored
@@ -150,9 +156,11 @@ def _store_batch(engine: KVComputer, lmkv: LMKVCache, batch: list[list[int]],
         report.stored += len(stored)
         return stored
     lmkv.drain()  # lower tiers written before we count them (and before the next batch)
-    held = [t for t in stored if not _not_persisted(lmkv, [t])]
-    lost, stored = len(stored) - len(held), held
-    kept.extend(lmkv.content_keys(tokens) for tokens in stored)
+    keys = [lmkv.content_keys(tokens) for tokens in stored]
+    held = _held(lmkv, keys, unknown=False)
+    lost = held.count(False)
+    stored = [tokens for tokens, ok in zip(stored, held, strict=True) if ok]
+    kept.extend(k for k, ok in zip(keys, held, strict=True) if ok)
     if lost:
         log.warning("precompute: %d chunks did not reach every tier below the hot cache "
                     "(writes dropped or failed, or evicted at once by a tier's size cap: see "
@@ -162,24 +170,26 @@ def _store_batch(engine: KVComputer, lmkv: LMKVCache, batch: list[list[int]],
     return stored
 
 
-def _gone(lmkv: LMKVCache, kept: list[list[str]], batch: int = 1024) -> int:
-    """How many of the chunks stored (their keys' lists) are no longer all held: by every
-    tier below the hot cache, or, with none, by the hot cache."""
+def _held(lmkv: LMKVCache, chunks: list[list[str]], unknown: bool,
+          batch: int = 1024) -> list[bool]:
+    """Whether each chunk (its keys) is held whole by every tier below the hot cache, or,
+    with none, by the hot cache; ``unknown`` for the chunks a tier cannot be asked about
+    now. One question per tier for each ``batch`` chunks."""
     tiers = lmkv.storage.tiers
     if not tiers:
-        return sum(1 for keys in kept if not all(map(lmkv.storage.hot.contains, keys)))
-    gone = 0
-    for start in range(0, len(kept), batch):  # (one call per tier per batch of chunks)
-        group = kept[start : start + batch]
-        keys = [k for ks in group for k in ks]
-        held = [t.contains(keys) for t in tiers]
-        if any(found is None for found in held):
-            continue  # a tier that cannot be asked now: taken as holding them
+        return [all(map(lmkv.storage.hot.contains, keys)) for keys in chunks]
+    held: list[bool] = []
+    for start in range(0, len(chunks), batch):
+        group = chunks[start : start + batch]
+        found = [t.contains([k for keys in group for k in keys]) for t in tiers]
+        if any(f is None for f in found):
+            held.extend([unknown] * len(group))
+            continue
         at = 0
-        for ks in group:
-            gone += not all(all(found[at : at + len(ks)]) for found in held)
-            at += len(ks)
-    return gone
+        for keys in group:
+            held.append(all(all(f[at : at + len(keys)]) for f in found))
+            at += len(keys)
+    return held
 
 
 def _separator(engine: KVComputer, lmkv: LMKVCache) -> list[int]:
@@ -234,17 +244,3 @@ def _compute(engine: KVComputer, lmkv: LMKVCache, batch: list[list[int]]):
                       len(tokens), tokens[:8], e)
             out.append((tokens, None))
     return out
-
-
-def _not_persisted(lmkv: LMKVCache, stored: list[list[int]]) -> int:
-    """How many of the chunks in ``stored`` some tier below the hot cache lacks (or cannot
-    be asked about)."""
-    tiers = lmkv.storage.tiers
-    if not tiers or not stored:
-        return 0
-    lost = 0
-    for tokens in stored:
-        keys = lmkv.content_keys(tokens)
-        if not all((found := t.contains(keys)) is not None and all(found) for t in tiers):
-            lost += 1
-    return lost

@@ -141,3 +141,22 @@ def test_a_repeat_of_a_document_that_failed_is_not_reported_already_stored(tiny_
         report = llm.precompute([long, long], progress=False)
         assert not llm.engine.kv_connector.cache.has_chunk(long)
     assert report.skipped == 0, report
+
+
+def test_precompute_asks_the_tiers_once_a_batch_whether_documents_are_stored(tiny_model_dir,
+                                                                             tmp_path):
+    """Whether a document is stored already (every tier below holds it) and whether a
+    batch's writes reached them were asked per document: a remote tier paid a round trip
+    for each, 100,000 of them for a corpus run again. One question per tier per batch."""
+    docs = _many_docs(25, n=20, length=64)
+    with _blend_llm(tiny_model_dir, local_disk=str(tmp_path / "d"), max_local_disk_size=0.1) as llm:
+        tier = llm.engine.kv_connector.cache.storage.tiers[0]
+        real, calls = tier.contains, []
+        tier.contains = lambda keys: (calls.append(len(keys)), real(keys))[1]
+        first = llm.precompute(docs, batch_size=8, progress=False)
+        asked_first, calls[:] = len(calls), []
+        again = llm.precompute(docs, batch_size=8, progress=False)
+    assert (first.stored, first.failed) == (20, 0), first
+    assert asked_first <= 2 * 3 + 1, asked_first  # per batch: stored already? written? + the end
+    assert (again.stored, again.skipped, again.failed) == (0, 20, 0), again
+    assert len(calls) <= 3 + 1 and sum(calls) >= 2 * 20, calls
