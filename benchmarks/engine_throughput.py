@@ -2,8 +2,8 @@
 
 Prints prefill tokens/s (ratio target >= 0.8x; transformers computes the last position's
 logits only, as the engine does) and decode throughput of 16 concurrent sequences vs
-transformers generating them one after another (issue #19's target >= 3x), and vs
-transformers generating them as one batch (like for like). The model is
+transformers generating them one after another (the ratio issue #19 names, mostly
+batching), and vs transformers generating them as one batch (like for like). The model is
 SmolLM2-135M-Instruct unless --model names another; --device/--dtype say where and in what
 the engine and transformers both run.
 """

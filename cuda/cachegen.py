@@ -1,6 +1,8 @@
 """Wrappers of cachegen.cu: the quantize / dequantize steps of the cachegen codec on the GPU.
 Torch twins with the same signatures (less the launcher): lmkv.codec.cachegen.quantize and
-lmkv.codec.cachegen.dequantize; lmkv.ops.cachegen_quantize / cachegen_dequantize dispatch.
+lmkv.codec.cachegen.dequantize. lmkv.ops.cachegen_quantize dispatches (encode of a CUDA
+chunk); decode runs on the CPU (decode_into), so the dequantize kernel is compiled and
+tested but on no product path.
 Shapes: kv / out [2, L, T, H, D] float, symbols int16 of the same shape, step / mean
 [2, L, H, D] fp32, delta [2, L] bool; all contiguous, one device.
 """

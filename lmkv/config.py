@@ -48,11 +48,12 @@ class LMKVConfig:
     cache_policy: str = DEFAULT_POLICY  # a name in lmkv.policy.POLICIES: what the hot cache evicts
     local_disk: str | None = None  # directory (or file:// URL) of the disk tier; None = off
     max_local_disk_size: float = 0.0  # GB cap of the disk tier (required when local_disk is set)
-    remote_url: str | None = None  # lm://, redis://, ... (issue: cross-instance sharing)
+    remote_url: str | None = None  # lm://, redis://, rediss://, redis-cluster://, mooncakestore:// (shared)
     remote_serde: str = "raw"  # raw (LMCache's "naive" is read as raw) | zstd | cachegen (lossy)
     local_disk_codec: str = "raw"  # raw | zstd | cachegen: how chunks are written to disk
     local_disk_direct: bool = True  # read cold disk-tier files with O_DIRECT (around the page cache)
-    cachegen_calibration: str | None = None  # table file; None = ~/.cache/lmkv/calibration/<scope>
+    # the cachegen table file; None = $LMKV_CACHE_DIR (default ~/.cache/lmkv)/calibration/<scope>
+    cachegen_calibration: str | None = None
     # quality gate: re-run 1 in N greedy requests served lossy KV; None = 16 with a lossy
     # codec configured, else off; 0 = off
     codec_check_every: int | None = None
@@ -92,7 +93,7 @@ class LMKVConfig:
                  "must be one of both, producer, consumer")
         _require(0 <= self.blend_recompute_ratio <= 1, "blend_recompute_ratio", "must be in [0, 1]")
         _require(self.remote_serde in ("naive", "raw", "zstd", "cachegen"), "remote_serde",
-                 "must be one of naive (= raw), zstd, cachegen")
+                 "must be one of raw, zstd, cachegen (LMCache's naive is read as raw)")
         if self.remote_serde == "naive":  # LMCache's name for the raw codec
             object.__setattr__(self, "remote_serde", "raw")
         _require(self.local_cpu or self.local_disk is not None or self.remote_url is not None,

@@ -270,7 +270,7 @@ def reshape_and_cache(
     ops_torch.reshape_and_cache(key, value, kv_layer, slot_mapping)
 
 
-# ---- cachegen quantize / dequantize (lmkv.codec.cachegen; kv [2, L, T, Hkv, D])
+# ---- cachegen quantize (lmkv.codec.cachegen; kv [2, L, T, Hkv, D]; decode runs on the CPU)
 
 
 def cachegen_quantize(
@@ -286,17 +286,3 @@ def cachegen_quantize(
     from lmkv.codec import cachegen as twin
 
     return twin.quantize(kv, step, mean, delta, group_size)
-
-
-def cachegen_dequantize(
-    symbols: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, delta: torch.Tensor,
-    group_size: int, out: torch.Tensor, *, launcher: Launcher | None = None,
-) -> None:  # fmt: skip
-    """out = (symbols + anchor) * step + mean; symbols int16 (int8 too on the torch path)."""
-    if (launcher := kernel_launcher(symbols, step, mean, delta, out, launcher=launcher)) is not None:
-        from lmkv_cuda import cachegen
-
-        return cachegen.dequantize(launcher, symbols, step, mean, delta, group_size, out)
-    from lmkv.codec import cachegen as twin
-
-    twin.dequantize(symbols, step, mean, delta, group_size, out)

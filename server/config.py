@@ -55,7 +55,7 @@ class ServerConfig:
     # Values are stored in pages of this size: a value wastes < one page.
     page_size: int = 256 * KIB
     # Touch all of max_memory at start, so that stores run at memcpy speed from the first
-    # byte instead of at page-fault speed (~0.7 GB/s on our VMs).
+    # byte instead of at page-fault speed.
     prefault: bool = True
     persist_dir: Path | None = None
     admin_port: int | None = None
@@ -81,27 +81,28 @@ class ServerConfig:
         for name in ("port", "admin_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
-                raise ValueError(f"{name} {port} outside [0, 65535]")
+                raise ValueError(f"{_flag(name)} {port} outside [0, 65535]")
         if not 4 * KIB <= self.page_size <= 64 * MIB or self.page_size % (4 * KIB):
-            raise ValueError("page_size must be a multiple of 4KiB in [4KiB, 64MiB]")
+            raise ValueError("--page-size must be a multiple of 4KiB in [4KiB, 64MiB]")
         if self.max_memory < self.page_size:
-            raise ValueError(f"max_memory {self.max_memory} is below one page ({self.page_size})")
+            raise ValueError(f"--max-memory {self.max_memory} is below one page "
+                             f"(--page-size {self.page_size})")
         if not 0 < self.max_value_size <= MAX_LENGTH:
-            raise ValueError(f"max_value_size must be in (0, {MAX_LENGTH}] (int32 length)")
+            raise ValueError(f"--max-value-size must be in (0, {MAX_LENGTH}] (int32 length)")
         if self.max_connections < 1:
-            raise ValueError("max_connections must be at least 1")
+            raise ValueError("--max-connections must be at least 1")
         if not MIN_TIMEOUT <= self.io_timeout <= MAX_TIMEOUT:  # (NaN fails too)
-            raise ValueError(f"io_timeout must be in [{MIN_TIMEOUT}, {MAX_TIMEOUT:.0f}] seconds, "
+            raise ValueError(f"--io-timeout must be in [{MIN_TIMEOUT}, {MAX_TIMEOUT:.0f}] seconds, "
                              f"got {self.io_timeout}")
         if not (self.idle_timeout == 0 or MIN_TIMEOUT <= self.idle_timeout <= MAX_TIMEOUT):
-            raise ValueError(f"idle_timeout must be 0 (never) or in [{MIN_TIMEOUT}, "
+            raise ValueError(f"--idle-timeout must be 0 (never) or in [{MIN_TIMEOUT}, "
                              f"{MAX_TIMEOUT:.0f}] seconds, got {self.idle_timeout}")
         if self.cache_policy not in POLICIES:
-            raise ValueError(f"cache_policy must be one of {', '.join(POLICIES)}, "
+            raise ValueError(f"--cache-policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.cache_policy!r}")
         level = _LEVEL_ALIASES.get(self.log_level.upper(), self.log_level.upper())
         if level not in LOG_LEVELS:
-            raise ValueError(f"unknown log level {self.log_level!r} (one of {', '.join(LOG_LEVELS)})")
+            raise ValueError(f"unknown --log-level {self.log_level!r} (one of {', '.join(LOG_LEVELS)})")
         object.__setattr__(self, "log_level", level)  # as uvicorn names it too
 
     @property
@@ -123,3 +124,8 @@ class ServerConfig:
         if ip.version == 6 and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
         return any(ip in network for network in self.allow)
+
+
+def _flag(name: str) -> str:
+    """How the command line names a setting: port is positional, the others --flags."""
+    return name if name == "port" else "--" + name.replace("_", "-")

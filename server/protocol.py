@@ -5,10 +5,8 @@ payload: a PUT payload is received into its reserved pages with one
 ``recvmsg_into(pages, MSG_WAITALL)``, a GET reply leaves with one ``sendmsg([header,
 *pages])`` (header and payload in one call, as the reference client needs). Timeouts
 are the kernel's (SO_RCVTIMEO/SO_SNDTIMEO), so the socket stays blocking and the
-kernel, not Python, waits for the peer. With 8 clients on our 2-core VMs this design
-came within 0.8-0.9x of a trivial threaded sink server, where asyncio versions (the
-loop's ``sock_*`` calls with SO_RCVLOWAT batching, on one or several loops) stayed
-near 0.6x of it.
+kernel, not Python, waits for the peer (faster than asyncio designs were here: figures in
+docs/server.md).
 
 TCP keepalive ends a connection whose peer vanished (host down, network cut), and
 ``idle_timeout``, if set, one that sends no request for that long: either would

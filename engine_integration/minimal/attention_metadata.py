@@ -12,8 +12,8 @@ import torch
 class AttentionMetadata:
     """A step's batch: decode sequences first (one query token each), then prefills.
 
-    Token rows [0, num_decode_tokens) belong to decode sequences [0, num_decodes);
-    rows [num_decode_tokens, T) to the prefill sequences that follow.
+    Token rows [0, num_decodes) belong to decode sequences [0, num_decodes), one each;
+    rows [num_decodes, T) to the prefill sequences that follow.
     """
 
     slot_mapping: torch.Tensor  # [T] int64: where each token's new K/V goes
@@ -26,7 +26,3 @@ class AttentionMetadata:
     host_seq_lens: torch.Tensor | None = None
     host_query_start_loc: torch.Tensor | None = None
     launcher: Any = None  # the kernels' launcher when the device does not say (the emulator)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes

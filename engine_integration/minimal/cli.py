@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal = commands.add_parser("calibrate", parents=[engine_args], epilog=LMKV_HELP,
                               help="measure the model's KV for the cachegen codec (lmkv)")
     cal.add_argument("--out", help="table file (default: lmkv's cachegen_calibration, else "
-                     "~/.cache/lmkv/calibration/<key scope>.safetensors, where lmkv looks)")
+                     "$LMKV_CACHE_DIR (default ~/.cache/lmkv)/calibration/<key scope>.safetensors, "
+                     "where lmkv looks)")
     cal.add_argument("--prompts", type=int, default=8, help="calibration prompts (default 8)")
     cal.add_argument("--length", type=int, help="tokens per prompt (default 1024, or a chunk and "
                      "16 tokens where lmkv's chunk_size is above 1008)")

@@ -15,7 +15,8 @@ class EngineConfig:
     # wheel), "demo" = the random-weight demo model (default_model.py)
     model: str | None = None
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on the CPU) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (bfloat16 on a GPU from Ampere on, float16 before; float32 on the CPU
+    # and the emulator) | float32 | bfloat16 | float16
     block_size: int = 16
     kv_cache_memory: int = 1 * GiB  # bytes of paged KV memory
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
@@ -46,4 +47,5 @@ class EngineConfig:
 
 def _check(ok: bool, name: str, want: str) -> None:
     if not ok:
-        raise ValueError(f"invalid engine setting {name}: must be {want}")
+        raise ValueError(f"invalid engine setting {name} (--{name.replace('_', '-')}): "
+                         f"must be {want}")

@@ -23,7 +23,7 @@ from .metrics import EngineMetrics
 from .model_config import ModelConfig, parse_dtype
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, hold_back
-from .request import FinishReason, Request, RequestStatus
+from .request import FinishReason, Request
 from .sampling_params import OutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .tokenizer import Tokenizer
@@ -487,14 +487,6 @@ class LLMEngine:
         if self.kv_connector is not None:
             self.kv_connector.close()
             self.kv_connector = None
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
-    def is_running(self, request_id: str) -> bool:
-        req = self.requests.get(request_id)
-        return req is not None and req.status is RequestStatus.RUNNING
 
 
 def _downstream(failed, blocks: set[int]) -> set[int]:

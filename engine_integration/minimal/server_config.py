@@ -62,4 +62,5 @@ class ServerConfig:
 
 def _check(ok: bool, name: str, want: str) -> None:
     if not ok:
-        raise ValueError(f"invalid server setting {name}: must be {want}")
+        raise ValueError(f"invalid server setting {name} (--{name.replace('_', '-')}): "
+                         f"must be {want}")

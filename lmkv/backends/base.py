@@ -16,7 +16,8 @@ class StorageBackend(ABC):
     - Values are opaque, already framed and checksummed bytes (see lmkv.codec): a backend
       never interprets them.
     - Calls are blocking and need not be thread-safe: the Tier above a backend makes one
-      call at a time (from lmkv's I/O worker, and lookups from the engine's threads). Every
+      call at a time (from lmkv's I/O worker, and lookups from the engine's threads), but
+      for ``contains`` where ``concurrent_contains`` is set (below). Every
       call that touches a network or a device is bounded by a timeout.
     - Failures raise ``BackendError`` (or a subclass); the caller turns them into a
       recompute, a log line and a metric. A backend never returns wrong bytes silently:

@@ -27,9 +27,10 @@ Payload (inside the 64-byte frame, which names codec "cachegen" and checks the b
   stream bytes (a stream of length 0 holds no symbols).
 
 ``quantize`` / ``dequantize`` are the torch twins of the CUDA kernels in
-cuda/cachegen.cu (same signatures; the wrappers are in cuda/cachegen.py; lmkv.ops picks one
-by device). Chunks leave the hot cache from CPU memory, so the torch twins are what runs
-today; ``encode`` takes a CUDA chunk too (quantized on the GPU, entropy-coded on the CPU).
+cuda/cachegen.cu (same signatures; the wrappers are in cuda/cachegen.py). Chunks leave the
+hot cache from CPU memory, so the torch twins are what runs; ``encode`` takes a CUDA chunk
+too (quantized on the GPU through lmkv.ops.cachegen_quantize, entropy-coded on the CPU), and
+``decode_into`` writes CPU memory only.
 """
 
 from __future__ import annotations

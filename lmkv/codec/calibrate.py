@@ -60,7 +60,8 @@ def calibrate_kv(computer: KVComputer, lmkv: LMKVCache, settings: CalibrationSet
     if settings.weigh_layers and longest < c + MIN_TAIL:  # refused before minutes of work
         raise ValueError(f"calibration prompts of {longest} tokens leave no {MIN_TAIL} tokens past a "
                          f"chunk of {c} to measure the layers' effect on: make them at least "
-                         f"{c + MIN_TAIL} tokens, or keep the ramp (weigh_layers off)")
+                         f"{c + MIN_TAIL} tokens (--length), or keep the ramp (--ramp; "
+                         "weigh_layers=False in Python)")
     rope = computer.rope_inv_freq
     chunks = []
     for kv in computer.compute_kv(prompts, pre_rope=rope is not None):  # [2, L, n, Hkv, D] each

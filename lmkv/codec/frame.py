@@ -22,7 +22,6 @@ from .calibration import CacheGenTable
 MAGIC = b"LMKV"
 VERSION = 1
 _HEADER = struct.Struct("<4sBBBB5IQQQ")
-CODEC_BYTE = 5  # offset of the codec id in the header
 assert _HEADER.size <= HEADER_BYTES
 
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -68,11 +67,6 @@ def max_frame_bytes(chunk_bytes: int) -> int:
     frame, plus what zstd or cachegen's streams can add on incompressible data (zstd's
     bound is n/256 + a few hundred bytes). Readers take no stored value larger than this."""
     return HEADER_BYTES + chunk_bytes + chunk_bytes // 128 + (64 << 10)
-
-
-def frame_codec(data: bytes | memoryview) -> Codec | None:
-    """The codec a frame names (None if it names none we know); the frame is not checked."""
-    return by_id(memoryview(data)[CODEC_BYTE]) if len(data) > CODEC_BYTE else None
 
 
 def decode_into(data: bytes | memoryview, buf: ChunkBuffer, key: str,

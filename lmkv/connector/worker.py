@@ -387,9 +387,6 @@ class WorkerConnector:
             raise
         return out
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads and saves complete within the step
-
     def close(self) -> None:
         self._end_load()
         self._drop_gathered()

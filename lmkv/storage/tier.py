@@ -3,9 +3,11 @@ framed with, its circuit breaker and its metrics. Chunks are encoded where they 
 tier and decoded where they leave it, here and nowhere else. Backends need not be
 thread-safe (base.py), while a tier is used from the I/O worker (reads, writes) and from the
 thread that looks chunks up (the engine's scheduler, vLLM's lookup server): the tier makes
-one backend call at a time, under its lock. After a failed read, reads wait out the
-breaker's interval, then a probe (a lookup of a key no chunk has) runs on a thread of its
-own until the backend answers: a store that hangs holds that thread, not a caller's."""
+one backend call at a time, under its lock, but for ``contains`` of a backend that sets
+``concurrent_contains`` (local state only), which runs beside any call. After a failed
+read, reads wait out the breaker's interval, then a probe (a lookup of a key no chunk has)
+runs on a thread of its own until the backend answers: a store that hangs holds that
+thread, not a caller's."""
 
 from __future__ import annotations
 
@@ -142,7 +144,7 @@ class Tier:
             self.metrics.lossless_chunks.labels(self.name).inc()
             if not self._warned_range:
                 self._warned_range = True
-                log.warning("lmkv: %s stores a chunk lossless: %s (lmkv_codec_lossless_chunks "
+                log.warning("lmkv: %s stores a chunk lossless: %s (lmkv_codec_lossless_chunks_total "
                             "counts them; recalibrate or raise the error target)", self.name, e)
             return encode(buf, key, get_codec("zstd"))
 

@@ -31,27 +31,27 @@ def test_parse_size_rejects(text):
 
 def test_config_validation():
     assert ServerConfig().num_pages == 1 * GIB // (256 * 1024)  # 1 GiB by default: a laptop-sized first run
-    with pytest.raises(ValueError, match="page_size"):
+    with pytest.raises(ValueError, match="--page-size"):
         ServerConfig(page_size=1000)
     with pytest.raises(ValueError, match="below one page"):
         ServerConfig(max_memory=1024)
-    with pytest.raises(ValueError, match="max_value_size"):
+    with pytest.raises(ValueError, match="--max-value-size"):
         ServerConfig(max_value_size=3 * GIB)
     with pytest.raises(ValueError, match="port"):
         ServerConfig(port=70000)
-    with pytest.raises(ValueError, match="log level 'CHATTY' .one of DEBUG, INFO, WARNING"):
+    with pytest.raises(ValueError, match="--log-level 'CHATTY' .one of DEBUG, INFO, WARNING"):
         ServerConfig(log_level="CHATTY")
     assert ServerConfig(log_level="warn").log_level == "WARNING"  # uvicorn knows no "warn"
     assert ServerConfig(log_level="Fatal").log_level == "CRITICAL"
-    with pytest.raises(ValueError, match="cache_policy must be one of lru, .*got 'mru'"):
+    with pytest.raises(ValueError, match="--cache-policy must be one of lru, .*got 'mru'"):
         ServerConfig(cache_policy="mru")
-    with pytest.raises(ValueError, match="idle_timeout must be 0"):
+    with pytest.raises(ValueError, match="--idle-timeout must be 0"):
         ServerConfig(idle_timeout=-1)
     for bad in (float("inf"), float("nan"), 1e-7, 0):  # inf, nan: no deadline; 1e-7: a 0 timeval
-        with pytest.raises(ValueError, match="io_timeout must be in"):
+        with pytest.raises(ValueError, match="--io-timeout must be in"):
             ServerConfig(io_timeout=bad)
         if bad:
-            with pytest.raises(ValueError, match="idle_timeout must be 0"):
+            with pytest.raises(ValueError, match="--idle-timeout must be 0"):
                 ServerConfig(idle_timeout=bad)
 
 
@@ -85,7 +85,10 @@ def test_cli_rejects_bad_values(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["127.0.0.1", "9000", "--max-memory", "1KiB"])
     assert exit_info.value.code == 2
-    assert "below one page" in capsys.readouterr().err
+    assert "--max-memory 1024 is below one page" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the flag the user typed, not the setting's field
+        main(["127.0.0.1", "9000", "--page-size", "1000"])
+    assert "--page-size must be a multiple of 4KiB" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["127.0.0.1", "9000", "--max-memory", "lots"])
 
@@ -102,3 +105,16 @@ def test_more_memory_than_the_machine_maps_is_a_clear_error(capsys):
     assert main(["127.0.0.1", str(port), "--max-memory", str(1 << 60), "--no-prefault"]) == 1
     err = capsys.readouterr().err
     assert "lmkv_server: error: --max-memory" in err and "Traceback" not in err
+
+
+def test_engine_cli_errors_name_the_flag(capsys):
+    """`engine generate --max-num-seqs 0` said "invalid engine setting max_num_seqs": the
+    field, not the flag typed; both are named (the Python API takes the field)."""
+    from lmkv_engines.minimal.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--max-num-seqs", "0"])
+    assert "max_num_seqs (--max-num-seqs): must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-request-body", "10"])
+    assert "max_request_body (--max-request-body): must be >= 1KiB" in capsys.readouterr().err
