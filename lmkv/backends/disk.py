@@ -52,6 +52,12 @@ _tmp_ids = itertools.count()  # temporary file names unique within the process
 # this tier's); _open checks that it is a regular file
 OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 UNLOCKED_TMP_SECONDS = 60  # an unlocked temporary file older than this has no live writer
+# a write first counts the directory again (the files other processes sharing it wrote or
+# deleted) when this long has passed since the last count, or RESCAN_RATIO times what that
+# count took (a directory of many files costs the writing thread no more than 2% of its time)
+RESCAN_SECONDS = 10.0
+RESCAN_RATIO = 50
+NO_SPACE = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT") if hasattr(errno, n))
 
 
 def _load_libc() -> ctypes.CDLL | None:
@@ -102,6 +108,7 @@ class DiskBackend(StorageBackend):
         # skipped only then, since those reads would go around them
         self._direct_batches = self.direct
         self._rebuild_index()
+        self._next_scan = time.monotonic() + RESCAN_SECONDS
         self._check_room()
 
     def _check_room(self) -> None:
@@ -167,6 +174,8 @@ class DiskBackend(StorageBackend):
         return hashlib.blake2b(key.encode(), digest_size=16).hexdigest() + SUFFIX
 
     def put(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        if time.monotonic() >= self._next_scan:
+            self._rescan()
         for key, value in items:
             size = len(value)
             if size > self.capacity:
@@ -177,11 +186,60 @@ class DiskBackend(StorageBackend):
                 self._forget(name)
             self._evict_to(self.capacity - size)
             try:
-                self._write(name, value)
-            except FileNotFoundError:  # the directory was removed under us: start it afresh
-                self._recreate()
-                self._write(name, value)
+                self._write_here(name, value)
+            except BackendError as e:
+                if getattr(e.__cause__, "errno", None) not in NO_SPACE:
+                    raise
+                self._make_room(size, e)
+                self._write_here(name, value)  # once more; a second failure is the tier's
             self._add(name, size)
+
+    def _write_here(self, name: str, value: bytes | memoryview) -> None:
+        try:
+            self._write(name, value)
+        except FileNotFoundError:  # the directory was removed under us: start it afresh
+            self._recreate()
+            self._write(name, value)
+
+    def _make_room(self, size: int, error: BackendError) -> None:
+        """The file system is full below this tier's cap (other processes' files, counted
+        to their caps, or other data): count the directory again and evict ``size`` bytes
+        more than that leaves, so the tier keeps writing instead of failing every write."""
+        self._rescan()
+        self._evict_to(min(self.used, self.capacity) - size)
+        self._quiet.log(log, logging.WARNING, "no-space", "disk tier %s: the file system is full "
+                        "(%s) with the tier at %.3g of its %.3g GB cap; evicted to make room (lower "
+                        "max_local_disk_size to what the volume has for it: with several processes "
+                        "on one directory, each counts the files it knows to its own cap)",
+                        self.root, error.__cause__.strerror, self.used / 1e9, self.capacity / 1e9)
+
+    def _rescan(self) -> None:
+        """Count the directory again: files that other processes sharing it wrote are taken
+        into the index (to this tier's cap and policy), those they deleted forgotten, and a
+        dead writer's temporary older than UNLOCKED_TMP_SECONDS deleted. Runs on the writing
+        thread, at most every RESCAN_SECONDS and 1/RESCAN_RATIO of its time."""
+        start = time.monotonic()
+        present: dict[str, int] = {}
+        try:
+            with os.scandir(self.root) as listing:
+                for entry in listing:
+                    with contextlib.suppress(OSError):
+                        if entry.name.endswith(".tmp"):
+                            old = time.time() - entry.stat(follow_symlinks=False).st_mtime
+                            if old > UNLOCKED_TMP_SECONDS and not _writer_alive(entry.path):
+                                os.unlink(entry.path)
+                        elif entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
+                            present[entry.name] = entry.stat(follow_symlinks=False).st_size
+        except OSError:  # the directory is gone: the write recreates it
+            present = dict(self.index)
+        for name in [n for n in self.index if n not in present]:
+            self._forget(name)
+        for name, size in present.items():
+            if name in self.index:
+                self._resize(name, size)
+            elif name not in self._unreadable_left:
+                self._add(name, size)
+        self._next_scan = time.monotonic() + max(RESCAN_SECONDS, RESCAN_RATIO * (time.monotonic() - start))
 
     def _write(self, name: str, value: bytes | memoryview) -> None:
         """``value`` into file ``name`` through a temporary file renamed into place;
@@ -453,13 +511,17 @@ class DiskBackend(StorageBackend):
                     raise
                 self._forget(name)
 
-    def _unlink(self, name: str) -> None:
-        """Delete a chunk's file (gone already is fine); BackendError if the file system
-        refuses (read-only, permissions): the file is then still counted."""
+    def _unlink(self, name: str) -> bool:
+        """Delete a chunk's file: False where it was gone already (another process sharing
+        the directory deleted it); BackendError if the file system refuses (read-only,
+        permissions): the file is then still counted."""
         try:
-            (self.root / name).unlink(missing_ok=True)
+            (self.root / name).unlink()
+        except FileNotFoundError:
+            return False
         except OSError as e:
             raise BackendError(f"disk tier cannot delete {name}: {e}") from e
+        return True
 
     def _unreadable(self, name: str, error: OSError) -> None:
         """A file that cannot be read (a bad block, another owner's permissions, a directory
@@ -494,12 +556,12 @@ class DiskBackend(StorageBackend):
             if name is None:
                 raise BackendError("disk tier: its cache policy offers no file to evict")
             try:
-                self._unlink(name)
+                deleted = self._unlink(name)
             except BackendError:  # given up as a victim: the policy must know the file again
                 self.policy.kept(name)
                 raise
             self._forget(name)
-            self.num_evictions += 1
+            self.num_evictions += deleted  # (not one another process had deleted)
 
 
 def _writer_alive(path: str) -> bool:

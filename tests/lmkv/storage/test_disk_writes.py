@@ -211,3 +211,79 @@ def test_a_file_another_process_rewrote_larger_is_read_whole_not_deleted(tmp_pat
     b.put([("k", b"C" * 6000)])  # larger than the reader's buffer: a miss, left in place
     assert a.get_into_many(["k"], [memoryview(bytearray(4096))]) == [None]
     assert (tmp_path / a._name("k")).stat().st_size == 6000 and a.used == 6000
+
+
+def _dir_bytes(path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(".kv"))
+
+
+def test_processes_sharing_a_directory_hold_about_one_cap_between_them(tmp_path, monkeypatch):
+    """The docs promise a directory shared by processes with one cap holds about one cap,
+    but each counted only the files it wrote or read: two writing different chunks filled
+    it to two caps (N engines, N caps: the volume full). A write counts the directory
+    again when RESCAN_SECONDS have passed (0 here)."""
+    monkeypatch.setattr(disk_module, "RESCAN_SECONDS", 0.0)
+    monkeypatch.setattr(disk_module, "RESCAN_RATIO", 0)
+    a, b = DiskBackend(tmp_path, capacity_bytes=1000), DiskBackend(tmp_path, capacity_bytes=1000)
+    for i in range(10):
+        a.put([(f"a{i}", b"x" * 100)])
+    for i in range(10):
+        b.put([(f"b{i}", b"y" * 100)])
+    assert _dir_bytes(tmp_path) <= 1000 and b.used <= 1000, (_dir_bytes(tmp_path), b.used)
+    assert b.get(["b9"]) == [b"y" * 100]  # the newest stay
+    a.put([("a10", b"z" * 100)])  # a forgets its files b deleted, and deletes one of b's
+    assert a.used <= 1000 and a.num_evictions == 1, (a.used, a.num_evictions)
+    assert _dir_bytes(tmp_path) <= 1000
+
+
+def test_a_file_another_process_deleted_is_not_counted_an_eviction(tmp_path):
+    """lmkv_evictions_total{tier="disk"} counted the files another process sharing the
+    directory had deleted already, when this one's policy picked them."""
+    a, b = DiskBackend(tmp_path, capacity_bytes=1000), DiskBackend(tmp_path, capacity_bytes=1000)
+    b.put([(f"b{i}", b"y" * 100) for i in range(5)])
+    assert a.get([f"b{i}" for i in range(5)]) == [b"y" * 100] * 5 and a.used == 500
+    b.remove([f"b{i}" for i in range(5)])
+    a.put([(f"a{i}", b"x" * 100) for i in range(8)])  # over its cap by 300: b's files picked
+    assert a.num_evictions == 0 and a.used == 1000, (a.num_evictions, a.used)  # 2 gone ones left
+
+
+def test_a_full_file_system_below_the_cap_makes_room_instead_of_failing_every_write(tmp_path,
+                                                                                   monkeypatch):
+    """Two processes on one volume of 3000 bytes, each capped at 2000 (below the free space
+    at start, so no warning): once the other filled its cap, every write of this one failed
+    with 'no space' for good, its tier at half its cap and never evicting."""
+    import errno
+
+    real = DiskBackend._write
+
+    def volume_of_3000(self, name, value):
+        if _dir_bytes(tmp_path) + len(value) > 3000:
+            raise BackendError("disk tier write failed") from OSError(errno.ENOSPC, "No space left")
+        return real(self, name, value)
+
+    monkeypatch.setattr(DiskBackend, "_write", volume_of_3000)
+    a, b = DiskBackend(tmp_path, capacity_bytes=2000), DiskBackend(tmp_path, capacity_bytes=2000)
+    for i in range(20):
+        b.put([(f"b{i}", b"y" * 100)])
+    for i in range(20):
+        a.put([(f"a{i}", b"x" * 100)])  # raised BackendError from the 11th on
+    assert a.get(["a19"]) == [b"x" * 100] and _dir_bytes(tmp_path) <= 3000
+
+
+def test_a_dead_writers_temporary_is_deleted_while_the_tier_runs(tmp_path, monkeypatch):
+    """A process killed mid-write beside a running one left its temporary file (tens of MB,
+    counted to no cap) until some process started on the directory again; a live writer's
+    (locked) is kept."""
+    import fcntl
+    import time
+
+    monkeypatch.setattr(disk_module, "RESCAN_SECONDS", 0.0)
+    d = DiskBackend(tmp_path, capacity_bytes=1000)
+    dead, live = tmp_path / ".x.kv.0.999999999.tmp", tmp_path / ".y.kv.0.999999998.tmp"
+    dead.write_bytes(b"partial")
+    with open(live, "wb") as writer:
+        fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
+        for path in (dead, live):
+            os.utime(path, (time.time() - 600, time.time() - 600))
+        d.put([("k", b"v")])
+        assert not dead.exists() and live.exists()
