@@ -25,6 +25,7 @@ import itertools
 import logging
 import mmap
 import os
+import re
 import stat
 import time
 from collections.abc import Sequence
@@ -38,6 +39,10 @@ from .base import Arrived, BackendError, StorageBackend
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kv"
+# the files of this tier: a chunk's (its key's hash, _name), a write's temporary (_write),
+# the start's probe (_check_room); any other file in the directory is left alone
+CHUNK_FILE = re.compile(r"[0-9a-f]{32}\.kv")
+TEMP_FILE = re.compile(r"\.(?:[0-9a-f]{32}\.kv\.\d+-[0-9a-f]{8}|probe)\.\d+\.tmp")
 READERS = 4  # files read side by side in a batch
 DIRECT = getattr(os, "O_DIRECT", 0)
 MAP_FAILED = ctypes.c_void_p(-1).value
@@ -141,14 +146,17 @@ class DiskBackend(StorageBackend):
                 found = list(listing)
         except OSError as e:
             raise BackendError(f"cannot list the disk tier directory {self.root}: {e}") from e
+        others = 0  # files not this tier's
         for entry in found:
             try:
-                if entry.name.endswith(".tmp"):
+                if TEMP_FILE.fullmatch(entry.name):
                     if not _writer_alive(entry.path):  # a write interrupted by a crash
                         os.unlink(entry.path)
-                elif entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
+                elif CHUNK_FILE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
                     entries.append((st.st_mtime, entry.name, st.st_size))
+                else:
+                    others += 1
             except FileNotFoundError:  # gone meanwhile (another process sharing the directory)
                 continue
             except OSError as e:  # a read-only directory, another owner's file: left as it is
@@ -166,8 +174,9 @@ class DiskBackend(StorageBackend):
             log.warning("disk tier %s holds %.3g GB, above its cap (%.3g GB), and cannot shrink "
                         "(%s): its chunks are read; writes fail until files can be deleted",
                         self.root, self.used / 1e9, self.capacity / 1e9, e)
-        if entries:
-            log.info("disk tier %s: %d entries, %.1f MB", self.root, len(self.index), self.used / 1e6)
+        if entries or others:
+            log.info("disk tier %s: %d entries, %.1f MB%s", self.root, len(self.index), self.used / 1e6,
+                     f"; {others} files that are not lmkv chunks left alone" if others else "")
 
     @staticmethod
     def _name(key: str) -> str:
@@ -224,11 +233,11 @@ class DiskBackend(StorageBackend):
             with os.scandir(self.root) as listing:
                 for entry in listing:
                     with contextlib.suppress(OSError):
-                        if entry.name.endswith(".tmp"):
+                        if TEMP_FILE.fullmatch(entry.name):
                             old = time.time() - entry.stat(follow_symlinks=False).st_mtime
                             if old > UNLOCKED_TMP_SECONDS and not _writer_alive(entry.path):
                                 os.unlink(entry.path)
-                        elif entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
+                        elif CHUNK_FILE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                             present[entry.name] = entry.stat(follow_symlinks=False).st_size
         except OSError:  # the directory is gone: the write recreates it
             present = dict(self.index)

@@ -279,7 +279,9 @@ def test_a_dead_writers_temporary_is_deleted_while_the_tier_runs(tmp_path, monke
 
     monkeypatch.setattr(disk_module, "RESCAN_SECONDS", 0.0)
     d = DiskBackend(tmp_path, capacity_bytes=1000)
-    dead, live = tmp_path / ".x.kv.0.999999999.tmp", tmp_path / ".y.kv.0.999999998.tmp"
+    name = DiskBackend._name("x")  # as _write names its temporaries
+    dead, live = (tmp_path / f".{name}.0-{'00' * 4}.999999999.tmp",
+                  tmp_path / f".{name}.1-{'00' * 4}.999999998.tmp")
     dead.write_bytes(b"partial")
     with open(live, "wb") as writer:
         fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
@@ -287,3 +289,24 @@ def test_a_dead_writers_temporary_is_deleted_while_the_tier_runs(tmp_path, monke
             os.utime(path, (time.time() - 600, time.time() - 600))
         d.put([("k", b"v")])
         assert not dead.exists() and live.exists()
+
+
+def test_files_that_are_not_the_tiers_are_left_alone(tmp_path, caplog):
+    """Every *.tmp not locked was deleted at start (a name without a pid read as a dead
+    writer's, even one written a second ago) and every *.kv indexed, counted to the cap and
+    evicted: local_disk pointed at a shared directory, or at lmkv_server's --persist-dir,
+    deleted other programs' files. Only the tier's own names are its files; the others are
+    counted in the start line."""
+    import logging
+
+    mine = DiskBackend(tmp_path, capacity_bytes=10_000)
+    mine.put([("k", b"v" * 100)])
+    others = ["thesis.kv", "download.part.tmp", "backup.20240101.tmp", "0123.kv"]
+    for name in others:
+        (tmp_path / name).write_bytes(b"theirs" * 600)
+    with caplog.at_level(logging.INFO, logger="lmkv.backends.disk"):
+        d = DiskBackend(tmp_path, capacity_bytes=10_000)
+    assert d.used == 100 and "4 files that are not lmkv chunks left alone" in caplog.text
+    d.put([("big", b"x" * 9_950)])  # evicts "k" only
+    assert all((tmp_path / name).exists() for name in others)
+    assert d.get(["big", "k"]) == [b"x" * 9_950, None]

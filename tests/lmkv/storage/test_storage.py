@@ -144,7 +144,7 @@ def test_disk_tier_survives_restart_and_respects_its_cap(tmp_path):
     disk.put([("c", b"z" * 150)])  # must evict b (LRU) to fit
     assert disk.contains(["a", "b", "c"]) == [True, False, True]
     assert disk.used <= 300
-    (tmp_path / f".junk.{_dead_pid()}.tmp").write_bytes(b"partial")  # a crashed write
+    _temp(tmp_path, _dead_pid()).write_bytes(b"partial")  # a crashed write
     again = DiskBackend(tmp_path, capacity_bytes=300)
     assert again.get(["a", "c"]) == [b"x" * 100, b"z" * 150]
     assert not list(tmp_path.glob("*.tmp"))
@@ -173,6 +173,11 @@ def test_a_restart_evicts_by_last_use_not_last_write(tmp_path, read):
     assert smaller.contains(["a", "b"]) == [True, False]
 
 
+def _temp(root, pid: int, n: int = 0):
+    """A write's temporary file, named as the disk tier names them."""
+    return root / f".{DiskBackend._name('t')}.{n}-{'00' * 4}.{pid}.tmp"
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
@@ -182,7 +187,7 @@ def _dead_pid() -> int:
 def test_disk_tier_keeps_the_temporaries_of_a_live_writer(tmp_path):
     """Another process writing into the same directory (a second rank or engine) keeps its
     in-flight temporaries at this one's start; a dead writer's are removed."""
-    live, dead = tmp_path / f".x.{os.getppid()}.tmp", tmp_path / f".y.{_dead_pid()}.tmp"
+    live, dead = _temp(tmp_path, os.getppid()), _temp(tmp_path, _dead_pid(), 1)
     live.write_bytes(b"being written")
     dead.write_bytes(b"partial")
     DiskBackend(tmp_path, capacity_bytes=300)
@@ -193,8 +198,8 @@ def test_a_writer_in_another_pid_namespace_keeps_its_temporaries(tmp_path, monke
     """Engines in containers sharing a volume are all PID 1: a live write is told by the
     lock its writer holds, not by the pid in its name; an unlocked temporary of a live pid
     counts as a dead writer's once it is old."""
-    locked = tmp_path / f".a.kv.0.{os.getpid()}.tmp"  # as another container's PID 1 names it
-    stale = tmp_path / f".b.kv.0.{os.getppid()}.tmp"
+    locked = _temp(tmp_path, os.getpid())  # as another container's PID 1 names it
+    stale = _temp(tmp_path, os.getppid(), 1)
     with open(locked, "wb") as writer:
         fcntl.flock(writer.fileno(), fcntl.LOCK_EX)
         stale.write_bytes(b"partial")
@@ -226,7 +231,7 @@ def test_a_directory_whose_leftovers_cannot_be_touched_still_starts(tmp_path, mo
     (a read-only volume, another owner's files): the tier starts, warns and indexes the rest;
     a directory that cannot be listed is a clear error."""
     DiskBackend(tmp_path, capacity_bytes=300).put([("a", b"x" * 10)])
-    tmp = tmp_path / f".junk.kv.0.{_dead_pid()}.tmp"
+    tmp = _temp(tmp_path, _dead_pid())
     tmp.write_bytes(b"partial")
     real_unlink = os.unlink
 
