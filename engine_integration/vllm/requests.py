@@ -39,6 +39,10 @@ class RequestView:
     def all_token_ids(self) -> list[int]:
         return self.request.all_token_ids
 
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_tokens
+
 
 class RequestViews:
     """request id -> RequestView, for the requests vLLM's scheduler currently holds."""

@@ -3,7 +3,8 @@
 It speaks keys only, through ``ChunkIndex``: the LMKVCache itself where the worker role
 shares its process, a client of the worker's process otherwise (vLLM's ``vllm serve``).
 Requests are duck-typed: ``request_id``, ``prompt_token_ids``, ``all_token_ids``,
-``block_ids`` and ``num_computed_tokens``, as the bundled engine's and vLLM's have them.
+``num_tokens`` (its length, asked every step), ``block_ids`` and ``num_computed_tokens``,
+as the bundled engine's and vLLM's have them.
 """
 
 from __future__ import annotations
@@ -406,7 +407,7 @@ class SchedulerConnector:
                 st.gap = range(0)
             # (no further than the tokens known: with speculative decoding and async
             # scheduling the engine counts draft positions ahead of them)
-            done = min(request.num_computed_tokens + num_new, len(request.all_token_ids))
+            done = min(request.num_computed_tokens + num_new, request.num_tokens)
             if not self.save_decode_cache:
                 done = min(done, len(request.prompt_token_ids))
             full = done // c

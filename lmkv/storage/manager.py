@@ -331,7 +331,8 @@ class StorageManager:
                 self._write_again(key, buf)
             out.append(buf)
         rest = keys[len(out):]
-        if rest and self.tiers and not self.io_stuck() and not self._missed_lately(rest[0]):
+        if (rest and self.tiers and not self.io_stuck() and not self._missed_lately(rest[0])
+                and not self._nowhere_below(rest[0])):
             parent = keys[len(out) - 1] if out else parent
             start = time.monotonic()
             deadline = start + FETCH_TIMEOUT / 2  # no batch starts after it
@@ -345,6 +346,13 @@ class StorageManager:
             finally:
                 self.metrics.load_wait_seconds.observe(time.monotonic() - start)
         return out
+
+    def _nowhere_below(self, key: str) -> bool:
+        """Whether every tier below says at once (an index in memory: a disk tier's) that it
+        lacks ``key``: then a fetch need not wait for the I/O worker, which may be busy
+        with a write, to be told so."""
+        return all(t.backend.concurrent_contains and t.contains([key]) == [False]
+                   for t in self.tiers)
 
     def _missed_lately(self, key: str) -> bool:
         """Whether a background read found ``key`` in no tier within MISS_TTL seconds."""
@@ -497,8 +505,8 @@ class StorageManager:
         released (see ARRIVAL_HOLD); the job reads nothing if the arrival was released, or
         its deadline passed, before it ran (one job per waiting request, asked once each: a
         request let go costs its queue entry only). None where none is held, while the I/O
-        worker is stuck in a tier call (a fetch then takes hot chunks only, at once), or with
-        lmkv closing.
+        worker is stuck in a tier call (a fetch then takes hot chunks only, at once), where the
+        first chunk not hot is in no tier whose index answers at once, or with lmkv closing.
         ``parent`` as for fetch."""
         self._sweep_held()
         if self.io_stuck():
@@ -506,6 +514,9 @@ class StorageManager:
         with self._lock:
             if self._inflight.isdisjoint(keys):
                 return None
+        first = next((k for k in keys if not self.hot.contains(k)), None)
+        if first is None or self._nowhere_below(first):
+            return None  # a fetch now takes what there is without waiting for the I/O worker
         deadline = time.monotonic() + FETCH_TIMEOUT / 2  # as a fetch's: no batch after it
         arrival = BroughtUp(self)
 

@@ -58,7 +58,7 @@ def test_a_load_planned_in_another_process_takes_the_chunks_pinned_there(served)
     sched = SchedulerConnector(remote, 4)
 
     class Req:
-        request_id, prompt_token_ids, all_token_ids = "r", prompt, prompt
+        request_id, prompt_token_ids, all_token_ids, num_tokens = "r", prompt, prompt, len(prompt)
         block_ids, num_computed_tokens = list(range(3 * CHUNK // 4)), 0
 
     offered, _ = sched.get_num_new_matched_tokens(Req, 0)
@@ -516,7 +516,7 @@ def test_chunks_that_arrived_for_a_waiting_request_are_still_hot_at_its_lookup(t
         sched = SchedulerConnector(remote, 4)
 
         class Req:
-            request_id, prompt_token_ids, all_token_ids = "r", prompt, prompt
+            request_id, prompt_token_ids, all_token_ids, num_tokens = "r", prompt, prompt, len(prompt)
             block_ids, num_computed_tokens = list(range(len(prompt) // 4 + 1)), 0
 
         sched.on_new_request(Req)
@@ -565,7 +565,7 @@ def test_a_request_whose_chunks_are_coming_up_is_left_waiting_until_they_are_hot
         sched = SchedulerConnector(remote, 4)
 
         class Req:
-            request_id, prompt_token_ids, all_token_ids = "r", prompt, prompt
+            request_id, prompt_token_ids, all_token_ids, num_tokens = "r", prompt, prompt, len(prompt)
             block_ids, num_computed_tokens = list(range(len(prompt) // 4 + 1)), 0
 
         ids = remote.keys(prompt)
@@ -623,7 +623,7 @@ def test_after_a_reset_no_chunk_stored_before_is_loaded_and_requests_known_then_
 
     def request(rid):
         class Req:
-            request_id, prompt_token_ids, all_token_ids = rid, prompt, prompt
+            request_id, prompt_token_ids, all_token_ids, num_tokens = rid, prompt, prompt, len(prompt)
             block_ids, num_computed_tokens = list(range(-(-len(prompt) // 4))), 0
         return Req
 

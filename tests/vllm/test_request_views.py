@@ -20,7 +20,8 @@ TOKENS = list(range(100, 140))
 
 def _request(rid: str, **extra):
     fields = dict(request_id=rid, prompt_token_ids=TOKENS, all_token_ids=TOKENS + [7] * 8,
-                  lora_request=None, mm_features=[], cache_salt=None) | extra
+                  num_tokens=len(TOKENS) + 8, lora_request=None, mm_features=[],
+                  cache_salt=None) | extra
     return SimpleNamespace(**fields)
 
 

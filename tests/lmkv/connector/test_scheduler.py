@@ -30,6 +30,10 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
 
 def _engine(**config) -> LMKVCache:
     cfg = load_config(env={}, chunk_size=CHUNK, **{"max_local_cpu_size": 0.001, **config})
@@ -262,6 +266,36 @@ def test_a_turn_served_by_the_engines_prefix_cache_keeps_its_new_chunks(policy):
     assert engine.lookup(keys) == 3 and engine.storage.hot.num_refused == 0
     sched.request_finished(req)
     worker.close()
+    engine.close()
+
+
+def test_a_decode_step_with_nothing_to_save_does_not_copy_the_tokens():
+    """Every step asked every scheduled request for len(all_token_ids): the bundled engine
+    builds that list anew (prompt + output), so a step cost lmkv ~50 us per running request
+    at 16K tokens, with nothing to load or save. The length is num_tokens."""
+
+    @dataclass
+    class Counted(Request):
+        copies: int = 0
+
+        @property
+        def all_token_ids(self) -> list[int]:
+            self.copies += 1
+            return list(self.prompt_token_ids)
+
+        @property
+        def num_tokens(self) -> int:
+            return len(self.prompt_token_ids)
+
+    engine = _engine()
+    sched = SchedulerConnector(engine, BLOCK)
+    req = Counted("d", list(range(2 * CHUNK + 3)))
+    _schedule(sched, req, computed=0)
+    req.copies = 0
+    for _ in range(5):
+        assert sched.build_connector_meta([(req, 1)]).saves == []
+    assert req.copies == 0
+    sched.request_finished(req)
     engine.close()
 
 

@@ -1334,3 +1334,35 @@ def test_a_running_prefetch_keeps_the_hot_chunks_it_continues():
     assert all(m.hot.contains(k) for k in ("h0", "h1", "h2"))
     assert all(b.ref_count == 1 for b in m.hot.entries.values())
     m.close()
+
+
+class Indexed(Memory):
+    concurrent_contains = True  # as the disk tier: its index answers beside any call
+
+
+def test_chunks_stored_nowhere_are_not_waited_for_behind_a_busy_io_worker():
+    """A prompt never seen, on a disk tier (an index in memory): its lookup waited for the
+    I/O worker to finish the write it was in (10-120 ms a chunk), and a waiting request's
+    prefetch, queued as it arrived, held it back one whole engine step (bring_up returned
+    an arrival) although the index said at once that nothing was stored."""
+    pool = MemoryPool(LAYOUT, 16 * SLOT, pin=False)
+    tier = Tier("disk", Indexed(), "raw")
+    m = StorageManager(pool, [tier], LMKVMetrics(), 256, policy="prefix_adaptive")
+    seed(pool, tier, ["s0"])
+    gate = threading.Event()
+    m.io.submit(gate.wait)  # a long write runs
+    try:
+        m.prefetch(["n0", "n1"])
+        assert m.bring_up(["n0", "n1"]) is None  # stored nowhere: nothing to wait for
+        start = time.monotonic()
+        assert m.fetch(["n0", "n1"]) == [] and time.monotonic() - start < 0.5
+        m.prefetch(["s0"])
+        stored = m.bring_up(["s0"])  # stored below: read up for the waiting request
+        assert stored is not None and not stored.done()
+    finally:
+        gate.set()
+    stored.future.result(5)
+    stored.release()
+    m.io.drain(5)
+    pool.check_integrity()
+    m.close()
