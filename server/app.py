@@ -82,13 +82,10 @@ async def serve(config: ServerConfig) -> None:
                                   "process (an lmkv_server still running?): give each server "
                                   "its own directory")
             result = persister.load()
-            log.info(
-                "reloaded %d values from %s (%d corrupt skipped, %d without room)",
-                result.loaded,
-                config.persist_dir,
-                result.corrupt,
-                result.no_room,
-            )
+            log.info("reloaded %d values from %s (%d corrupt and %d without room deleted; left "
+                     "in place: %d unreadable, %d of another format, %d other files)",
+                     result.loaded, config.persist_dir, result.corrupt, result.no_room,
+                     result.unreadable, result.foreign, result.others)
         _listen(sock, "")  # ready: connections are answered from now on
         if admin_sock is not None:
             _listen(admin_sock, "--admin-port ")

@@ -7,8 +7,9 @@ before the thread gets to it is written once), or deletes the file if the key is
 rename); a crash loses at most the keys still pending, never leaves a torn file under a
 final name. A write that fails (disk full) removes the key's file too: a restart must
 not bring back the older value it held. On start the index is rebuilt by reading every
-file, newest first, verifying its checksum; corrupt or truncated files are skipped with
-a log line.
+file, newest first, verifying its checksum: corrupt or truncated files are deleted (their
+key is lost either way), files of another format version are left, as is any file not
+named as this module names them; the start line counts each kind.
 
 File layout (little-endian):
     header  "<8sHii4iQ": magic, key length, fmt, dtype, shape0..3, value length
@@ -24,6 +25,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import struct
 import threading
 import zlib
@@ -45,18 +47,25 @@ CRC = struct.Struct("<I")
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"  # held by the server that persists into the directory
+VALUE_FILE = re.compile(r"[0-9a-f]{40}\.kv")  # path_for's names
+TEMP_FILE = re.compile(r"[0-9a-f]{40}\.kv\.tmp")  # theirs while written
 
 
 class _Outcome(Enum):
     LOADED = "loaded"
     CORRUPT = "corrupt"
     NO_ROOM = "no_room"
+    UNREADABLE = "unreadable"
+    FOREIGN = "foreign"
 
 
 class LoadResult(NamedTuple):
     loaded: int
-    corrupt: int  # skipped: bad magic, size, key or checksum
-    no_room: int  # skipped: valid, but the store was full (oldest files)
+    corrupt: int  # deleted: truncated, or bad size, key or checksum
+    no_room: int  # deleted: valid, but the store was full (oldest files)
+    unreadable: int = 0  # left: an I/O error reading it
+    foreign: int = 0  # left: another format version's (its magic)
+    others: int = 0  # left: files not named as values are
 
 
 class Persister:
@@ -102,32 +111,38 @@ class Persister:
     def load(self) -> LoadResult:
         """Rebuild the store from the directory (call before serving)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        files = []
+        files, others = [], 0
         for item in os.scandir(self.directory):
-            if not item.is_file(follow_symlinks=False):
-                continue  # not ours (a directory, a link someone put here)
-            if item.name.endswith(TMP_SUFFIX):
+            if not item.is_file(follow_symlinks=False) or item.name == LOCK_NAME:
+                continue  # (a directory, a link someone put here)
+            if TEMP_FILE.fullmatch(item.name):
                 try:
                     os.unlink(item.path)  # a write interrupted by a crash
                 except OSError as exc:
                     log.warning("cannot remove the temporary file %s: %s", item.path, exc)
-            elif item.name.endswith(SUFFIX):
+            elif VALUE_FILE.fullmatch(item.name):
                 files.append((item.stat().st_mtime_ns, item.path))
+            else:
+                others += 1
         files.sort(reverse=True)  # newest first: they win the space if it runs out
         counts = dict.fromkeys(_Outcome, 0)
         for _, path in files:
             try:
                 outcome = self._load_file(Path(path))
             except OSError as exc:
-                log.warning("skipping unreadable persisted file %s: %s", path, exc)
-                outcome = _Outcome.CORRUPT
+                self._quiet.log(log, logging.WARNING, "unreadable", "persisted file %s cannot be "
+                                "read (%s): left in place, not loaded", path, exc)
+                outcome = _Outcome.UNREADABLE
             counts[outcome] += 1
         self.store.rank_reloaded()
-        loaded, corrupt, no_room = counts.values()
-        if no_room:
+        if counts[_Outcome.NO_ROOM]:
             log.warning("%d persisted values (the oldest) did not fit in max_memory; their files "
-                        "were deleted", no_room)
-        return LoadResult(loaded, corrupt, no_room)
+                        "were deleted", counts[_Outcome.NO_ROOM])
+        if counts[_Outcome.FOREIGN]:
+            log.warning("%d persisted files of another format version (another lmkv_server's) "
+                        "left in place, not loaded: delete them if no server of that version "
+                        "uses %s", counts[_Outcome.FOREIGN], self.directory)
+        return LoadResult(*(counts[o] for o in _Outcome), others)
 
     def start(self) -> None:
         self.store.set_listener(self.mark)
@@ -253,7 +268,7 @@ class Persister:
             magic, key_len, fmt, dtype, s0, s1, s2, s3, length = HEADER.unpack_from(head)
             (expected_crc,) = CRC.unpack_from(head, HEADER.size)
             if magic != MAGIC:
-                return self._corrupt(path, "bad magic")
+                return _Outcome.FOREIGN
             if size != len(head) + key_len + length:
                 return self._corrupt(path, f"size {size} does not match its header")
             key = f.read(key_len)
@@ -289,9 +304,14 @@ class Persister:
         )
         return _Outcome.LOADED
 
-    @staticmethod
-    def _corrupt(path: Path, why: str) -> _Outcome:
-        log.warning("skipping corrupt persisted file %s: %s", path, why)
+    def _corrupt(self, path: Path, why: str) -> _Outcome:
+        """A file that holds no value whole: deleted (its key is lost either way), logged."""
+        try:
+            self._delete(path)
+            done = "deleted"
+        except OSError as exc:
+            done = f"cannot be deleted ({exc.strerror or exc}): left"
+        log.warning("persisted file %s is corrupt (%s): %s", path, why, done)  # (once: deleted)
         return _Outcome.CORRUPT
 
 

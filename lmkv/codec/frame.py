@@ -32,9 +32,9 @@ class FrameError(ValueError):
 
 
 class ForeignFrame(FrameError):
-    """A sound frame (its checksum holds) that this reader cannot decode: lossy, made with
-    another calibration table or where the reader has none. Not corrupt: a miss, left in
-    place for the engines that can read it."""
+    """A sound frame that this reader cannot decode: lossy, made with another calibration
+    table or where the reader has none, or of another frame format version or codec. Not
+    corrupt: a miss, left in place for the engines that can read it."""
 
 
 def encode(buf: ChunkBuffer, key: str, codec: Codec | str, table: CacheGenTable | None = None) -> memoryview:

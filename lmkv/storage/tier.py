@@ -295,12 +295,12 @@ class Tier:
 
     def _settle(self, key: str, data: memoryview | bytes, error: Exception | None) -> bool:
         """On the calling thread: count a checked frame, or report and remove a corrupt one
-        (a foreign one, another table's, is a miss and stays: engines sharing the store may
-        read it; a save of the recomputed chunk replaces it)."""
+        (a foreign one, another table's or another lmkv version's, is a miss and stays:
+        engines sharing the store may read it; a save of the recomputed chunk replaces it)."""
         if isinstance(error, ForeignFrame):
-            self._quiet.log(log, logging.WARNING, "foreign", "lmkv: a chunk in %s was coded with "
-                            "another calibration table (%s); taken as a miss and left in place",
-                            self.name, error)
+            self._quiet.log(log, logging.WARNING, "foreign", "lmkv: a chunk in %s cannot be read "
+                            "with this lmkv's settings (%s); taken as a miss and left in place "
+                            "(engines sharing the store may read it)", self.name, error)
             self.metrics.errors.labels(self.name, "foreign").inc()
             return False
         if isinstance(error, FrameError):

@@ -221,9 +221,42 @@ def test_a_reload_that_cannot_read_a_file_gives_its_pages_back(tmp_path, monkeyp
         raising=False)
     again = Store(PageArena(16, 64 << 10, prefault=False))
     result = persistence.Persister(Path(tmp_path), again).load()
-    assert (result.loaded, result.corrupt) == (1, 1)
+    assert (result.loaded, result.unreadable, result.corrupt) == (1, 1, 0)
     again.check_integrity()
-    assert (tmp_path / "snapshot.tmp").is_dir()
+    assert (tmp_path / "snapshot.tmp").is_dir() and (tmp_path / bad).exists()  # (maybe transient)
+
+
+def test_a_reload_deletes_corrupt_files_and_leaves_those_that_are_not_its(tmp_path, caplog):
+    """Corrupt files were skipped and left, read and warned about at every start for good
+    (10,000 files of a format bump: 10,000 warnings a start); any *.tmp was deleted and any
+    *.kv read as a value file. Corrupt ones are deleted (their key is lost anyway), another
+    format version's left with one line, files not named as values left alone."""
+    import logging
+    from pathlib import Path
+
+    from lmkv_server.arena import PageArena
+    from lmkv_server.persistence import MAGIC, Persister
+    from lmkv_server.store import Store
+
+    store = Store(PageArena(16, 64 << 10, prefault=False))
+    writer = Persister(Path(tmp_path), store)
+    for key in (b"good", b"cut", *(b"v2-%d" % i for i in range(5))):
+        _put(store, key, 1000)
+        writer._sync(key)
+    cut = writer.path_for(b"cut")
+    cut.write_bytes(cut.read_bytes()[:-10])
+    for i in range(5):  # as a later format would write them
+        path = writer.path_for(b"v2-%d" % i)
+        path.write_bytes(MAGIC[:-1] + b"\x02" + path.read_bytes()[len(MAGIC):])
+    theirs = ["notes.kv", "download.tmp", "ab.kv.tmp"]
+    for name in theirs:
+        (tmp_path / name).write_bytes(b"theirs")
+    with caplog.at_level(logging.WARNING):
+        result = Persister(Path(tmp_path), Store(PageArena(16, 64 << 10, prefault=False))).load()
+    assert result == (1, 1, 0, 0, 5, 3), result
+    assert not cut.exists() and all(writer.path_for(b"v2-%d" % i).exists() for i in range(5))
+    assert all((tmp_path / name).exists() for name in theirs)
+    assert sum("another format version" in r.message for r in caplog.records) == 1
 
 
 def test_a_second_signal_stops_a_server_whose_persist_writes_hang(server_env, tmp_path):
