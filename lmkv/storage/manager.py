@@ -663,7 +663,7 @@ class StorageManager:
                 if buf is not None:
                     loaded[key] = buf
             hot = set(loaded)
-            missing = [k for k in keys if k not in loaded]
+            missing = self._up_to_a_gap([k for k in keys if k not in loaded], absent)
             nowhere = set(missing)  # held by no tier asked so far
             for tier in self.tiers:
                 if not missing:
@@ -689,6 +689,22 @@ class StorageManager:
                     self.metrics.prefetched_chunks.inc()
         self.metrics.hot_chunks.set(len(self.hot))
         return loaded
+
+    def _up_to_a_gap(self, missing: list[str], absent: set[str]) -> list[str]:
+        """``missing`` up to the first key no tier holds, where every tier's index answers at
+        once (a disk tier's): chunks past it would be read, counted as hits and dropped (a
+        lowered disk cap keeps a prompt's later chunks, not its first). That key goes into
+        ``absent``."""
+        if not missing or not all(t.backend.concurrent_contains for t in self.tiers):
+            return missing
+        held = [t.contains(missing) for t in self.tiers]
+        if None in held:
+            return missing
+        for i, key in enumerate(missing):
+            if not any(h[i] for h in held):
+                absent.add(key)
+                return missing[:i]
+        return missing
 
     def _read_tier(self, tier: Tier, keys: list[str], loaded: dict[str, ChunkBuffer],
                    absent: set[str]) -> list[str]:

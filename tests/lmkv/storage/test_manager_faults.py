@@ -1366,3 +1366,24 @@ def test_chunks_stored_nowhere_are_not_waited_for_behind_a_busy_io_worker():
     m.io.drain(5)
     pool.check_integrity()
     m.close()
+
+
+def test_chunks_past_one_no_tier_holds_are_not_read():
+    """A disk tier whose cap was lowered keeps a prompt's later chunks and not its first
+    (files are written parent first, evicted oldest first): a fetch read them all, counted
+    them as hits and dropped them. An index that answers at once ends the read at the gap."""
+    pool = MemoryPool(LAYOUT, 16 * SLOT, pin=False)
+    tier = Tier("disk", Indexed(), "raw")
+    m = StorageManager(pool, [tier], LMKVMetrics(), 256, policy="prefix_adaptive")
+    seed(pool, tier, ["k1", "k2", "k3"])
+    read = []
+    real = tier.read
+    tier.read = lambda keys, bufs, absent=None: (read.append(list(keys)), real(keys, bufs, absent))[1]
+    assert m.fetch(["k0", "k1", "k2", "k3"]) == []
+    assert read == [] and metric(m, "lmkv_tier_hits_total", tier="disk") == 0
+    seed(pool, tier, ["k0"])
+    got = m.fetch(["k0", "k1", "k2", "k3", "k4"])
+    assert len(got) == 4 and read == [["k0", "k1", "k2", "k3"]]
+    for buf in got:
+        buf.release()
+    m.close()
