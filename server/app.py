@@ -77,6 +77,8 @@ async def serve(config: ServerConfig) -> None:
         persister = None
         if config.persist_dir is not None:
             persister = Persister(config.persist_dir, store)
+            if (why := persister.unsafe()) is not None:
+                raise ListenError(why)
             if not persister.lock():
                 raise ListenError(f"--persist-dir {config.persist_dir} is in use by another "
                                   "process (an lmkv_server still running?): give each server "

@@ -75,13 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--allow",
-        type=parse_networks,
+        type=_networks,
         default=(),
         help="comma-separated client addresses/networks allowed to connect, "
         "e.g. 10.0.0.0/8,192.168.1.7 (default: any)",
     )
     p.add_argument("--log-level", default=_DEFAULTS.log_level, help="DEBUG, INFO, WARNING...")
     return p
+
+
+def _networks(text: str):
+    try:
+        return parse_networks(text)
+    except ValueError as e:  # (argparse would say only "invalid value")
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,13 +18,23 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 def parse_networks(text: str) -> tuple[IPNetwork, ...]:
-    """``"10.0.0.0/8,192.168.1.7"`` -> networks; raises ValueError on a bad entry."""
+    """``"10.0.0.0/8,192.168.1.7"`` -> networks; raises ValueError on a bad entry or on
+    none at all (an empty list would let anyone in: ``--allow "$NETS"`` with NETS unset).
+    IPv4-mapped IPv6 entries (::ffff:a.b.c.d) become the IPv4 networks they name, as the
+    peers' addresses do."""
     networks = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         try:
-            networks.append(ipaddress.ip_network(item, strict=False))
+            network = ipaddress.ip_network(item, strict=False)
         except ValueError as exc:
             raise ValueError(f"not an address or network: {item!r}") from exc
+        mapped = ipaddress.ip_network("::ffff:0:0/96")
+        if network.version == 6 and network.subnet_of(mapped):
+            network = ipaddress.ip_network(
+                (network.network_address.ipv4_mapped, network.prefixlen - 96))
+        networks.append(network)
+    if not networks:
+        raise ValueError(f"names no address or network: {text!r}")
     return tuple(networks)
 
 

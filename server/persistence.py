@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import zlib
@@ -91,12 +92,30 @@ class Persister:
     def pending(self) -> int:
         return len(self._dirty) + self._busy
 
+    def unsafe(self) -> str | None:
+        """Why the directory must not be used (created 0700 where it is missing): another
+        user owns it, or others may write into it (they could plant links that the server
+        would write through, or values it would serve); None where it is fine."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(self.directory, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            return f"--persist-dir {self.directory} is not a directory (a link?)"
+        if st.st_uid != os.geteuid():
+            return (f"--persist-dir {self.directory} belongs to another user (uid {st.st_uid}): "
+                    "give the server a directory of its own")
+        if st.st_mode & 0o022:
+            return (f"--persist-dir {self.directory} may be written by other users (mode "
+                    f"{stat.S_IMODE(st.st_mode):o}): chmod go-w it, or give the server a "
+                    "directory of its own")
+        return None
+
     def lock(self) -> bool:
         """Take the directory for this process (until it exits): False where another live
         process holds it (another lmkv_server, an overlapping restart: each would delete the
         other's files). A file system without locks is taken as it is, with a warning."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.directory / LOCK_NAME,
+                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -214,7 +233,9 @@ class Persister:
                 crc = zlib.crc32(segment, crc)
             tmp = path.with_name(path.name + TMP_SUFFIX)
             try:
-                with open(tmp, "wb") as f:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)  # a crash's leftover (or a link put there: never followed)
+                with open(tmp, "xb", opener=_private) as f:
                     f.write(header)
                     f.write(CRC.pack(crc))
                     f.write(key)
@@ -260,7 +281,7 @@ class Persister:
             pass
 
     def _load_file(self, path: Path) -> _Outcome:
-        with open(path, "rb", buffering=0) as f:
+        with open(path, "rb", buffering=0, opener=_private) as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(HEADER.size + CRC.size)
             if len(head) < HEADER.size + CRC.size:
@@ -313,6 +334,12 @@ class Persister:
             done = f"cannot be deleted ({exc.strerror or exc}): left"
         log.warning("persisted file %s is corrupt (%s): %s", path, why, done)  # (once: deleted)
         return _Outcome.CORRUPT
+
+
+def _private(path: str, flags: int) -> int:
+    """open()'s opener for the directory's files: a link is never followed, and a file
+    created is its owner's alone."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 def _read_exactly(f, view: memoryview) -> bool:

@@ -77,6 +77,12 @@ def test_allow_list():
     assert ServerConfig().allows("203.0.113.9")  # no list: anyone
     with pytest.raises(ValueError, match="not an address"):
         parse_networks("10.0.0.0/33")
+    for empty in ("", ",", " "):  # (--allow "$NETS" with NETS unset let anyone in)
+        with pytest.raises(ValueError, match="names no address or network"):
+            parse_networks(empty)
+    mapped = ServerConfig(allow=parse_networks("::ffff:127.0.0.0/104"))  # as a v4 peer is seen
+    assert mapped.allows("127.0.0.1") and mapped.allows("::ffff:127.0.0.2")
+    assert not mapped.allows("10.0.0.1")
 
 
 def test_cli_rejects_bad_values(capsys):

@@ -367,3 +367,33 @@ def test_a_full_disk_is_told_once_a_minute_also_for_keys_that_had_a_file(tmp_pat
     assert writer.errors == len(keys) and writer.files_deleted == len(keys)
     lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) <= 2, f"{len(lines)} lines for one full disk"
+
+
+def test_a_link_planted_in_the_persist_dir_is_never_written_through(tmp_path):
+    """The temporary file's name follows from the key, which a client picks: a link put
+    there (another user, a shared directory) made the server overwrite the link's target
+    with a value the client chose. Links are not followed, files are created 0600, and a
+    directory others may write into is refused at start."""
+    import os
+    import stat
+    from pathlib import Path
+
+    from lmkv_server.arena import PageArena
+    from lmkv_server.persistence import TMP_SUFFIX, Persister
+    from lmkv_server.store import Store
+
+    target = tmp_path / "victim.txt"
+    target.write_text("ORIGINAL")
+    persist = tmp_path / "p"
+    store = Store(PageArena(8, 64 << 10, prefault=False))
+    writer = Persister(Path(persist), store)
+    assert writer.unsafe() is None and stat.S_IMODE(persist.stat().st_mode) == 0o700
+    path = writer.path_for(b"evil")
+    os.symlink(target, path.with_name(path.name + TMP_SUFFIX))
+    _put(store, b"evil", 1000)
+    writer._sync(b"evil")
+    assert target.read_text() == "ORIGINAL"
+    assert path.is_file() and not path.is_symlink()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    persist.chmod(0o777)
+    assert "may be written by other users (mode 777)" in writer.unsafe()
