@@ -102,11 +102,13 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int):
     /metrics lmkv cannot join; the server (``shutdown()`` and ``server_close()`` stop it).
     Unlike prometheus_client's start_http_server (a thread per connection, each waiting for
     its client for ever), at most METRICS_CONNECTIONS connections are served at once and a
-    client that stops sending is dropped after METRICS_TIMEOUT. OSError if the port cannot
+    connection is cut METRICS_TIMEOUT after it opened. OSError if the port cannot
     be bound."""
+    import contextlib
     import socket
     import sys
     import threading
+    import time
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
     from prometheus_client import make_wsgi_app
@@ -134,6 +136,10 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int):
             finally:
                 slots.release()
 
+        def server_close(self):
+            closed.set()
+            super().server_close()
+
         def handle_error(self, request, client_address):
             if not isinstance(sys.exc_info()[1], OSError):  # (a client gone or idle: said
                 super().handle_error(request, client_address)  # nothing; a defect: printed)
@@ -141,9 +147,32 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int):
     class Handler(WSGIRequestHandler):
         timeout = METRICS_TIMEOUT  # (the connection's socket timeout)
 
+        def setup(self):
+            with lock:
+                open_since[self.request] = time.monotonic()
+            super().setup()
+
+        def finish(self):
+            with lock:
+                open_since.pop(self.request, None)
+            super().finish()
+
         def log_message(self, format, *args):  # noqa: A002 (not each scrape in the log)
             pass
 
+    # a deadline for each whole connection, not per recv: a client sending a byte every few
+    # seconds held a slot for good (METRICS_CONNECTIONS of them, and no scrape was served)
+    lock, open_since, closed = threading.Lock(), {}, threading.Event()
+
+    def cut_overdue() -> None:
+        while not closed.wait(METRICS_TIMEOUT / 4):
+            with lock:
+                overdue = [c for c, t in open_since.items() if time.monotonic() - t > METRICS_TIMEOUT]
+            for conn in overdue:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+
     server = make_server(host, port, make_wsgi_app(registry), Server, handler_class=Handler)
     threading.Thread(target=server.serve_forever, name="lmkv-metrics", daemon=True).start()
+    threading.Thread(target=cut_overdue, name="lmkv-metrics-deadline", daemon=True).start()
     return server

@@ -86,3 +86,39 @@ def test_connections_that_send_nothing_are_bounded_and_dropped(monkeypatch, capf
         for s in idle:
             s.close()
         engine.close()
+
+
+def test_a_client_that_sends_a_byte_now_and_then_is_cut_off_too(monkeypatch):
+    """The timeout was per recv: clients sending one byte every few seconds kept their
+    connections, and METRICS_CONNECTIONS of them stopped every scrape. A connection is cut
+    METRICS_TIMEOUT after it opened."""
+    import threading
+    import time
+
+    from lmkv import metrics
+
+    monkeypatch.setattr(metrics, "METRICS_TIMEOUT", 2.0)
+    port = _free_port()
+    engine = _engine(port)
+    slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(metrics.METRICS_CONNECTIONS)]
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.5):
+            for s in slow:
+                try:
+                    s.send(b"G")
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        time.sleep(3.5)
+        assert "lmkv_hit_tokens_total" in _scrape(port)
+    finally:
+        stop.set()
+        t.join()
+        for s in slow:
+            s.close()
+        engine.close()
