@@ -127,6 +127,9 @@ class GenerationRequest(BaseModel):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
     logits_processors: list[Any] | None = None
+    # a per-tenant salt of the prefix cache: the engine's prefix cache and lmkv are shared by
+    # every client of this server (docs/engine.md "Security"), so it is refused, not ignored
+    cache_salt: str | None = None
     # accepted for compatibility, refused unless left at values that change nothing
     presence_penalty: FiniteFloat | None = None
     frequency_penalty: FiniteFloat | None = None
@@ -138,6 +141,9 @@ class GenerationRequest(BaseModel):
             raise ValueError("n must be 1: this server returns one choice per request")
         if self.echo:
             raise ValueError("echo is not supported")
+        if self.cache_salt is not None:
+            raise ValueError("cache_salt is not supported: the prefix cache and lmkv's cache are "
+                             "shared by every client of this server")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported")
         if self.logit_bias:

@@ -98,7 +98,7 @@ class DiskBackend(StorageBackend):
         self.policy = make_policy(policy) if isinstance(policy, str) else policy  # over file names
         self.capacity = capacity_bytes
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise BackendError(f"cannot create the disk tier directory {self.root}: {e}") from e
         self.index: dict[str, int] = {}  # file name -> bytes
@@ -119,7 +119,14 @@ class DiskBackend(StorageBackend):
     def _check_room(self) -> None:
         """Warn at start about a directory this tier cannot fill: not writable (its chunks
         are read, never written), or with less free space than the cap (writes would fail
-        with 'no space' before the tier evicts anything)."""
+        with 'no space' before the tier evicts anything); and about one that other users may
+        write into (they could plant chunks this engine would serve)."""
+        with contextlib.suppress(OSError):
+            st = os.stat(self.root)
+            if st.st_mode & 0o002 or st.st_uid not in (os.geteuid(), 0):
+                log.warning("disk tier %s may be written by other users (owner uid %d, mode %o): "
+                            "they could plant chunks this engine serves; give it a directory of "
+                            "its own (chmod 700)", self.root, st.st_uid, stat.S_IMODE(st.st_mode))
         probe = self.root / f".probe.{os.getpid()}.tmp"
         try:
             probe.write_bytes(b"lmkv")
@@ -258,7 +265,7 @@ class DiskBackend(StorageBackend):
         tmp = self.root / f".{name}.{next(_tmp_ids)}-{os.urandom(4).hex()}.{os.getpid()}.tmp"
         created = False
         try:
-            with open(tmp, "xb", buffering=0) as f:
+            with open(tmp, "xb", buffering=0, opener=_private) as f:
                 created = True
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # a live write: kept at others' starts
                 view = memoryview(value).cast("B")
@@ -281,7 +288,7 @@ class DiskBackend(StorageBackend):
         for name in list(self.index):
             self._forget(name)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise BackendError(f"cannot recreate the disk tier directory {self.root}: {e}") from e
 
@@ -571,6 +578,12 @@ class DiskBackend(StorageBackend):
                 raise
             self._forget(name)
             self.num_evictions += deleted  # (not one another process had deleted)
+
+
+def _private(path: str, flags: int) -> int:
+    """open()'s opener for the tier's files: readable by their owner alone (KV reveals the
+    prompts it was computed from)."""
+    return os.open(path, flags | os.O_CLOEXEC, 0o600)
 
 
 def _writer_alive(path: str) -> bool:

@@ -870,6 +870,7 @@ VLLM_EXTENSIONS = {
     "guided_json": {"guided_json": {"type": "object"}},
     "guided_choice": {"guided_choice": ["yes", "no"]},
     "structured_outputs": {"structured_outputs": {"choice": ["yes", "no"]}},
+    "cache_salt": {"cache_salt": "tenant-42"},  # (no isolation given: refused, not ignored)
 }
 
 
@@ -882,7 +883,8 @@ def test_vllm_extensions_that_change_the_output_are_refused_not_ignored(server, 
     assert r.status_code == 400, f"{field} silently ignored: {r.text}"
     assert field in r.json()["error"]["message"]
     neutral = {"min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "skip_special_tokens": True,
-               "guided_json": None, "guided_choice": None, "structured_outputs": None}
+               "guided_json": None, "guided_choice": None, "structured_outputs": None,
+               "cache_salt": None}
     r = httpx.post(f"{server}/v1/completions", json=body | {field: neutral[field]}, timeout=60)
     assert r.status_code == 200, r.text
 

@@ -310,3 +310,22 @@ def test_files_that_are_not_the_tiers_are_left_alone(tmp_path, caplog):
     d.put([("big", b"x" * 9_950)])  # evicts "k" only
     assert all((tmp_path / name).exists() for name in others)
     assert d.get(["big", "k"]) == [b"x" * 9_950, None]
+
+
+def test_chunk_files_are_private_and_a_world_writable_directory_is_warned_about(tmp_path, caplog):
+    """Files took the umask's mode (-rw-r--r--: any local user read every prompt's KV) and a
+    directory anyone may write into (the examples' /tmp paths, created first by another
+    user) was taken silently: they could plant chunks this engine serves."""
+    import logging
+    import stat
+
+    d = DiskBackend(tmp_path / "new", capacity_bytes=1000)
+    d.put([("k", b"v")])
+    assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "new" / DiskBackend._name("k")).stat().st_mode) == 0o600
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with caplog.at_level(logging.WARNING, logger="lmkv.backends.disk"):
+        DiskBackend(shared, capacity_bytes=1000)
+    assert "may be written by other users" in caplog.text
