@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -63,6 +64,16 @@ def socket_path(engine_id: str, dp_rank: int = 0, tp_rank: int = 0) -> Path:
     name = f"{engine_id}/{dp_rank}" + (f"/tp{tp_rank}" if tp_rank else "")
     digest = hashlib.sha256(name.encode()).hexdigest()[:20]
     return Path(tempfile.gettempdir()) / f"lmkv-{digest}.sock"
+
+
+def _same_user(sock: socket.socket) -> None:
+    """PermissionError unless the process at the other end of the Unix socket runs as this
+    one's user (root's too): the path in the temporary directory is predictable where
+    vLLM's engine_id is set, so another user could bind it first, or connect to it."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _, uid, _ = struct.unpack("3i", creds)
+    if uid not in (os.geteuid(), 0):
+        raise PermissionError(f"the other end runs as uid {uid}, not {os.geteuid()}")
 
 
 def _unlink_if_dead(path: Path) -> None:
@@ -157,6 +168,12 @@ class LookupServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            try:
+                _same_user(conn)
+            except OSError as e:
+                log.warning("lmkv: refused a lookup connection: %s", e)
+                conn.close()
+                continue
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -508,6 +525,7 @@ class RankConnection:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect(str(self.path))
+                _same_user(sock)  # (else another user's process bound the path first)
                 break
             except OSError as e:
                 sock.close()

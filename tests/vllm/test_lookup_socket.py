@@ -655,3 +655,27 @@ def test_after_a_reset_no_chunk_stored_before_is_loaded_and_requests_known_then_
     for rid in ("old", "new", "again"):
         sched.request_finished(request(rid))
     engine.pool.check_integrity()
+
+
+def test_a_peer_of_another_user_is_refused(monkeypatch):
+    """The socket's path is predictable where vLLM's engine_id is set: another local user's
+    process could bind it first (the scheduler role would ask it) or connect to it. Both
+    ends check the peer's uid (SO_PEERCRED)."""
+    import os
+    import struct
+
+    from lmkv_engines.vllm import lookup_socket
+
+    a, b = socket.socketpair(socket.AF_UNIX)
+    try:
+        lookup_socket._same_user(a)  # this process: fine
+        real = socket.socket.getsockopt
+        monkeypatch.setattr(socket.socket, "getsockopt", lambda self, *args: (
+            struct.pack("3i", 1, 4242, 4242) if args[:2] == (socket.SOL_SOCKET, socket.SO_PEERCRED)
+            else real(self, *args)))
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)
+        with pytest.raises(PermissionError, match="uid 4242"):
+            lookup_socket._same_user(a)
+    finally:
+        a.close()
+        b.close()
