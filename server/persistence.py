@@ -93,19 +93,18 @@ class Persister:
         return len(self._dirty) + self._busy
 
     def unsafe(self) -> str | None:
-        """Why the directory must not be used (created 0700 where it is missing): another
-        user owns it, or others may write into it (they could plant links that the server
-        would write through, or values it would serve); None where it is fine."""
+        """Why the directory must not be used (created 0700 where it is missing): a user
+        other than the server's (or root) owns it, or anyone may write into it (they could
+        plant values it would serve); None where it is fine (a group-writable directory is
+        the group's choice, as a volume mounted for a group is)."""
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.stat(self.directory, follow_symlinks=False)
-        if not stat.S_ISDIR(st.st_mode):
-            return f"--persist-dir {self.directory} is not a directory (a link?)"
-        if st.st_uid != os.geteuid():
+        st = os.stat(self.directory)
+        if st.st_uid not in (os.geteuid(), 0):
             return (f"--persist-dir {self.directory} belongs to another user (uid {st.st_uid}): "
                     "give the server a directory of its own")
-        if st.st_mode & 0o022:
-            return (f"--persist-dir {self.directory} may be written by other users (mode "
-                    f"{stat.S_IMODE(st.st_mode):o}): chmod go-w it, or give the server a "
+        if st.st_mode & 0o002:
+            return (f"--persist-dir {self.directory} may be written by anyone (mode "
+                    f"{stat.S_IMODE(st.st_mode):o}): chmod o-w it, or give the server a "
                     "directory of its own")
         return None
 
@@ -288,8 +287,10 @@ class Persister:
                 return self._corrupt(path, "truncated header")
             magic, key_len, fmt, dtype, s0, s1, s2, s3, length = HEADER.unpack_from(head)
             (expected_crc,) = CRC.unpack_from(head, HEADER.size)
-            if magic != MAGIC:
-                return _Outcome.FOREIGN
+            if magic != MAGIC:  # another version's, or a header damaged (a power loss)
+                if magic[:-1] == MAGIC[:-1]:
+                    return _Outcome.FOREIGN
+                return self._corrupt(path, "bad magic")
             if size != len(head) + key_len + length:
                 return self._corrupt(path, f"size {size} does not match its header")
             key = f.read(key_len)

@@ -70,8 +70,11 @@ def _same_user(sock: socket.socket) -> None:
     """PermissionError unless the process at the other end of the Unix socket runs as this
     one's user (root's too): the path in the temporary directory is predictable where
     vLLM's engine_id is set, so another user could bind it first, or connect to it."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _, uid, _ = struct.unpack("3i", creds)
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:  # (not Linux: the socket file's mode 0600 alone)
+        return
+    creds = sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("iII"))
+    _, uid, _ = struct.unpack("iII", creds)
     if uid not in (os.geteuid(), 0):
         raise PermissionError(f"the other end runs as uid {uid}, not {os.geteuid()}")
 

@@ -207,6 +207,8 @@ class DiskBackend(StorageBackend):
                 if getattr(e.__cause__, "errno", None) not in NO_SPACE:
                     raise
                 self._make_room(size, e)
+                if name in self.index:  # another process's copy, counted by the rescan
+                    self._forget(name)
                 self._write_here(name, value)  # once more; a second failure is the tier's
             self._add(name, size)
 

@@ -671,7 +671,7 @@ def test_a_peer_of_another_user_is_refused(monkeypatch):
         lookup_socket._same_user(a)  # this process: fine
         real = socket.socket.getsockopt
         monkeypatch.setattr(socket.socket, "getsockopt", lambda self, *args: (
-            struct.pack("3i", 1, 4242, 4242) if args[:2] == (socket.SOL_SOCKET, socket.SO_PEERCRED)
+            struct.pack("iII", 1, 4242, 4242) if args[:2] == (socket.SOL_SOCKET, socket.SO_PEERCRED)
             else real(self, *args)))
         monkeypatch.setattr(os, "geteuid", lambda: 1000)
         with pytest.raises(PermissionError, match="uid 4242"):

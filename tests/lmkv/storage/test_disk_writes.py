@@ -329,3 +329,26 @@ def test_chunk_files_are_private_and_a_world_writable_directory_is_warned_about(
     with caplog.at_level(logging.WARNING, logger="lmkv.backends.disk"):
         DiskBackend(shared, capacity_bytes=1000)
     assert "may be written by other users" in caplog.text
+
+
+def test_a_full_disk_retry_over_another_processs_copy_counts_it_once(tmp_path, monkeypatch):
+    """The rescan after 'no space' took in another process's file of the very chunk being
+    written, and the retried write counted it again: used drifted above the bytes on disk
+    for good (the tier then evicted real chunks for phantom bytes)."""
+    import errno
+
+    a, other = DiskBackend(tmp_path, capacity_bytes=5000), DiskBackend(tmp_path, capacity_bytes=5000)
+    a.put([(f"a{i}", b"x" * 1000) for i in range(4)])
+    other.put([("k", b"y" * 1000)])
+    real, failed = DiskBackend._write, []
+
+    def full_once(self, name, value):
+        if not failed:
+            failed.append(name)
+            raise BackendError("disk tier write failed") from OSError(errno.ENOSPC, "No space left")
+        return real(self, name, value)
+
+    monkeypatch.setattr(DiskBackend, "_write", full_once)
+    a.put([("k", b"z" * 1000)])
+    assert a.used == sum(a.index.values()) == _dir_bytes(tmp_path), (a.used, _dir_bytes(tmp_path))
+    assert a.get(["k"]) == [b"z" * 1000]
