@@ -258,7 +258,8 @@ def test_a_reload_deletes_corrupt_files_and_leaves_those_that_are_not_its(tmp_pa
     with caplog.at_level(logging.WARNING):
         result = Persister(Path(tmp_path), Store(PageArena(16, 64 << 10, prefault=False))).load()
     assert result == (1, 2, 0, 0, 5, 3), result
-    assert not cut.exists() and not zeroed.exists() and all(writer.path_for(b"v2-%d" % i).exists() for i in range(5))
+    assert not cut.exists() and not zeroed.exists()
+    assert all(writer.path_for(b"v2-%d" % i).exists() for i in range(5))
     assert all((tmp_path / name).exists() for name in theirs)
     assert sum("another format version" in r.message for r in caplog.records) == 1
 
