@@ -15,6 +15,7 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+_IPV4_MAPPED = ipaddress.ip_network("::ffff:0:0/96")
 
 
 def parse_networks(text: str) -> tuple[IPNetwork, ...]:
@@ -28,8 +29,7 @@ def parse_networks(text: str) -> tuple[IPNetwork, ...]:
             network = ipaddress.ip_network(item, strict=False)
         except ValueError as exc:
             raise ValueError(f"not an address or network: {item!r}") from exc
-        mapped = ipaddress.ip_network("::ffff:0:0/96")
-        if network.version == 6 and network.subnet_of(mapped):
+        if network.version == 6 and network.subnet_of(_IPV4_MAPPED):
             network = ipaddress.ip_network(
                 (network.network_address.ipv4_mapped, network.prefixlen - 96))
         networks.append(network)

@@ -192,7 +192,7 @@ def _blend_plan(connector, req, num_computed: int, quiet: LogThrottle):
         return connector.get_blend_plan(req, num_computed)
     except Exception:
         quiet.log(log, logging.ERROR, "blend", "lmkv: RAG chunk lookup for request %s failed; "
-                   "computing it", req.request_id, exc_info=True)
+                  "computing it", req.request_id, exc_info=True)
         connector.cache.count_error("connector", "blend")
         return None
 
@@ -205,7 +205,7 @@ def _arriving(connector, req, num_computed: int, quiet: LogThrottle) -> bool:
         return connector.loads_arriving(req, num_computed)
     except Exception:
         quiet.log(log, logging.ERROR, "arriving", "lmkv: asking whether request %s's chunks "
-                   "are on their way failed; looking it up now", req.request_id, exc_info=True)
+                  "are on their way failed; looking it up now", req.request_id, exc_info=True)
         return False
 
 
@@ -219,13 +219,13 @@ def _allocated(connector, req, external: int, quiet: LogThrottle) -> bool:
         return True
     except Exception:
         quiet.log(log, logging.ERROR, "allocated", "lmkv: taking the load planned for request "
-                   "%s failed; computing it", req.request_id, exc_info=True)
+                  "%s failed; computing it", req.request_id, exc_info=True)
         connector.cache.count_error("connector", "load")
         try:
             connector.recompute_without_loads(req)
         except Exception:
             quiet.log(log, logging.ERROR, "drop", "lmkv: request %s: dropping its lmkv state "
-                       "failed", req.request_id, exc_info=True)
+                      "failed", req.request_id, exc_info=True)
         return False
 
 
@@ -236,6 +236,6 @@ def _matched(connector, req, num_computed: int, quiet: LogThrottle) -> int:
         return connector.get_num_new_matched_tokens(req, num_computed)[0]
     except Exception:
         quiet.log(log, logging.ERROR, "lookup", "lmkv: lookup for request %s failed; computing "
-                   "it", req.request_id, exc_info=True)
+                  "it", req.request_id, exc_info=True)
         connector.cache.count_error("connector", "lookup")
         return 0

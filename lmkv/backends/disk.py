@@ -146,18 +146,19 @@ class DiskBackend(StorageBackend):
                         "with 'no space' before the tier evicts", self.root, self.capacity / 1e9,
                         room / 1e9)
 
-    def _rebuild_index(self) -> None:
-        entries = []
-        try:
-            with os.scandir(self.root) as listing:
-                found = list(listing)
-        except OSError as e:
-            raise BackendError(f"cannot list the disk tier directory {self.root}: {e}") from e
-        others = 0  # files not this tier's
+    def _scan(self, min_age: float = 0.0) -> tuple[list[tuple[float, str, int]], int]:
+        """The directory's chunk files, (mtime, name, size) each, and how many files in it
+        are not this tier's; a dead writer's temporary at least ``min_age`` seconds old is
+        deleted on the way. OSError where the directory cannot be listed; a file that
+        cannot be examined or deleted is left as it is, logged."""
+        entries, others = [], 0
+        with os.scandir(self.root) as listing:
+            found = list(listing)
         for entry in found:
             try:
                 if TEMP_FILE.fullmatch(entry.name):
-                    if not _writer_alive(entry.path):  # a write interrupted by a crash
+                    old = min_age <= 0 or time.time() - entry.stat(follow_symlinks=False).st_mtime >= min_age
+                    if old and not _writer_alive(entry.path):  # a write cut by a crash
                         os.unlink(entry.path)
                 elif CHUNK_FILE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
@@ -169,6 +170,13 @@ class DiskBackend(StorageBackend):
             except OSError as e:  # a read-only directory, another owner's file: left as it is
                 self._quiet.log(log, logging.WARNING, "rebuild", "disk tier %s: leaving %s as it "
                                 "is (%s)", self.root, entry.name, e.strerror or e)
+        return entries, others
+
+    def _rebuild_index(self) -> None:
+        try:
+            entries, others = self._scan()
+        except OSError as e:
+            raise BackendError(f"cannot list the disk tier directory {self.root}: {e}") from e
         for _, name, size in sorted(entries):  # least recently used (read or written) first
             self._add(name, size)
         try:
@@ -237,17 +245,8 @@ class DiskBackend(StorageBackend):
         dead writer's temporary older than UNLOCKED_TMP_SECONDS deleted. Runs on the writing
         thread, at most every RESCAN_SECONDS and 1/RESCAN_RATIO of its time."""
         start = time.monotonic()
-        present: dict[str, int] = {}
         try:
-            with os.scandir(self.root) as listing:
-                for entry in listing:
-                    with contextlib.suppress(OSError):
-                        if TEMP_FILE.fullmatch(entry.name):
-                            old = time.time() - entry.stat(follow_symlinks=False).st_mtime
-                            if old > UNLOCKED_TMP_SECONDS and not _writer_alive(entry.path):
-                                os.unlink(entry.path)
-                        elif CHUNK_FILE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                            present[entry.name] = entry.stat(follow_symlinks=False).st_size
+            present = {name: size for _, name, size in self._scan(UNLOCKED_TMP_SECONDS)[0]}
         except OSError:  # the directory is gone: the write recreates it
             present = dict(self.index)
         for name in [n for n in self.index if n not in present]:

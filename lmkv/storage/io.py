@@ -141,8 +141,8 @@ class IOWorker:
         except BaseException as e:  # reported through the future
             fut.set_exception(e)
             if not urgent:  # nobody waits for a background job's future
-                self._quiet.log(log, logging.ERROR, "job", "lmkv: a background I/O job failed: %r", e,
-                           exc_info=True)
+                self._quiet.log(log, logging.ERROR, "job", "lmkv: a background I/O job failed: %r",
+                                e, exc_info=True)
 
 
 _EMPTY = object()

@@ -351,8 +351,7 @@ class StorageManager:
         """Whether every tier below says at once (an index in memory: a disk tier's) that it
         lacks ``key``: then a fetch need not wait for the I/O worker, which may be busy
         with a write, to be told so."""
-        return all(t.backend.concurrent_contains and t.contains([key]) == [False]
-                   for t in self.tiers)
+        return not self._up_to_a_gap([key], set())
 
     def _missed_lately(self, key: str) -> bool:
         """Whether a background read found ``key`` in no tier within MISS_TTL seconds."""
